@@ -1,0 +1,122 @@
+//! Bucket layouts: for every collective of an optimized graph, in launch order, the tensors it
+//! reduces and where each sits in the flat buffer.
+//!
+//! Members are laid out back to back in operand order (offset of member `i` = sum of the element
+//! counts before it), which is exactly what `bucket_pack` writes and `bucket_unpack` reads.
+
+use serde::Serialize;
+
+use crate::graph::{CycleError, DType, Graph, GroupId, NodeId, Op, ReduceOp, Value};
+
+/// One tensor inside a bucket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MemberLayout {
+    /// Parameter whose gradient this is, when the member is a gradient.
+    pub param: Option<String>,
+    /// Offset in the flat buffer, in elements of the member's dtype.
+    pub offset: u64,
+    /// Element count.
+    pub numel: u64,
+    /// The member's own dtype (the buffer may be cast).
+    pub dtype: String,
+}
+
+/// One collective launch.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BucketLayout {
+    /// Bucket number (launch order for bucketed graphs).
+    pub bucket: Option<u32>,
+    /// Reduction performed on the wire (`sum` after a prescaled pack).
+    pub reduce: String,
+    /// Divisor folded into the pack, if any.
+    pub scale_div: Option<u32>,
+    /// Device group.
+    pub group: u32,
+    /// Element type on the wire.
+    pub wire_dtype: String,
+    /// Members in buffer order.
+    pub members: Vec<MemberLayout>,
+    /// Elements on the wire.
+    pub numel: u64,
+    /// Bytes on the wire.
+    pub bytes: u64,
+    /// Bytes of the members in their own dtype.
+    pub member_bytes: u64,
+}
+
+fn param_of(graph: &Graph, v: Value) -> Option<String> {
+    match graph.op(v.node) {
+        Op::Gradient { param } => Some(param.clone()),
+        _ => None,
+    }
+}
+
+fn layout_of(
+    graph: &Graph,
+    id: NodeId,
+    reduce: ReduceOp,
+    group: GroupId,
+    bucket: Option<u32>,
+) -> BucketLayout {
+    let ops = graph.operands(id);
+    // A single operand produced by a pack means the members are the pack's operands.
+    let (members_vals, scale_div, wire): (Vec<Value>, Option<u32>, DType) =
+        match (ops.as_slice(), ops.first().map(|v| graph.op(v.node))) {
+            ([v], Some(Op::BucketPack { scale_div, .. })) => (
+                graph.operands(v.node).to_vec(),
+                *scale_div,
+                graph.ty(*v).dtype,
+            ),
+            _ => (ops.to_vec(), None, graph.ty(ops[0]).dtype),
+        };
+    let mut offset = 0;
+    let mut members = Vec::with_capacity(members_vals.len());
+    let mut member_bytes = 0;
+    for v in &members_vals {
+        let t = graph.ty(*v);
+        members.push(MemberLayout {
+            param: param_of(graph, *v),
+            offset,
+            numel: t.numel(),
+            dtype: t.dtype.name().to_string(),
+        });
+        offset += t.numel();
+        member_bytes += t.bytes();
+    }
+    BucketLayout {
+        bucket,
+        reduce: reduce.name().to_string(),
+        scale_div,
+        group: group.0,
+        wire_dtype: wire.name().to_string(),
+        numel: offset,
+        bytes: offset * wire.size(),
+        member_bytes,
+        members,
+    }
+}
+
+/// Layouts of every collective (blocking, started, or a not-yet-lowered `grad_sync`), in schedule
+/// order, which is launch order.
+pub fn bucket_layouts(graph: &Graph) -> Result<Vec<BucketLayout>, CycleError> {
+    let mut out = Vec::new();
+    for id in graph.topo_order()? {
+        match *graph.op(id) {
+            Op::AllReduce {
+                reduce,
+                group,
+                bucket,
+            }
+            | Op::AllReduceStart {
+                reduce,
+                group,
+                bucket,
+            } => out.push(layout_of(graph, id, reduce, group, bucket)),
+            Op::GradSync { reduce, group, .. } => {
+                out.push(layout_of(graph, id, reduce, group, None))
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,215 @@
+//! The compiler's configuration: one struct, settable in code, and the one place that reads
+//! environment variables.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `CF_BUCKET_POLICY` | `per-param`, `ddp` or `cost` | `ddp` |
+//! | `CF_BUCKET_CAP_MB` | bucket cap in MiB (PyTorch's `bucket_cap_mb`) | 25 |
+//! | `CF_FIRST_BUCKET_MB` | cap of the first bucket in MiB | 1 |
+//! | `CF_OVERLAP` | `1`/`0`: split collectives and schedule them to overlap backward | 1 |
+//! | `CF_REDUCE_DTYPE` | cast buckets to `bf16`/`f16`/`f32` for the all-reduce | none |
+//! | `CF_LINK` | system profile for the cost model (name or file) | `h200-nvlink` |
+//! | `CF_VERIFY` | `1`/`0`: verify after every pass that changed something | on in debug builds |
+//! | `CF_PRINT_AFTER` | `all` or `change`: keep the graph text after passes | off |
+//! | `CF_DISABLE_PASSES` | comma-separated pass names to skip | none |
+
+use thiserror::Error;
+
+use crate::cost::{CostModel, LinkError, SystemProfile};
+use crate::graph::DType;
+
+/// One mebibyte.
+pub const MIB: u64 = 1024 * 1024;
+
+/// How gradients are grouped into buckets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BucketPolicy {
+    /// One collective per parameter, as Burn does today.
+    PerParam,
+    /// PyTorch DDP's greedy rule: limits `[first, cap, cap, ...]`, a bucket closes once it
+    /// reaches its limit, a tensor is never split.
+    Ddp,
+    /// Boundaries chosen to minimise predicted exposed communication under the cost model.
+    Cost,
+}
+
+impl BucketPolicy {
+    /// Parses `per-param`, `ddp` or `cost` (`none` is accepted for `per-param`).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "per-param" | "none" => BucketPolicy::PerParam,
+            "ddp" => BucketPolicy::Ddp,
+            "cost" => BucketPolicy::Cost,
+            _ => return None,
+        })
+    }
+
+    /// The name `parse` accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            BucketPolicy::PerParam => "per-param",
+            BucketPolicy::Ddp => "ddp",
+            BucketPolicy::Cost => "cost",
+        }
+    }
+}
+
+/// Options of the `bucket-gradients` pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketConfig {
+    /// Grouping rule.
+    pub policy: BucketPolicy,
+    /// Byte limit of every bucket after the first.
+    pub cap_bytes: u64,
+    /// Byte limit of the first bucket of each key (DDP policy).
+    pub first_bucket_bytes: u64,
+}
+
+impl Default for BucketConfig {
+    fn default() -> Self {
+        BucketConfig {
+            policy: BucketPolicy::Ddp,
+            cap_bytes: 25 * MIB,
+            first_bucket_bytes: MIB,
+        }
+    }
+}
+
+/// When the pass manager keeps the graph text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PrintAfter {
+    /// Never.
+    #[default]
+    Never,
+    /// After every pass.
+    All,
+    /// After every pass that changed the graph.
+    Change,
+}
+
+/// Everything the compiler can be told.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompileConfig {
+    /// Bucketing.
+    pub bucket: BucketConfig,
+    /// Split collectives into start/done and schedule them to overlap compute.
+    pub overlap: bool,
+    /// Cast buckets to this dtype for the all-reduce (and back after).
+    pub reduce_dtype: Option<DType>,
+    /// The cost model the `cost` policy and the simulator use.
+    pub cost: CostModel,
+    /// Verify the input and the graph after every pass that changed it.
+    pub verify: bool,
+    /// Keep graph text after passes.
+    pub print_after: PrintAfter,
+    /// Pass names to skip.
+    pub disabled_passes: Vec<String>,
+}
+
+impl Default for CompileConfig {
+    fn default() -> Self {
+        CompileConfig {
+            bucket: BucketConfig::default(),
+            overlap: true,
+            reduce_dtype: None,
+            cost: CostModel::default(),
+            verify: cfg!(debug_assertions),
+            print_after: PrintAfter::Never,
+            disabled_passes: Vec::new(),
+        }
+    }
+}
+
+/// A configuration value could not be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// An environment variable holds a value it cannot take.
+    #[error("environment variable {var}={value:?}: {expected}")]
+    BadEnv {
+        /// Variable name.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it accepts.
+        expected: &'static str,
+    },
+    /// The link profile could not be loaded.
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+/// Parses a size in MiB (fractions allowed) into bytes.
+pub fn mib_to_bytes(s: &str) -> Option<u64> {
+    let v: f64 = s.trim().parse().ok()?;
+    (v.is_finite() && v > 0.0).then(|| (v * MIB as f64).round() as u64)
+}
+
+fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+impl CompileConfig {
+    /// The defaults, overridden by any `CF_*` environment variables that are set.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::default().with_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Applies overrides from a variable lookup (the environment, or a map in tests).
+    pub fn with_vars(
+        mut self,
+        get: impl Fn(&'static str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let bad = |var: &'static str, value: &str, expected: &'static str| ConfigError::BadEnv {
+            var,
+            value: value.to_string(),
+            expected,
+        };
+        if let Some(v) = get("CF_BUCKET_POLICY") {
+            self.bucket.policy = BucketPolicy::parse(v.trim())
+                .ok_or_else(|| bad("CF_BUCKET_POLICY", &v, "one of per-param, ddp, cost"))?;
+        }
+        if let Some(v) = get("CF_BUCKET_CAP_MB") {
+            self.bucket.cap_bytes =
+                mib_to_bytes(&v).ok_or_else(|| bad("CF_BUCKET_CAP_MB", &v, "a positive number"))?;
+        }
+        if let Some(v) = get("CF_FIRST_BUCKET_MB") {
+            self.bucket.first_bucket_bytes = mib_to_bytes(&v)
+                .ok_or_else(|| bad("CF_FIRST_BUCKET_MB", &v, "a positive number"))?;
+        }
+        if let Some(v) = get("CF_OVERLAP") {
+            self.overlap = parse_bool(&v).ok_or_else(|| bad("CF_OVERLAP", &v, "1 or 0"))?;
+        }
+        if let Some(v) = get("CF_REDUCE_DTYPE") {
+            let d = DType::from_name(v.trim())
+                .filter(|d| d.is_float())
+                .ok_or_else(|| bad("CF_REDUCE_DTYPE", &v, "one of f32, bf16, f16, f64"))?;
+            self.reduce_dtype = Some(d);
+        }
+        if let Some(v) = get("CF_LINK") {
+            self.cost = CostModel::new(SystemProfile::load(v.trim())?);
+        }
+        if let Some(v) = get("CF_VERIFY") {
+            self.verify = parse_bool(&v).ok_or_else(|| bad("CF_VERIFY", &v, "1 or 0"))?;
+        }
+        if let Some(v) = get("CF_PRINT_AFTER") {
+            self.print_after = match v.trim() {
+                "all" => PrintAfter::All,
+                "change" => PrintAfter::Change,
+                "never" | "" => PrintAfter::Never,
+                _ => return Err(bad("CF_PRINT_AFTER", &v, "all, change or never")),
+            };
+        }
+        if let Some(v) = get("CF_DISABLE_PASSES") {
+            self.disabled_passes = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        Ok(self)
+    }
+}

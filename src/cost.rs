@@ -1,0 +1,268 @@
+//! The cost model and the step simulator.
+//!
+//! Collectives follow the alpha-beta model of a ring all-reduce, `alpha + bytes * 2(n-1)/n /
+//! busbw`, with `busbw` the bus bandwidth as nccl-tests reports it. Compute costs its FLOPs at a
+//! sustained throughput; bucket packs and unpacks read and write their bytes at the device's copy
+//! bandwidth. System profiles live in `profiles/links.json` (bundled) with their sources; any file
+//! of the same schema can be loaded.
+//!
+//! [`simulate`] plays a scheduled graph on two streams (compute and communication) and reports
+//! where the time went. It is what the cost-model bucketing policy optimises against.
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::graph::{CycleError, Graph, Op};
+
+/// The bundled system profiles.
+pub const BUNDLED_LINKS: &str = include_str!("../profiles/links.json");
+
+/// One system: a link between ranks and the device on each rank.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct SystemProfile {
+    /// Short name (`h200-nvlink`).
+    pub name: String,
+    /// What the system is.
+    pub description: String,
+    /// Ranks the profile describes.
+    pub world: u32,
+    /// Fixed cost of one all-reduce, microseconds.
+    pub alpha_us: f64,
+    /// All-reduce bus bandwidth at large sizes, GB/s (10^9 bytes per second).
+    pub busbw_gbs: f64,
+    /// Sustained compute throughput of one device, TFLOP/s.
+    pub compute_tflops: f64,
+    /// Device copy bandwidth, GB/s.
+    pub mem_gbs: f64,
+    /// Where the numbers come from.
+    #[serde(default)]
+    pub sources: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct ProfileFile {
+    profiles: Vec<SystemProfile>,
+}
+
+/// A system profile could not be found or read.
+#[derive(Debug, Error)]
+pub enum LinkError {
+    /// Neither bundled nor a readable file.
+    #[error(
+        "link profile '{name}' is not bundled ({known}) and could not be read as a file: {source}"
+    )]
+    NotFound {
+        /// What was asked for.
+        name: String,
+        /// Bundled names.
+        known: String,
+        /// The file error.
+        source: std::io::Error,
+    },
+    /// The file is not of the schema, or holds a bad number.
+    #[error("link profile file '{name}': {message}")]
+    Invalid {
+        /// File name.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkError> {
+    let f: ProfileFile = serde_json::from_str(text).map_err(|e| LinkError::Invalid {
+        name: name.to_string(),
+        message: e.to_string(),
+    })?;
+    for p in &f.profiles {
+        let positive = [p.busbw_gbs, p.compute_tflops, p.mem_gbs]
+            .iter()
+            .all(|x| x.is_finite() && *x > 0.0);
+        if !positive || !(p.alpha_us.is_finite() && p.alpha_us >= 0.0) || p.world == 0 {
+            return Err(LinkError::Invalid {
+                name: name.to_string(),
+                message: format!(
+                    "profile '{}' needs world >= 1, alpha_us >= 0 and positive bandwidths",
+                    p.name
+                ),
+            });
+        }
+    }
+    Ok(f.profiles)
+}
+
+impl SystemProfile {
+    /// All bundled profiles.
+    pub fn bundled() -> Vec<SystemProfile> {
+        parse_profiles("profiles/links.json", BUNDLED_LINKS)
+            .expect("the bundled profiles file is valid (checked by a test)")
+    }
+
+    /// A bundled profile by name, or the first profile of a file given by path.
+    pub fn load(name_or_path: &str) -> Result<Self, LinkError> {
+        let bundled = Self::bundled();
+        if let Some(p) = bundled.iter().find(|p| p.name == name_or_path) {
+            return Ok(p.clone());
+        }
+        let text = std::fs::read_to_string(name_or_path).map_err(|source| LinkError::NotFound {
+            name: name_or_path.to_string(),
+            known: bundled
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            source,
+        })?;
+        parse_profiles(name_or_path, &text)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| LinkError::Invalid {
+                name: name_or_path.to_string(),
+                message: "the file holds no profile".into(),
+            })
+    }
+}
+
+/// Predicts the time of compute, copies and collectives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostModel {
+    /// The system.
+    pub system: SystemProfile,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            system: SystemProfile::load("h200-nvlink").expect("bundled profile exists"),
+        }
+    }
+}
+
+impl CostModel {
+    /// A model of the given system.
+    pub fn new(system: SystemProfile) -> Self {
+        CostModel { system }
+    }
+
+    /// Seconds for one ring all-reduce of `bytes` over `ranks` ranks (0 for a single rank).
+    pub fn all_reduce_secs(&self, bytes: u64, ranks: u32) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let n = f64::from(ranks);
+        self.system.alpha_us * 1e-6
+            + bytes as f64 * 2.0 * (n - 1.0) / n / (self.system.busbw_gbs * 1e9)
+    }
+
+    /// Seconds for `flops` of compute.
+    pub fn compute_secs(&self, flops: u64) -> f64 {
+        flops as f64 / (self.system.compute_tflops * 1e12)
+    }
+
+    /// Seconds to copy `bytes` on the device (read and write).
+    pub fn copy_secs(&self, bytes: u64) -> f64 {
+        2.0 * bytes as f64 / (self.system.mem_gbs * 1e9)
+    }
+}
+
+/// Where the time of one simulated step went. All times in seconds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    /// End of the step: the compute stream passes the sync point.
+    pub total: f64,
+    /// Busy time of compute kernels.
+    pub compute: f64,
+    /// Busy time of bucket packs and unpacks (on the compute stream).
+    pub copies: f64,
+    /// Busy time of the communication stream.
+    pub comm: f64,
+    /// Time the compute stream waited for communication: `total - compute - copies`.
+    pub exposed_comm: f64,
+    /// Number of collectives launched.
+    pub collectives: usize,
+    /// Duration of the last collective to finish.
+    pub last_collective: f64,
+}
+
+impl StepTimes {
+    /// Share of communication time hidden behind compute, in percent (100 when there is none).
+    pub fn overlap_pct(&self) -> f64 {
+        if self.comm <= 0.0 {
+            100.0
+        } else {
+            (100.0 * (1.0 - self.exposed_comm / self.comm)).clamp(0.0, 100.0)
+        }
+    }
+}
+
+/// Plays the graph's schedule on a compute stream and a communication stream.
+///
+/// Compute, packs and unpacks run in schedule order on the compute stream. A collective (or its
+/// start) is issued when the compute stream reaches it and runs on the communication stream after
+/// the previous collective. A blocking `all_reduce` or a `grad_sync` blocks the compute stream
+/// until it finishes; a `grad_sync` is treated as Burn's default per-parameter sync: launched when
+/// the gradient is ready, waited for at the sync point.
+pub fn simulate(graph: &Graph, model: &CostModel) -> Result<StepTimes, CycleError> {
+    let order = graph.topo_order()?;
+    let mut finish = vec![0.0f64; graph.node_bound()];
+    let mut t_compute = 0.0f64;
+    let mut t_comm = 0.0f64;
+    let mut st = StepTimes::default();
+    let ranks = |g| graph.group_size(g).unwrap_or(1);
+    let bytes_in = |id| -> u64 {
+        graph
+            .operands(id)
+            .iter()
+            .map(|v| graph.ty(*v).bytes())
+            .sum()
+    };
+    let mut launch = |bytes: u64, n: u32, t_compute: f64, st: &mut StepTimes| -> f64 {
+        let d = model.all_reduce_secs(bytes, n);
+        let start = t_compute.max(t_comm);
+        t_comm = start + d;
+        st.comm += d;
+        st.collectives += 1;
+        st.last_collective = d;
+        t_comm
+    };
+    for &id in &order {
+        match graph.op(id) {
+            Op::Compute { flops, .. } => {
+                let d = model.compute_secs(*flops);
+                t_compute += d;
+                st.compute += d;
+            }
+            Op::BucketPack { .. } | Op::BucketUnpack { .. } => {
+                let d = model.copy_secs(bytes_in(id));
+                t_compute += d;
+                st.copies += d;
+            }
+            Op::AllReduce { group, .. } => {
+                t_compute = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+            }
+            Op::GradSync { group, .. } | Op::AllReduceStart { group, .. } => {
+                finish[id.index()] = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+            }
+            Op::AllReduceDone { .. } => {
+                for v in graph.operands(id) {
+                    t_compute = t_compute.max(finish[v.node.index()]);
+                }
+            }
+            Op::Sync => {
+                for v in graph.operands(id) {
+                    t_compute = t_compute.max(finish[v.node.index()]);
+                }
+            }
+            Op::Parameter { .. } | Op::Input { .. } | Op::Gradient { .. } => {}
+        }
+        if !matches!(
+            graph.op(id),
+            Op::GradSync { .. } | Op::AllReduceStart { .. }
+        ) {
+            finish[id.index()] = t_compute;
+        }
+    }
+    st.total = t_compute;
+    st.exposed_comm = (st.total - st.compute - st.copies).max(0.0);
+    Ok(st)
+}

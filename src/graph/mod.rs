@@ -1,0 +1,741 @@
+//! The graph IR: a dataflow graph of one recorded training-step segment.
+//!
+//! Nodes carry a closed [`Op`] and the types of their results; edges are either data edges (an
+//! operand slot of the consumer reads a result of the producer) or order-only edges (the consumer
+//! must run after the producer, nothing flows).
+//!
+//! Invariants the rest of the crate relies on (checked by [`verify`]):
+//! - the graph is acyclic;
+//! - the data operands of a node occupy slots `0..n` exactly once each;
+//! - a data edge names a result index the producer has.
+//!
+//! The schedule is part of the graph: every node has a position key `pos`, and
+//! [`Graph::topo_order`] is Kahn's algorithm that always picks the ready node with the smallest
+//! `(pos, index)`. Passes that only add nodes get a deterministic order for free; the
+//! `schedule-overlap` pass rewrites the keys so that this order is the chosen schedule. The text
+//! form prints nodes in this order, so what a person reads is what runs.
+//!
+//! This module never touches Burn or devices.
+
+pub mod builder;
+pub mod parse;
+pub mod print;
+pub mod verify;
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::fmt;
+
+use petgraph::Direction;
+use petgraph::stable_graph::{EdgeIndex, NodeIndex, StableDiGraph};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
+use smallvec::SmallVec;
+
+/// Identifies a node of a [`Graph`]. Stable across removals of other nodes; never printed.
+pub type NodeId = NodeIndex<u32>;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 64-bit IEEE float.
+    F64,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+}
+
+impl DType {
+    /// Bytes of one element.
+    pub fn size(self) -> u64 {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    /// Whether the type is a floating-point format (castable in a bucket pack).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
+    }
+
+    /// The spelling used by the text form (`f32`, `bf16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F64 => "f64",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+        }
+    }
+
+    /// Parses the text-form spelling.
+    pub fn from_name(s: &str) -> Option<DType> {
+        Some(match s {
+            "f32" => DType::F32,
+            "f16" => DType::F16,
+            "bf16" => DType::BF16,
+            "f64" => DType::F64,
+            "i64" => DType::I64,
+            "i32" => DType::I32,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Shape and element type of one tensor value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions, outermost first. An empty shape is a scalar.
+    pub shape: SmallVec<[u64; 4]>,
+}
+
+impl TensorType {
+    /// A tensor type from a dtype and dimensions.
+    pub fn new(dtype: DType, shape: &[u64]) -> Self {
+        TensorType {
+            dtype,
+            shape: SmallVec::from_slice(shape),
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.numel() * self.dtype.size()
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}[", self.dtype)?;
+        for (i, d) in self.shape.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// The reduction a collective applies across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean (sum divided by the group size).
+    Mean,
+}
+
+impl ReduceOp {
+    /// Text-form spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+        }
+    }
+}
+
+/// A device group a collective runs over; its size is declared in the graph header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GroupId(pub u32);
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "g{}", self.0)
+    }
+}
+
+/// Rough class of a compute node, for cost estimates and fusion legality.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ComputeKind {
+    /// Elementwise map (add, scale, cast, activation).
+    Elementwise,
+    /// A reduction over some axes (sum, norm statistics).
+    Reduction,
+    /// Matrix multiply (linear layers, attention).
+    Matmul,
+    /// Convolution.
+    Conv,
+    /// Anything else; never fused.
+    Opaque,
+}
+
+impl ComputeKind {
+    /// Text-form spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeKind::Elementwise => "elementwise",
+            ComputeKind::Reduction => "reduction",
+            ComputeKind::Matmul => "matmul",
+            ComputeKind::Conv => "conv",
+            ComputeKind::Opaque => "opaque",
+        }
+    }
+
+    /// Parses the text-form spelling.
+    pub fn from_name(s: &str) -> Option<Self> {
+        Some(match s {
+            "elementwise" => ComputeKind::Elementwise,
+            "reduction" => ComputeKind::Reduction,
+            "matmul" => ComputeKind::Matmul,
+            "conv" => ComputeKind::Conv,
+            "opaque" => ComputeKind::Opaque,
+            _ => return None,
+        })
+    }
+}
+
+/// The operation of a node. A closed set: every pass matches it exhaustively.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A model parameter (a leaf). One result.
+    Parameter {
+        /// Parameter name, unique in the graph.
+        name: String,
+    },
+    /// A data input of the step (a leaf). One result.
+    Input {
+        /// Input name.
+        name: String,
+    },
+    /// Device compute with a cost estimate. One result.
+    Compute {
+        /// Human label (a layer name, an op name).
+        name: String,
+        /// Class of the work.
+        kind: ComputeKind,
+        /// Floating-point operations it performs.
+        flops: u64,
+    },
+    /// The final gradient of a parameter. One operand (what produced it), one result.
+    Gradient {
+        /// Name of the parameter whose gradient this is.
+        param: String,
+    },
+    /// Burn's `submit_gradient_sync`: the gradient must be all-reduced and written back in place.
+    /// One operand (the gradient), one result (the reduced gradient).
+    GradSync {
+        /// Parameter name.
+        param: String,
+        /// Position in the gradient-ready order (0 = first ready).
+        ready: u32,
+        /// Reduction across ranks.
+        reduce: ReduceOp,
+        /// Device group.
+        group: GroupId,
+    },
+    /// A blocking all-reduce over one or more tensors (one operand per tensor, one result each).
+    AllReduce {
+        /// Reduction across ranks.
+        reduce: ReduceOp,
+        /// Device group.
+        group: GroupId,
+        /// Bucket number when the bucketing pass formed it.
+        bucket: Option<u32>,
+    },
+    /// Flatten the operands into one contiguous buffer, dividing by `scale_div` when set and
+    /// casting to the result's dtype. One result: the flat bucket.
+    BucketPack {
+        /// Bucket number.
+        bucket: u32,
+        /// Divide every element by this (the group size, for a mean).
+        scale_div: Option<u32>,
+    },
+    /// Split a reduced flat bucket back into its members (casting back to each member's dtype).
+    /// One operand, one result per member.
+    BucketUnpack {
+        /// Bucket number.
+        bucket: u32,
+    },
+    /// Launch an all-reduce asynchronously. Results are in-flight handles, one per operand.
+    AllReduceStart {
+        /// Reduction across ranks.
+        reduce: ReduceOp,
+        /// Device group.
+        group: GroupId,
+        /// Bucket number, when bucketed.
+        bucket: Option<u32>,
+    },
+    /// Wait for an all-reduce launched by the `AllReduceStart` that feeds it. Results are the
+    /// reduced tensors, one per operand.
+    AllReduceDone {
+        /// Bucket number, when bucketed.
+        bucket: Option<u32>,
+    },
+    /// A sync point (`submit_sync_collective`): everything it reads is reduced and written back
+    /// when it completes. No results.
+    Sync,
+}
+
+impl Op {
+    /// The keyword the text form uses for this op.
+    pub fn keyword(&self) -> &'static str {
+        match self {
+            Op::Parameter { .. } => "parameter",
+            Op::Input { .. } => "input",
+            Op::Compute { .. } => "compute",
+            Op::Gradient { .. } => "gradient",
+            Op::GradSync { .. } => "grad_sync",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::BucketPack { .. } => "bucket_pack",
+            Op::BucketUnpack { .. } => "bucket_unpack",
+            Op::AllReduceStart { .. } => "all_reduce_start",
+            Op::AllReduceDone { .. } => "all_reduce_done",
+            Op::Sync => "sync",
+        }
+    }
+
+    /// Whether this op reduces its operands across ranks (so a gradient flowing into it counts
+    /// as reduced).
+    pub fn is_reduction(&self) -> bool {
+        matches!(
+            self,
+            Op::GradSync { .. } | Op::AllReduce { .. } | Op::AllReduceStart { .. }
+        )
+    }
+
+    /// Whether this op is communication (a collective or one of its halves).
+    pub fn is_collective(&self) -> bool {
+        matches!(
+            self,
+            Op::GradSync { .. }
+                | Op::AllReduce { .. }
+                | Op::AllReduceStart { .. }
+                | Op::AllReduceDone { .. }
+        )
+    }
+}
+
+/// A node: its op, the types of its results, and its schedule key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// What the node does.
+    pub op: Op,
+    /// Types of its results, in result order.
+    pub results: SmallVec<[TensorType; 1]>,
+    /// Schedule key: among ready nodes the smallest `pos` runs first.
+    pub pos: u64,
+}
+
+/// An edge of the graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Edge {
+    /// Operand slot `operand` of the target reads result `result` of the source.
+    Data {
+        /// Operand slot of the consumer.
+        operand: u32,
+        /// Result index of the producer.
+        result: u32,
+    },
+    /// The target runs after the source; no data flows.
+    Order,
+}
+
+/// One result of one node: what an operand refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Value {
+    /// Producing node.
+    pub node: NodeId,
+    /// Result index.
+    pub result: u32,
+}
+
+impl Value {
+    /// Result 0 of `node`.
+    pub fn of(node: NodeId) -> Self {
+        Value { node, result: 0 }
+    }
+}
+
+/// A device group declaration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Group {
+    /// Its id.
+    pub id: GroupId,
+    /// Number of ranks in it.
+    pub size: u32,
+}
+
+/// A dataflow graph of one step segment.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    /// Name shown in the header of the text form.
+    pub name: String,
+    groups: Vec<Group>,
+    g: StableDiGraph<Node, Edge, u32>,
+    next_pos: u64,
+}
+
+/// The graph contains a cycle through the given node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the graph has a cycle (through or behind node index {})", node.index())]
+pub struct CycleError {
+    /// A node on (or blocked behind) the cycle.
+    pub node: NodeId,
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new(name: impl Into<String>) -> Self {
+        Graph {
+            name: name.into(),
+            groups: Vec::new(),
+            g: StableDiGraph::default(),
+            next_pos: 0,
+        }
+    }
+
+    /// Declares a device group of `size` ranks and returns its id.
+    pub fn add_group(&mut self, size: u32) -> GroupId {
+        let id = GroupId(self.groups.len() as u32);
+        self.groups.push(Group { id, size });
+        id
+    }
+
+    /// Declares a group with an explicit id (used by the parser).
+    pub fn declare_group(&mut self, id: GroupId, size: u32) {
+        self.groups.retain(|g| g.id != id);
+        self.groups.push(Group { id, size });
+        self.groups.sort_by_key(|g| g.id);
+    }
+
+    /// The declared groups, by id.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Size of a group, if declared.
+    pub fn group_size(&self, id: GroupId) -> Option<u32> {
+        self.groups.iter().find(|g| g.id == id).map(|g| g.size)
+    }
+
+    /// Adds a node reading `operands` (slot `i` reads `operands[i]`), scheduled after every
+    /// node that exists now unless its position is changed.
+    pub fn add_node(
+        &mut self,
+        op: Op,
+        results: impl IntoIterator<Item = TensorType>,
+        operands: &[Value],
+    ) -> NodeId {
+        let pos = self.next_pos;
+        self.next_pos += 1;
+        let id = self.g.add_node(Node {
+            op,
+            results: results.into_iter().collect(),
+            pos,
+        });
+        for (i, v) in operands.iter().enumerate() {
+            self.g.add_edge(
+                v.node,
+                id,
+                Edge::Data {
+                    operand: i as u32,
+                    result: v.result,
+                },
+            );
+        }
+        id
+    }
+
+    /// Adds an order-only edge: `after` runs after `before`.
+    pub fn add_order(&mut self, before: NodeId, after: NodeId) {
+        let exists = self
+            .g
+            .edges_connecting(before, after)
+            .any(|e| *e.weight() == Edge::Order);
+        if !exists {
+            self.g.add_edge(before, after, Edge::Order);
+        }
+    }
+
+    /// Adds a raw edge (the parser uses this to rebuild a graph from text).
+    pub fn add_edge(&mut self, from: NodeId, to: NodeId, edge: Edge) -> EdgeIndex<u32> {
+        self.g.add_edge(from, to, edge)
+    }
+
+    /// Removes a node and all its edges.
+    pub fn remove_node(&mut self, id: NodeId) -> Option<Node> {
+        self.g.remove_node(id)
+    }
+
+    /// The node, if it exists.
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.g[id]
+    }
+
+    /// Mutable access to a node.
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.g[id]
+    }
+
+    /// Whether `id` names a live node.
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.g.contains_node(id)
+    }
+
+    /// The op of a node.
+    pub fn op(&self, id: NodeId) -> &Op {
+        &self.g[id].op
+    }
+
+    /// Type of a value.
+    pub fn ty(&self, v: Value) -> &TensorType {
+        &self.g[v.node].results[v.result as usize]
+    }
+
+    /// Number of live nodes.
+    pub fn node_count(&self) -> usize {
+        self.g.node_count()
+    }
+
+    /// One more than the largest node index ever used: the length for arrays indexed by node.
+    pub fn node_bound(&self) -> usize {
+        self.g.node_bound()
+    }
+
+    /// Number of edges.
+    pub fn edge_count(&self) -> usize {
+        self.g.edge_count()
+    }
+
+    /// Live node ids in index order (not a schedule; use [`Graph::topo_order`] for that).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.node_indices()
+    }
+
+    /// The underlying petgraph graph, read-only.
+    pub fn raw(&self) -> &StableDiGraph<Node, Edge, u32> {
+        &self.g
+    }
+
+    /// Operands of a node in slot order.
+    pub fn operands(&self, id: NodeId) -> SmallVec<[Value; 4]> {
+        let mut ops: SmallVec<[(u32, Value); 4]> = self
+            .g
+            .edges_directed(id, Direction::Incoming)
+            .filter_map(|e| match *e.weight() {
+                Edge::Data { operand, result } => Some((
+                    operand,
+                    Value {
+                        node: e.source(),
+                        result,
+                    },
+                )),
+                Edge::Order => None,
+            })
+            .collect();
+        ops.sort_unstable_by_key(|(slot, _)| *slot);
+        ops.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Nodes this node must run after through order-only edges, sorted by id.
+    pub fn order_preds(&self, id: NodeId) -> SmallVec<[NodeId; 2]> {
+        let mut v: SmallVec<[NodeId; 2]> = self
+            .g
+            .edges_directed(id, Direction::Incoming)
+            .filter(|e| *e.weight() == Edge::Order)
+            .map(|e| e.source())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Consumers of a node's results: `(consumer, operand slot, result index)`.
+    pub fn uses(&self, id: NodeId) -> SmallVec<[(NodeId, u32, u32); 4]> {
+        let mut v: SmallVec<[(NodeId, u32, u32); 4]> = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .filter_map(|e| match *e.weight() {
+                Edge::Data { operand, result } => Some((e.target(), operand, result)),
+                Edge::Order => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// All direct successors (data or order), deduplicated.
+    pub fn successors(&self, id: NodeId) -> SmallVec<[NodeId; 4]> {
+        let mut v: SmallVec<[NodeId; 4]> =
+            self.g.neighbors_directed(id, Direction::Outgoing).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// All direct predecessors (data or order), deduplicated.
+    pub fn predecessors(&self, id: NodeId) -> SmallVec<[NodeId; 4]> {
+        let mut v: SmallVec<[NodeId; 4]> =
+            self.g.neighbors_directed(id, Direction::Incoming).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Makes every reader of `old` read `new` instead (data edges only).
+    pub fn replace_uses(&mut self, old: Value, new: Value) {
+        let edges: Vec<(EdgeIndex<u32>, NodeId, u32)> = self
+            .g
+            .edges_directed(old.node, Direction::Outgoing)
+            .filter_map(|e| match *e.weight() {
+                Edge::Data { operand, result } if result == old.result => {
+                    Some((e.id(), e.target(), operand))
+                }
+                _ => None,
+            })
+            .collect();
+        for (e, target, operand) in edges {
+            self.g.remove_edge(e);
+            self.g.add_edge(
+                new.node,
+                target,
+                Edge::Data {
+                    operand,
+                    result: new.result,
+                },
+            );
+        }
+    }
+
+    /// Moves the order-only edges into and out of `old` onto `new`.
+    pub fn transfer_order_edges(&mut self, old: NodeId, new: NodeId) {
+        let ins: Vec<NodeId> = self.order_preds(old).into_iter().collect();
+        let outs: Vec<NodeId> = self
+            .g
+            .edges_directed(old, Direction::Outgoing)
+            .filter(|e| *e.weight() == Edge::Order)
+            .map(|e| e.target())
+            .collect();
+        for p in ins {
+            if p != new {
+                self.add_order(p, new);
+            }
+        }
+        for s in outs {
+            if s != new {
+                self.add_order(new, s);
+            }
+        }
+    }
+
+    /// The schedule: a topological order that, among ready nodes, picks the smallest
+    /// `(pos, index)`. Deterministic for a given graph.
+    pub fn topo_order(&self) -> Result<Vec<NodeId>, CycleError> {
+        let bound = self.g.node_bound();
+        let mut indeg = vec![0u32; bound];
+        for e in (&self.g).edge_references() {
+            indeg[e.target().index()] += 1;
+        }
+        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+        for id in self.g.node_indices() {
+            if indeg[id.index()] == 0 {
+                heap.push(Reverse((self.g[id].pos, id.index() as u32)));
+            }
+        }
+        let mut order = Vec::with_capacity(self.g.node_count());
+        while let Some(Reverse((_, idx))) = heap.pop() {
+            let id = NodeIndex::new(idx as usize);
+            order.push(id);
+            for e in self.g.edges_directed(id, Direction::Outgoing) {
+                let t = e.target();
+                let d = &mut indeg[t.index()];
+                *d -= 1;
+                if *d == 0 {
+                    heap.push(Reverse((self.g[t].pos, t.index() as u32)));
+                }
+            }
+        }
+        if order.len() != self.g.node_count() {
+            let node = self
+                .g
+                .node_indices()
+                .find(|n| indeg[n.index()] > 0)
+                .expect("a node with remaining in-degree exists when the order is short");
+            return Err(CycleError { node });
+        }
+        Ok(order)
+    }
+
+    /// Sets the schedule keys so that [`Graph::topo_order`] returns `order` (which must be a
+    /// topological order of every live node).
+    pub fn set_schedule(&mut self, order: &[NodeId]) {
+        for (i, &id) in order.iter().enumerate() {
+            self.g[id].pos = i as u64;
+        }
+        self.next_pos = order.len() as u64;
+    }
+
+    /// A 64-bit structural hash: op kinds and attributes, result types and edges in schedule
+    /// order, independent of node indices. Two graphs with equal hashes compile to the same plan.
+    pub fn structural_hash(&self) -> Result<u64, CycleError> {
+        use std::hash::{Hash, Hasher};
+        let order = self.topo_order()?;
+        let mut num = vec![u32::MAX; self.g.node_bound()];
+        for (i, id) in order.iter().enumerate() {
+            num[id.index()] = i as u32;
+        }
+        let mut h = Fnv64::default();
+        for g in &self.groups {
+            (g.id.0, g.size).hash(&mut h);
+        }
+        for &id in &order {
+            let n = &self.g[id];
+            print::op_attrs_string(&n.op).hash(&mut h);
+            n.results.hash(&mut h);
+            for v in self.operands(id) {
+                (num[v.node.index()], v.result).hash(&mut h);
+            }
+            for p in self.order_preds(id) {
+                num[p.index()].hash(&mut h);
+            }
+        }
+        Ok(h.finish())
+    }
+}
+
+/// FNV-1a, 64-bit: a small, stable hasher (std's `DefaultHasher` may change across releases).
+#[derive(Clone, Copy)]
+struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Fnv64(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for Fnv64 {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}

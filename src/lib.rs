@@ -1,0 +1,15 @@
+//! collective-fusion: a lazy graph compiler for the gradient communication of data-parallel
+//! training.
+//!
+//! The crate records a training step as a graph ([`graph`]), optimizes it at a sync point with
+//! passes ([`passes`]): gradient bucketing, start/done splitting, overlap scheduling and fusion of
+//! the bucket copies. [`codegen`] turns the result into data a runtime executes. See
+//! `ARCHITECTURE.md` for the codemap.
+#![warn(missing_docs)]
+
+pub mod codegen;
+pub mod config;
+pub mod cost;
+pub mod graph;
+pub mod model;
+pub mod passes;

@@ -1,0 +1,309 @@
+//! The `collective-fusion` command: inspect what the compiler does to a real model's step.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use collective_fusion::codegen::layout::bucket_layouts;
+use collective_fusion::config::{BucketPolicy, CompileConfig, PrintAfter};
+use collective_fusion::cost::{CostModel, SystemProfile, simulate};
+use collective_fusion::graph::builder::{BuildOptions, build_step_graph};
+use collective_fusion::graph::print::{fmt_bytes, print};
+use collective_fusion::graph::{DType, ReduceOp};
+use collective_fusion::model::ModelProfile;
+use collective_fusion::passes::compile;
+
+#[derive(Parser)]
+#[command(
+    name = "collective-fusion",
+    version,
+    about = "A graph compiler for the gradient communication of data-parallel training"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Policy {
+    /// One all-reduce per parameter (Burn today).
+    PerParam,
+    /// PyTorch DDP's greedy buckets.
+    Ddp,
+    /// Cost-model buckets.
+    Cost,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrintWhen {
+    All,
+    Change,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compile one training step of a model and print the optimized graph and its bucket plan.
+    Plan {
+        /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
+        /// llama_1b_tied) or the path of a profile file of the same schema.
+        #[arg(long)]
+        model: String,
+        /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
+        #[arg(long, value_enum)]
+        policy: Option<Policy>,
+        /// Bucket cap: bytes, or with a unit (25MiB, 512KiB). Default 25MiB.
+        #[arg(long, value_parser = parse_size)]
+        bucket_cap: Option<u64>,
+        /// Cap of the first bucket: bytes, or with a unit. Default 1MiB.
+        #[arg(long, value_parser = parse_size)]
+        first_bucket: Option<u64>,
+        /// Ranks in the data-parallel group (default: the link profile's).
+        #[arg(long)]
+        world: Option<u32>,
+        /// Samples per rank (scales compute).
+        #[arg(long, default_value_t = 8)]
+        batch: u64,
+        /// System profile for the cost model: a bundled name or a file.
+        #[arg(long)]
+        link: Option<String>,
+        /// Cast buckets to this dtype for the all-reduce (bf16, f16, f32).
+        #[arg(long)]
+        reduce_dtype: Option<String>,
+        /// Reduce with sum instead of mean.
+        #[arg(long)]
+        sum: bool,
+        /// Keep collectives blocking (no start/done split, no overlap scheduling).
+        #[arg(long)]
+        no_overlap: bool,
+        /// Skip a pass by name (repeatable).
+        #[arg(long = "disable-pass")]
+        disable_pass: Vec<String>,
+        /// Print the graph after every pass, or after every pass that changed it (to stderr).
+        #[arg(long, value_enum)]
+        print_after: Option<PrintWhen>,
+        /// Print the bucket plan as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = [
+        ("GiB", 1u64 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("B", 1),
+    ]
+    .iter()
+    .find_map(|(suffix, m)| s.strip_suffix(suffix).map(|n| (n.trim(), *m)))
+    .unwrap_or((s, 1));
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (bytes, or a number with KiB/MiB/GiB)"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("'{s}' must be a positive size"));
+    }
+    Ok((v * mult as f64).round() as u64)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CF_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    match cli.command {
+        Command::Plan {
+            model,
+            policy,
+            bucket_cap,
+            first_bucket,
+            world,
+            batch,
+            link,
+            reduce_dtype,
+            sum,
+            no_overlap,
+            disable_pass,
+            print_after,
+            json,
+        } => {
+            let mut out = String::new();
+            let profile = ModelProfile::load(&model)?;
+            let mut config = CompileConfig::from_env()?;
+            if let Some(p) = policy {
+                config.bucket.policy = match p {
+                    Policy::PerParam => BucketPolicy::PerParam,
+                    Policy::Ddp => BucketPolicy::Ddp,
+                    Policy::Cost => BucketPolicy::Cost,
+                };
+            }
+            if let Some(c) = bucket_cap {
+                config.bucket.cap_bytes = c;
+            }
+            if let Some(c) = first_bucket {
+                config.bucket.first_bucket_bytes = c;
+            }
+            if let Some(l) = link {
+                config.cost = CostModel::new(SystemProfile::load(&l)?);
+            }
+            if let Some(d) = reduce_dtype {
+                config.reduce_dtype = Some(
+                    DType::from_name(&d)
+                        .filter(|d| d.is_float())
+                        .ok_or_else(|| {
+                            format!("--reduce-dtype '{d}': expected bf16, f16, f32 or f64")
+                        })?,
+                );
+            }
+            if no_overlap {
+                config.overlap = false;
+            }
+            config.disabled_passes.extend(disable_pass);
+            if let Some(p) = print_after {
+                config.print_after = match p {
+                    PrintWhen::All => PrintAfter::All,
+                    PrintWhen::Change => PrintAfter::Change,
+                };
+            }
+            let world = world.unwrap_or(config.cost.system.world);
+            if world == 0 {
+                return Err("--world must be at least 1".into());
+            }
+            let opts = BuildOptions {
+                world,
+                batch,
+                reduce: if sum { ReduceOp::Sum } else { ReduceOp::Mean },
+            };
+            let mut graph = build_step_graph(&profile, &opts);
+            let baseline = simulate(&graph, &config.cost)?;
+            let report = compile(&mut graph, &config)?;
+            for (pass, text) in &report.dumps {
+                eprintln!("; after pass '{pass}'\n{text}");
+            }
+            let layouts = bucket_layouts(&graph)?;
+            let index_of = |name: &str| profile.params.iter().position(|p| p.name == name);
+            if json {
+                let buckets: Vec<serde_json::Value> = layouts
+                    .iter()
+                    .map(|l| {
+                        let params: Vec<Option<usize>> = l
+                            .members
+                            .iter()
+                            .map(|m| m.param.as_deref().and_then(index_of))
+                            .collect();
+                        serde_json::json!({
+                            "bucket": l.bucket,
+                            "params": params,
+                            "bytes": l.member_bytes,
+                            "wire_bytes": l.bytes,
+                            "wire_dtype": l.wire_dtype,
+                            "reduce": l.reduce,
+                            "scale_div": l.scale_div,
+                        })
+                    })
+                    .collect();
+                let json_out = serde_json::json!({
+                    "model": profile.model,
+                    "policy": config.bucket.policy.name(),
+                    "bucket_cap": config.bucket.cap_bytes,
+                    "first_bucket": config.bucket.first_bucket_bytes,
+                    "world": world,
+                    "buckets": buckets,
+                });
+                writeln!(out, "{}", serde_json::to_string_pretty(&json_out)?)?;
+                return emit(&out);
+            }
+            write!(out, "{}", print(&graph))?;
+            writeln!(out)?;
+            writeln!(
+                out,
+                "model {} · {} tensors, {} · policy {} · cap {} · first {} · world {} · link {}",
+                profile.model,
+                profile.params.len(),
+                fmt_bytes(profile.total_bytes()),
+                config.bucket.policy.name(),
+                fmt_bytes(config.bucket.cap_bytes),
+                fmt_bytes(config.bucket.first_bucket_bytes),
+                world,
+                config.cost.system.name
+            )?;
+            writeln!(
+                out,
+                "{:>6}  {:>7}  {:>11}  {:>9}  {:<40}  {:<40}",
+                "bucket", "tensors", "bytes", "allreduce", "first param", "last param"
+            )?;
+            for l in &layouts {
+                let name = |m: Option<&collective_fusion::codegen::layout::MemberLayout>| {
+                    m.and_then(|m| m.param.clone())
+                        .unwrap_or_else(|| "-".into())
+                };
+                writeln!(
+                    out,
+                    "{:>6}  {:>7}  {:>11}  {:>7.1}us  {:<40}  {:<40}",
+                    l.bucket.map_or("-".to_string(), |b| b.to_string()),
+                    l.members.len(),
+                    fmt_bytes(l.bytes),
+                    config.cost.all_reduce_secs(l.bytes, world) * 1e6,
+                    name(l.members.first()),
+                    name(l.members.last()),
+                )?;
+            }
+            let after = simulate(&graph, &config.cost)?;
+            writeln!(out)?;
+            writeln!(
+                out,
+                "predicted step: {:.3} ms (compute {:.3} ms, comm {:.3} ms, exposed comm {:.3} ms, overlap {:.0}%)",
+                after.total * 1e3,
+                after.compute * 1e3,
+                after.comm * 1e3,
+                after.exposed_comm * 1e3,
+                after.overlap_pct()
+            )?;
+            writeln!(
+                out,
+                "per-parameter sync:  {:.3} ms (exposed comm {:.3} ms, {} collectives)",
+                baseline.total * 1e3,
+                baseline.exposed_comm * 1e3,
+                baseline.collectives
+            )?;
+            let total: f64 = report
+                .timings
+                .iter()
+                .map(|t| t.duration.as_secs_f64())
+                .sum();
+            writeln!(
+                out,
+                "compile: {} passes in {:.3} ms ({})",
+                report.timings.len(),
+                total * 1e3,
+                report
+                    .timings
+                    .iter()
+                    .map(|t| format!("{} {:.0}us", t.name, t.duration.as_secs_f64() * 1e6))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )?;
+            emit(&out)
+        }
+    }
+}
+
+/// Writes the output; a closed pipe (`| head`) is not an error.
+fn emit(out: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_all(out.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
