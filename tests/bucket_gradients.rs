@@ -1,0 +1,200 @@
+//! `bucket-gradients`: text in, text out, named after behaviour.
+
+mod common;
+
+use collective_fusion::config::BucketPolicy::{self, Cost, Ddp, PerParam};
+use collective_fusion::cost::CostModel;
+use collective_fusion::passes::Pass;
+use collective_fusion::passes::bucket_gradients::BucketGradients;
+use common::{G, bucket, chain, run_passes};
+
+fn bucketize(text: &str, policy: BucketPolicy, first: u64, cap: u64) -> String {
+    let pass: Box<dyn Pass> = Box::new(BucketGradients::new(
+        bucket(policy, first, cap),
+        CostModel::default(),
+    ));
+    run_passes(text, vec![pass], (policy != PerParam).then_some(cap))
+}
+
+/// The bucket membership of every all_reduce line, e.g. `bucket=0: 3 tensors`.
+fn buckets(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| l.contains("= all_reduce "))
+        .map(|l| {
+            let b = l
+                .split("bucket=")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap();
+            let n = l
+                .split(" (")
+                .nth(1)
+                .unwrap()
+                .split(')')
+                .next()
+                .unwrap()
+                .split(", ")
+                .count();
+            format!("bucket={b}: {n}")
+        })
+        .collect()
+}
+
+fn f32s(n: usize, numel: u64) -> Vec<String> {
+    (0..n).map(|_| format!("f32[{numel}]")).collect()
+}
+
+fn grads<'a>(names: &'a [&'a str], tys: &'a [String]) -> Vec<G<'a>> {
+    names
+        .iter()
+        .zip(tys)
+        .map(|(n, t)| G(n, t, "mean", "g0"))
+        .collect()
+}
+
+#[test]
+fn respects_byte_threshold_just_under() {
+    // 512 + 508 = 1020 bytes < 1024: the bucket stays open and takes the third tensor.
+    let tys = vec![
+        "f32[128]".into(),
+        "f32[127]".into(),
+        "f32[128]".into(),
+        "f32[128]".into(),
+    ];
+    let out = bucketize(&chain(&grads(&["a", "b", "c", "d"], &tys)), Ddp, 1024, 1024);
+    assert_eq!(buckets(&out), ["bucket=0: 3", "bucket=1: 1"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn respects_byte_threshold_exactly_at() {
+    // 512 + 512 = 1024 bytes reaches the cap: the bucket closes on the second tensor.
+    let tys = f32s(3, 128);
+    let out = bucketize(&chain(&grads(&["a", "b", "c"], &tys)), Ddp, 1024, 1024);
+    assert_eq!(buckets(&out), ["bucket=0: 2", "bucket=1: 1"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn first_bucket_small() {
+    let tys = f32s(8, 128);
+    let names = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    let out = bucketize(&chain(&grads(&names, &tys)), Ddp, 512, 4096);
+    assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 7"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn oversized_tensor_alone() {
+    let tys = vec!["f32[4096]".into(), "f32[16]".into(), "f32[16]".into()];
+    for policy in [Ddp, Cost] {
+        let out = bucketize(&chain(&grads(&["big", "b", "c"], &tys)), policy, 1024, 1024);
+        assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 2"], "{policy:?}");
+        if policy == Ddp {
+            insta::assert_snapshot!(out);
+        }
+    }
+}
+
+#[test]
+fn different_dtypes_kept_apart() {
+    let text = chain(&[
+        G("a", "f32[16]", "mean", "g0"),
+        G("b", "bf16[16]", "mean", "g0"),
+        G("c", "f32[16]", "mean", "g0"),
+        G("d", "bf16[16]", "mean", "g0"),
+    ]);
+    let out = bucketize(&text, Ddp, 1 << 20, 1 << 20);
+    assert_eq!(buckets(&out), ["bucket=0: 2", "bucket=1: 2"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn different_groups_kept_apart() {
+    let text = chain(&[
+        G("a", "f32[16]", "mean", "g0"),
+        G("b", "f32[16]", "mean", "g1"),
+        G("c", "f32[16]", "mean", "g0"),
+    ]);
+    let out = bucketize(&text, Ddp, 1 << 20, 1 << 20);
+    assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 2"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn different_reduce_ops_kept_apart() {
+    let text = chain(&[
+        G("a", "f32[16]", "sum", "g0"),
+        G("b", "f32[16]", "mean", "g0"),
+        G("c", "f32[16]", "sum", "g0"),
+    ]);
+    let out = bucketize(&text, Ddp, 1 << 20, 1 << 20);
+    assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 2"]);
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn no_dependent_combination() {
+    // "b"'s gradient is computed from the reduced "a": combining them would be a cycle.
+    let text = r#"graph "dep" {
+  group g0 size=4
+  %0 = input "loss.grad" : f32[16]
+  %1 = gradient "a" (%0) : f32[16]
+  %2 = grad_sync "a" reduce=mean group=g0 ready=0 (%1) : f32[16]
+  %3 = compute "uses_a" kind=elementwise flops=16 (%2) : f32[16]
+  %4 = gradient "b" (%3) : f32[16]
+  %5 = grad_sync "b" reduce=mean group=g0 ready=1 (%4) : f32[16]
+  %6 = gradient "c" (%0) : f32[16]
+  %7 = grad_sync "c" reduce=mean group=g0 ready=2 (%6) : f32[16]
+  %8 = sync (%5, %7)
+}
+"#;
+    for policy in [Ddp, Cost] {
+        let out = bucketize(text, policy, 1 << 20, 1 << 20);
+        assert_eq!(
+            buckets(&out),
+            ["bucket=0: 1", "bucket=1: 2"],
+            "{policy:?}\n{out}"
+        );
+        if policy == Ddp {
+            insta::assert_snapshot!(out);
+        }
+    }
+}
+
+#[test]
+fn per_param_policy_one_bucket_each() {
+    let tys = f32s(3, 16);
+    let out = bucketize(
+        &chain(&grads(&["a", "b", "c"], &tys)),
+        PerParam,
+        1 << 20,
+        1 << 20,
+    );
+    assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 1", "bucket=2: 1"]);
+}
+
+#[test]
+fn cost_policy_splits_when_compute_can_hide_comm() {
+    // Big tensors with a second of compute between them: each launches on its own.
+    let tys = f32s(3, 4 << 20);
+    let text = chain(&grads(&["a", "b", "c"], &tys))
+        .replace("flops=1000000000 ", "flops=1000000000000000 ");
+    let out = bucketize(&text, Cost, 1 << 30, 1 << 30);
+    assert_eq!(buckets(&out), ["bucket=0: 1", "bucket=1: 1", "bucket=2: 1"]);
+}
+
+#[test]
+fn cost_policy_merges_tiny_tensors() {
+    // Tiny tensors: latency dominates, so they share one all-reduce.
+    let tys = f32s(4, 4);
+    let out = bucketize(
+        &chain(&grads(&["a", "b", "c", "d"], &tys)),
+        Cost,
+        1 << 30,
+        1 << 30,
+    );
+    assert_eq!(buckets(&out), ["bucket=0: 4"]);
+}

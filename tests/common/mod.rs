@@ -1,0 +1,102 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+use collective_fusion::graph::Graph;
+use collective_fusion::graph::parse::parse;
+use collective_fusion::graph::print::print;
+use collective_fusion::graph::verify::{VerifyOptions, verify};
+use collective_fusion::passes::{ManagerOptions, Pass, PassManager};
+
+/// One gradient of a synthetic backward chain: name, type, reduce op, group.
+pub struct G<'a>(pub &'a str, pub &'a str, pub &'a str, pub &'a str);
+
+/// A backward chain in text form: one compute per gradient, then gradient and grad_sync, then a
+/// sync reading every grad_sync. Groups g0 and g1 have 4 ranks.
+pub fn chain(grads: &[G<'_>]) -> String {
+    let mut s = String::from("graph \"t\" {\n  group g0 size=4\n  group g1 size=4\n");
+    s.push_str("  %0 = input \"loss.grad\" : f32[8]\n");
+    let mut n = 1;
+    let mut prev = 0;
+    let mut syncs = Vec::new();
+    for (i, G(name, ty, reduce, group)) in grads.iter().enumerate() {
+        s.push_str(&format!(
+            "  %{n} = compute \"{name}.bwd\" kind=matmul flops=1000000000 (%{prev}) : f32[8]\n"
+        ));
+        prev = n;
+        s.push_str(&format!(
+            "  %{} = gradient \"{name}\" (%{n}) : {ty}\n",
+            n + 1
+        ));
+        s.push_str(&format!(
+            "  %{} = grad_sync \"{name}\" reduce={reduce} group={group} ready={i} (%{}) : {ty}\n",
+            n + 2,
+            n + 1
+        ));
+        syncs.push(format!("%{}", n + 2));
+        n += 3;
+    }
+    s.push_str(&format!("  %{n} = sync ({})\n}}\n", syncs.join(", ")));
+    s
+}
+
+/// Bucketing options.
+pub fn bucket(policy: BucketPolicy, first: u64, cap: u64) -> BucketConfig {
+    BucketConfig {
+        policy,
+        cap_bytes: cap,
+        first_bucket_bytes: first,
+    }
+}
+
+/// Parses `text`, runs `passes` with verification on, and returns the printed result.
+pub fn run_passes(text: &str, passes: Vec<Box<dyn Pass>>, cap: Option<u64>) -> String {
+    let mut g = parse(text).unwrap_or_else(|e| panic!("test input does not parse: {e}\n{text}"));
+    let pm = PassManager::new(
+        passes,
+        ManagerOptions {
+            verify: true,
+            verify_options: VerifyOptions {
+                bucket_cap_bytes: cap,
+            },
+            ..Default::default()
+        },
+    );
+    pm.run(&mut g).unwrap_or_else(|e| panic!("{e}"));
+    roundtrip(&g)
+}
+
+/// Prints `g`, checks that the text parses back to the same text, and returns it.
+pub fn roundtrip(g: &Graph) -> String {
+    let text = print(g);
+    let again =
+        parse(&text).unwrap_or_else(|e| panic!("printed graph does not parse: {e}\n{text}"));
+    assert_eq!(
+        print(&again),
+        text,
+        "print → parse → print changed the text"
+    );
+    text
+}
+
+/// A test configuration: verification on.
+pub fn config(bucket: BucketConfig, overlap: bool) -> CompileConfig {
+    CompileConfig {
+        bucket,
+        overlap,
+        verify: true,
+        ..CompileConfig::default()
+    }
+}
+
+/// Checks the verifier accepts `g` with the given cap.
+pub fn assert_valid(g: &Graph, cap: Option<u64>) {
+    if let Err(e) = verify(
+        g,
+        &VerifyOptions {
+            bucket_cap_bytes: cap,
+        },
+    ) {
+        panic!("{e}\n{}", print(g));
+    }
+}

@@ -1,0 +1,201 @@
+//! The text form, its parser, and the verifier.
+
+mod common;
+
+use collective_fusion::graph::parse::parse;
+use collective_fusion::graph::print::print;
+use collective_fusion::graph::verify::{VerifyOptions, verify};
+use common::{G, chain, roundtrip};
+
+fn violations(text: &str, cap: Option<u64>) -> String {
+    let g = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    match verify(
+        &g,
+        &VerifyOptions {
+            bucket_cap_bytes: cap,
+        },
+    ) {
+        Ok(()) => String::from("ok"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn parse_print_round_trips_every_op() {
+    let text = r#"graph "all ops" {
+  group g0 size=4
+  %0 = parameter "w" : f32[4,4]
+  %1 = input "x" : f32[2,4]
+  %2 = compute "mm" kind=matmul flops=64 (%1, %0) : f32[2,4]
+  %3 = gradient "w" (%2) : f32[4,4]
+  %4 = gradient "v" (%2) : f32[4]
+  %5 = bucket_pack bucket=0 scale=1/4 (%3, %4) : bf16[20] ; 2 tensors, 80 B
+  %6 = all_reduce_start reduce=sum group=g0 bucket=0 (%5) : bf16[20] ; 40 B, overlaps up to 0 compute
+  %7 = all_reduce_done bucket=0 (%6) : bf16[20]
+  %8 = bucket_unpack bucket=0 (%7) : f32[4,4], f32[4]
+  %9 = input "y" : f32[3]
+  %10 = gradient "u" (%9) : f32[3]
+  %11 = grad_sync "u" reduce=mean group=g0 ready=0 (%10) after(%6) : f32[3] ; 12 B
+  %12 = sync (%8#0, %8#1, %11)
+}
+"#;
+    let g = parse(text).unwrap();
+    assert_eq!(print(&g), text);
+    assert_eq!(violations(text, None), "ok");
+}
+
+#[test]
+fn printing_is_independent_of_node_indices() {
+    let text = chain(&[
+        G("a", "f32[4]", "mean", "g0"),
+        G("b", "f32[4]", "sum", "g0"),
+    ]);
+    let g = parse(&text).unwrap();
+    // Reparsing creates fresh indices; the text must not change.
+    let again = parse(&print(&g)).unwrap();
+    assert_eq!(print(&again), print(&g));
+    assert_eq!(
+        g.structural_hash().unwrap(),
+        again.structural_hash().unwrap()
+    );
+}
+
+#[test]
+fn structural_hash_sees_shapes_not_ids() {
+    let a = parse(&chain(&[G("a", "f32[4]", "mean", "g0")])).unwrap();
+    let b = parse(&chain(&[G("a", "f32[5]", "mean", "g0")])).unwrap();
+    assert_ne!(a.structural_hash().unwrap(), b.structural_hash().unwrap());
+}
+
+#[test]
+fn parser_accepts_comments_blank_lines_and_forward_references() {
+    let text = "; a comment\ngraph \"f\" {\n\n  group g0 size=2\n  %5 = sync (%1) ; the end\n  %1 = all_reduce reduce=sum group=g0 (%0) : f32[2]\n  %0 = input \"x\" : f32[2]\n}\n";
+    let g = parse(text).unwrap();
+    assert_eq!(
+        roundtrip(&g),
+        "graph \"f\" {\n  group g0 size=2\n  %0 = input \"x\" : f32[2]\n  %1 = all_reduce reduce=sum group=g0 (%0) : f32[2] ; 1 tensor, 8 B\n  %2 = sync (%1)\n}\n"
+    );
+}
+
+#[test]
+fn parse_errors_give_line_and_column() {
+    let cases = [
+        ("", "line 1, column 1: empty text"),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f33[2]\n}\n",
+            "line 2, column 20: unknown dtype 'f33'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = frobnicate\n}\n",
+            "line 2, column 8: unknown op 'frobnicate'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = sync (%7)\n}\n",
+            "line 2, column 14: %7 is not defined",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %0 = input \"y\" : f32[2]\n}\n",
+            "line 3, column 3: %0 is defined twice",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x : f32[2]\n}\n",
+            "line 2, column 14: unterminated string",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n",
+            "line 3, column 1: missing closing '}'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = compute \"c\" kind=matmul : f32[2]\n}\n",
+            "line 2, column 8: 'compute' needs 'flops=...'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %1 = all_reduce reduce=max group=g0 (%0) : f32[2]\n}\n",
+            "line 3, column 26: unknown reduce op 'max'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" size=3 : f32[2]\n}\n",
+            "line 2, column 18: 'input' has no attribute 'size'",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %1 = sync (%0#3)\n}\n",
+            "line 3, column 14: %0 has 1 result(s); #3 does not exist",
+        ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2] $\n}\n",
+            "line 2, column 27: unexpected character '$'",
+        ),
+    ];
+    for (text, want) in cases {
+        let err = parse(text)
+            .err()
+            .unwrap_or_else(|| panic!("parsed: {text}"))
+            .to_string();
+        assert!(
+            err.starts_with(want),
+            "for {text:?}\n got: {err}\nwant: {want}"
+        );
+    }
+}
+
+#[test]
+fn verifier_reports_every_violation_with_its_line() {
+    let text = r#"graph "bad" {
+  group g0 size=4
+  %0 = input "x" : f32[4]
+  %1 = gradient "a" (%0) : f32[4]
+  %2 = gradient "b" (%0) : bf16[4]
+  %3 = all_reduce reduce=sum group=g0 bucket=0 (%1, %2) : f32[4], bf16[4]
+  %4 = all_reduce reduce=sum group=g1 (%1) : f32[4]
+  %5 = bucket_pack bucket=1 (%1) : f32[5]
+  %6 = all_reduce_start reduce=sum group=g0 (%0) : f32[4]
+  %7 = gradient "a" (%0) : f32[4]
+  %8 = grad_sync "c" reduce=sum group=g0 ready=0 (%7) : f32[4]
+  %9 = grad_sync "a" reduce=sum group=g0 ready=0 (%0) : f32[4]
+  %10 = sync (%3#0, %4, %8)
+}
+"#;
+    insta::assert_snapshot!(violations(text, None));
+}
+
+#[test]
+fn verifier_checks_bucket_cap_and_dependent_members() {
+    let text = r#"graph "cap" {
+  group g0 size=4
+  %0 = input "x" : f32[4]
+  %1 = gradient "a" (%0) : f32[256]
+  %2 = compute "from_a" kind=elementwise flops=1 (%1) : f32[256]
+  %3 = gradient "b" (%2) : f32[256]
+  %4 = gradient "c" (%0) : f32[256]
+  %5 = all_reduce reduce=sum group=g0 bucket=0 (%1, %3, %4) : f32[256], f32[256], f32[256]
+  %6 = sync (%5#0, %5#1, %5#2)
+}
+"#;
+    let v = violations(text, Some(1024));
+    assert!(v.contains("bucket member %3 depends on member %1"), "{v}");
+    assert!(
+        v.contains("bucket holds 2.00 KiB before its last member, over the cap of 1.00 KiB"),
+        "{v}"
+    );
+    // Exactly at the cap with the closing tensor is legal; under it too.
+    assert!(!violations(text, Some(2049)).contains("over the cap"));
+}
+
+#[test]
+fn verifier_checks_start_done_pairing_and_unpack_types() {
+    let text = r#"graph "pairs" {
+  group g0 size=2
+  %0 = input "x" : f32[4]
+  %1 = gradient "a" (%0) : f32[4]
+  %2 = bucket_pack bucket=0 (%1) : bf16[4]
+  %3 = all_reduce_start reduce=sum group=g0 bucket=0 (%2) : bf16[4]
+  %4 = all_reduce_done bucket=0 (%3) : bf16[4]
+  %5 = all_reduce_done bucket=0 (%3) : bf16[4]
+  %6 = bucket_unpack bucket=0 (%4) : bf16[4]
+  %7 = sync (%6, %5)
+}
+"#;
+    let v = violations(text, None);
+    assert!(v.contains("exactly one all_reduce_done"), "{v}");
+    assert!(v.contains("in the type it was packed from"), "{v}");
+}
