@@ -19,8 +19,8 @@
 //! - `ddp`: PyTorch DDP's rule. Per key, limits `[first_bucket_bytes, cap, cap, ...]`; walking in
 //!   ready order a bucket closes as soon as its size reaches the current limit.
 //! - `cost`: dynamic programming over bucket boundaries that minimises the predicted finish time of
-//!   the last all-reduce, given when each gradient becomes ready (the compute before it, under the
-//!   cost model) and a serial communication stream: `f(j) = min_s max(ready(j), f(s-1)) +
+//!   the last all-reduce, given when each gradient becomes ready (the compute before it and the
+//!   packing of the gradients before it, under the cost model) and a serial communication stream: `f(j) = min_s max(ready(j), f(s-1)) +
 //!   allreduce(bytes(s..=j))`; ties go to fewer buckets. Its feasible buckets are those `ddp` could
 //!   form (under the cap but for the closing tensor) holding at most [`MAX_COST_BUCKET_TENSORS`]
 //!   tensors, so on realistic models it is never predicted worse than `ddp`.
@@ -168,11 +168,25 @@ pub fn plan_buckets(
                 ddp_partition(&sizes, &lo, config.first_bucket_bytes, config.cap_bytes)
             }
             BucketPolicy::Cost => {
-                let ready: Vec<f64> = cands.iter().map(|c| c.ready_time).collect();
+                // Packs run on the compute stream before each launch: a tensor is ready to go
+                // once the compute before it and the packing of everything up to it are done.
+                let mut packed = 0u64;
+                let ready: Vec<f64> = cands
+                    .iter()
+                    .map(|c| {
+                        packed += c.bytes;
+                        c.ready_time + cost.copy_secs(packed)
+                    })
+                    .collect();
                 let ranks = graph.group_size(key.group).unwrap_or(1);
-                cost_partition(&sizes, &ready, &lo, config.cap_bytes, |b| {
-                    cost.all_reduce_secs(b, ranks)
-                })
+                cost_partition(
+                    &sizes,
+                    &ready,
+                    &lo,
+                    config.cap_bytes,
+                    |b| cost.all_reduce_secs(b, ranks),
+                    |b| cost.copy_secs(b),
+                )
             }
         };
         for r in ranges {
@@ -241,13 +255,15 @@ pub fn ddp_partition(sizes: &[u64], lo: &[usize], first: u64, cap: u64) -> Vec<R
 }
 
 /// The cost policy's dynamic program (see the module doc). `ready[i]` is when tensor `i` is
-/// ready, `allreduce(bytes)` the predicted time of one all-reduce.
+/// ready, `allreduce(bytes)` the predicted time of one all-reduce, and `tail(bytes)` the work
+/// left after the last one finishes (its unpack), which counts for the last bucket only.
 pub fn cost_partition(
     sizes: &[u64],
     ready: &[f64],
     lo: &[usize],
     cap: u64,
     allreduce: impl Fn(u64) -> f64,
+    tail: impl Fn(u64) -> f64,
 ) -> Vec<Range<usize>> {
     let n = sizes.len();
     // best[j] = (finish, buckets, start of last bucket) covering 0..j.
@@ -263,7 +279,10 @@ pub fn cost_partition(
             }
             let bytes = before_last + sizes[j];
             let (prev_finish, prev_count, _) = best[s];
-            let finish = ready[j].max(prev_finish) + allreduce(bytes);
+            let mut finish = ready[j].max(prev_finish) + allreduce(bytes);
+            if j + 1 == n {
+                finish += tail(bytes);
+            }
             let count = prev_count + 1;
             let better = match cand {
                 None => true,
@@ -356,24 +375,34 @@ mod tests {
     #[test]
     fn cost_prefers_fewer_buckets_when_all_hidden() {
         // Everything ready at t=0 except the last; latency dominates: one bucket is best.
-        let r = cost_partition(&[1, 1, 1], &[0.0, 0.0, 0.0], &[0; 3], 100, |b| {
-            1.0 + b as f64 * 1e-3
-        });
+        let r = cost_partition(
+            &[1, 1, 1],
+            &[0.0, 0.0, 0.0],
+            &[0; 3],
+            100,
+            |b| 1.0 + b as f64 * 1e-3,
+            |_| 0.0,
+        );
         assert_eq!(r, vec![0..3]);
     }
 
     #[test]
     fn cost_splits_to_overlap() {
         // Tensor 0 ready at 0, tensor 1 ready at 10; launching 0 early hides it.
-        let r = cost_partition(&[100, 100], &[0.0, 10.0], &[0; 2], 1000, |b| {
-            0.1 + b as f64 * 0.05
-        });
+        let r = cost_partition(
+            &[100, 100],
+            &[0.0, 10.0],
+            &[0; 2],
+            1000,
+            |b| 0.1 + b as f64 * 0.05,
+            |_| 0.0,
+        );
         assert_eq!(r, vec![0..1, 1..2]);
     }
 
     #[test]
     fn cost_respects_cap_and_floors() {
-        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, |_| 1.0);
+        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, |_| 1.0, |_| 0.0);
         assert!(r.iter().all(|x| x.start >= 1 || x.end <= 1), "{r:?}");
     }
 }

@@ -314,7 +314,13 @@ pub fn pipeline(config: &CompileConfig) -> PassManager {
             verify_options: VerifyOptions {
                 bucket_cap_bytes: match config.bucket.policy {
                     crate::config::BucketPolicy::PerParam => None,
-                    _ => Some(config.bucket.cap_bytes),
+                    // DDP lets the first bucket take its own limit, even above the cap.
+                    _ => Some(
+                        config
+                            .bucket
+                            .cap_bytes
+                            .max(config.bucket.first_bucket_bytes),
+                    ),
                 },
             },
             print_after: config.print_after,
