@@ -78,7 +78,7 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
         let positive = [p.busbw_gbs, p.compute_tflops, p.mem_gbs]
             .iter()
             .all(|x| x.is_finite() && *x > 0.0);
-        if !positive || !(p.alpha_us.is_finite() && p.alpha_us >= 0.0) || p.world == 0 {
+        if !(positive && p.alpha_us.is_finite() && p.alpha_us >= 0.0) || p.world == 0 {
             return Err(LinkError::Invalid {
                 name: name.to_string(),
                 message: format!(

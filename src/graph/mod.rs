@@ -622,6 +622,58 @@ impl Graph {
         }
     }
 
+    /// Makes readers of each `old` read the paired `new` instead, for many pairs at once.
+    ///
+    /// Each affected consumer has its incoming edges rebuilt once, head first, so the cost is
+    /// linear in the consumers' in-degrees. (Removing edges one by one from a node with many
+    /// operands, like a sync point, is quadratic in petgraph's edge lists.)
+    pub fn replace_uses_batch(&mut self, pairs: &[(Value, Value)]) {
+        let map: hashbrown::HashMap<Value, Value> = pairs.iter().copied().collect();
+        let mut consumers: Vec<NodeId> = Vec::new();
+        for (old, _) in pairs {
+            for e in self.g.edges_directed(old.node, Direction::Outgoing) {
+                if let Edge::Data { result, .. } = *e.weight()
+                    && result == old.result
+                {
+                    consumers.push(e.target());
+                }
+            }
+        }
+        consumers.sort_unstable();
+        consumers.dedup();
+        for c in consumers {
+            let incoming: Vec<(NodeId, Edge)> = self
+                .g
+                .edges_directed(c, Direction::Incoming)
+                .map(|e| (e.source(), *e.weight()))
+                .collect();
+            while let Some(e) = self.g.edges_directed(c, Direction::Incoming).next() {
+                let id = e.id();
+                self.g.remove_edge(id);
+            }
+            // Re-add in the original order of the list (it is head-first, so reverse it).
+            for (src, w) in incoming.into_iter().rev() {
+                match w {
+                    Edge::Data { operand, result } => {
+                        let v = Value { node: src, result };
+                        let to = map.get(&v).copied().unwrap_or(v);
+                        self.g.add_edge(
+                            to.node,
+                            c,
+                            Edge::Data {
+                                operand,
+                                result: to.result,
+                            },
+                        );
+                    }
+                    Edge::Order => {
+                        self.g.add_edge(src, c, Edge::Order);
+                    }
+                }
+            }
+        }
+    }
+
     /// Moves the order-only edges into and out of `old` onto `new`.
     pub fn transfer_order_edges(&mut self, old: NodeId, new: NodeId) {
         let ins: Vec<NodeId> = self.order_preds(old).into_iter().collect();

@@ -383,19 +383,17 @@ fn parse_node(c: &mut Cursor<'_>) -> Result<ParsedNode, ParseError> {
         attrs.push((key.clone(), val, col));
     }
     let mut operands = Vec::new();
-    if c.eat('(') {
-        if !c.eat(')') {
-            loop {
-                let col = c.col();
-                match c.next() {
-                    Some(Tok::Ref(n, r)) => operands.push((*n, *r, col)),
-                    _ => return Err(err(line, col, "expected an operand like %3 or %3#1")),
-                }
-                if c.eat(')') {
-                    break;
-                }
-                c.expect(',')?;
+    if c.eat('(') && !c.eat(')') {
+        loop {
+            let col = c.col();
+            match c.next() {
+                Some(Tok::Ref(n, r)) => operands.push((*n, *r, col)),
+                _ => return Err(err(line, col, "expected an operand like %3 or %3#1")),
             }
+            if c.eat(')') {
+                break;
+            }
+            c.expect(',')?;
         }
     }
     let mut after = Vec::new();

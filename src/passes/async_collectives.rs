@@ -38,14 +38,19 @@ impl Pass for AsyncCollectives {
             .node_ids()
             .filter(|&id| matches!(graph.op(id), Op::AllReduce { .. }))
             .collect();
+        let mut pairs = Vec::new();
         for &id in &targets {
-            split(graph, id);
+            split(graph, id, &mut pairs);
+        }
+        graph.replace_uses_batch(&pairs);
+        for &id in &targets {
+            graph.remove_node(id);
         }
         Ok(!targets.is_empty())
     }
 }
 
-fn split(graph: &mut Graph, id: NodeId) {
+fn split(graph: &mut Graph, id: NodeId, pairs: &mut Vec<(Value, Value)>) {
     let Op::AllReduce {
         reduce,
         group,
@@ -80,11 +85,10 @@ fn split(graph: &mut Graph, id: NodeId) {
     graph.node_mut(start).pos = pos;
     graph.node_mut(done).pos = pos;
     for result in 0..types.len() as u32 {
-        graph.replace_uses(Value { node: id, result }, Value { node: done, result });
+        pairs.push((Value { node: id, result }, Value { node: done, result }));
     }
     for p in graph.order_preds(id) {
         graph.add_order(p, start);
     }
     graph.transfer_order_edges(id, done);
-    graph.remove_node(id);
 }

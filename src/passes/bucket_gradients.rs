@@ -318,6 +318,7 @@ pub fn cost_partition(
 }
 
 fn rewrite(graph: &mut Graph, buckets: &[Vec<NodeId>]) {
+    let mut pairs = Vec::new();
     for (b, members) in buckets.iter().enumerate() {
         let Op::GradSync { reduce, group, .. } = *graph.op(members[0]) else {
             unreachable!("plan_buckets returns grad_sync nodes only");
@@ -343,16 +344,19 @@ fn rewrite(graph: &mut Graph, buckets: &[Vec<NodeId>]) {
         );
         graph.node_mut(ar).pos = pos;
         for (i, &m) in members.iter().enumerate() {
-            graph.replace_uses(
+            pairs.push((
                 Value::of(m),
                 Value {
                     node: ar,
                     result: i as u32,
                 },
-            );
+            ));
             graph.transfer_order_edges(m, ar);
-            graph.remove_node(m);
         }
+    }
+    graph.replace_uses_batch(&pairs);
+    for m in buckets.iter().flatten() {
+        graph.remove_node(*m);
     }
 }
 

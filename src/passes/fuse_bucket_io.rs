@@ -83,8 +83,13 @@ impl Pass for FuseBucketIo {
             })
             .max()
             .map_or(0, |b| b + 1);
+        let mut pairs = Vec::new();
         for &id in &targets {
-            fuse_one(graph, id, &self.config, &mut next_bucket)?;
+            fuse_one(graph, id, &self.config, &mut next_bucket, &mut pairs)?;
+        }
+        graph.replace_uses_batch(&pairs);
+        for &id in &targets {
+            graph.remove_node(id);
         }
         Ok(!targets.is_empty())
     }
@@ -95,6 +100,7 @@ fn fuse_one(
     id: NodeId,
     cfg: &FuseConfig,
     next_bucket: &mut u32,
+    pairs: &mut Vec<(Value, Value)>,
 ) -> Result<(), PassError> {
     let Op::AllReduce {
         reduce,
@@ -142,7 +148,7 @@ fn fuse_one(
         graph.node_mut(n).pos = pos;
     }
     for i in 0..operands.len() as u32 {
-        graph.replace_uses(
+        pairs.push((
             Value {
                 node: id,
                 result: i,
@@ -151,13 +157,12 @@ fn fuse_one(
                 node: unpack,
                 result: i,
             },
-        );
+        ));
     }
     // Order constraints on the old collective now bind the whole pack → reduce → unpack chain.
     for p in graph.order_preds(id) {
         graph.add_order(p, pack);
     }
     graph.transfer_order_edges(id, unpack);
-    graph.remove_node(id);
     Ok(())
 }

@@ -53,13 +53,12 @@ impl Pass for ScheduleOverlap {
         // Chain the starts of each group in launch order.
         let mut last_start: HashMap<GroupId, NodeId> = HashMap::new();
         for &id in &order {
-            if let Op::AllReduceStart { group, .. } = *graph.op(id) {
-                if let Some(prev) = last_start.insert(group, id)
-                    && !graph.order_preds(id).contains(&prev)
-                {
-                    graph.add_order(prev, id);
-                    changed = true;
-                }
+            if let Op::AllReduceStart { group, .. } = *graph.op(id)
+                && let Some(prev) = last_start.insert(group, id)
+                && !graph.order_preds(id).contains(&prev)
+            {
+                graph.add_order(prev, id);
+                changed = true;
             }
         }
         let keys_ok = order
