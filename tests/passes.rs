@@ -198,7 +198,7 @@ fn manager_catches_a_pass_that_loses_a_gradient() {
     let pm = PassManager::new(
         vec![Box::new(DropsAGradient)],
         ManagerOptions {
-            verify: false,
+            verify: true,
             ..Default::default()
         },
     );
