@@ -329,7 +329,7 @@ fn pack_feeding(g: &Graph, v: Value) -> Option<NodeId> {
 }
 
 /// How many reductions a gradient flows into (directly, or through a pack).
-fn reductions_of(g: &Graph, id: NodeId) -> usize {
+pub fn reductions_of(g: &Graph, id: NodeId) -> usize {
     let mut n = 0;
     for (user, _, _) in g.uses(id) {
         match g.op(user) {

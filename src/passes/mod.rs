@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::config::{CompileConfig, PrintAfter};
-use crate::graph::verify::{VerifyError, VerifyOptions, verify};
+use crate::graph::verify::{VerifyError, VerifyOptions, reductions_of, verify};
 use crate::graph::{Graph, Op, print};
 
 /// A graph rewrite.
@@ -127,19 +127,7 @@ pub fn reduced_params(graph: &Graph) -> BTreeMap<String, usize> {
         let Op::Gradient { param } = graph.op(id) else {
             continue;
         };
-        let mut n = 0;
-        for (user, _, _) in graph.uses(id) {
-            let op = graph.op(user);
-            if op.is_reduction() {
-                n += 1;
-            } else if let Op::BucketPack { .. } = op {
-                n += graph
-                    .uses(user)
-                    .iter()
-                    .filter(|(u, _, _)| graph.op(*u).is_reduction())
-                    .count();
-            }
-        }
+        let n = reductions_of(graph, id);
         if n > 0 {
             out.insert(param.clone(), n);
         }
