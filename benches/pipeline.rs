@@ -9,7 +9,8 @@ use collective_fusion::graph::builder::{BuildOptions, build_step_graph};
 use collective_fusion::graph::{ComputeKind, DType, Graph, Op, ReduceOp, TensorType, Value};
 use collective_fusion::model::{BUNDLED, ModelProfile};
 use collective_fusion::passes::compile;
-use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BatchSize, BenchmarkGroup, Criterion, criterion_group, criterion_main};
 
 /// A backward chain of `nodes` nodes: compute → gradient → grad_sync, repeated, then a sync.
 fn synthetic(nodes: usize) -> Graph {
@@ -65,36 +66,32 @@ fn config(policy: BucketPolicy) -> CompileConfig {
     c
 }
 
+/// Times the whole pipeline on `graph` under the ddp and cost policies.
+fn bench_policies(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, graph: &Graph) {
+    for policy in [BucketPolicy::Ddp, BucketPolicy::Cost] {
+        let cfg = config(policy);
+        group.bench_function(format!("{name}/{}", policy.name()), |b| {
+            b.iter_batched(
+                || graph.clone(),
+                |mut g| black_box(compile(&mut g, &cfg).unwrap()),
+                BatchSize::LargeInput,
+            )
+        });
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("pipeline");
     group.measurement_time(Duration::from_secs(3));
     for (name, _) in BUNDLED {
         let profile = ModelProfile::load(name).unwrap();
         let graph = build_step_graph(&profile, &BuildOptions::default());
-        for policy in [BucketPolicy::Ddp, BucketPolicy::Cost] {
-            let cfg = config(policy);
-            group.bench_function(format!("{name}/{}", policy.name()), |b| {
-                b.iter_batched(
-                    || graph.clone(),
-                    |mut g| black_box(compile(&mut g, &cfg).unwrap()),
-                    BatchSize::LargeInput,
-                )
-            });
-        }
+        bench_policies(&mut group, name, &graph);
     }
     group.sample_size(10);
     for nodes in [1_000usize, 10_000, 100_000] {
         let graph = synthetic(nodes);
-        for policy in [BucketPolicy::Ddp, BucketPolicy::Cost] {
-            let cfg = config(policy);
-            group.bench_function(format!("synthetic-{nodes}/{}", policy.name()), |b| {
-                b.iter_batched(
-                    || graph.clone(),
-                    |mut g| black_box(compile(&mut g, &cfg).unwrap()),
-                    BatchSize::LargeInput,
-                )
-            });
-        }
+        bench_policies(&mut group, &format!("synthetic-{nodes}"), &graph);
     }
     group.finish();
 }

@@ -674,8 +674,10 @@ impl Graph {
         }
     }
 
-    /// Moves the order-only edges into and out of `old` onto `new`.
-    pub fn transfer_order_edges(&mut self, old: NodeId, new: NodeId) {
+    /// Moves the order-only edges of `old`: those into it now enter `first`, those out of it now
+    /// leave `last` (the same node when `old` is replaced by one node, the ends of a chain when
+    /// it is replaced by several).
+    pub fn transfer_order_edges(&mut self, old: NodeId, first: NodeId, last: NodeId) {
         let ins: Vec<NodeId> = self.order_preds(old).into_iter().collect();
         let outs: Vec<NodeId> = self
             .g
@@ -684,13 +686,13 @@ impl Graph {
             .map(|e| e.target())
             .collect();
         for p in ins {
-            if p != new {
-                self.add_order(p, new);
+            if p != first {
+                self.add_order(p, first);
             }
         }
         for s in outs {
-            if s != new {
-                self.add_order(new, s);
+            if s != last {
+                self.add_order(last, s);
             }
         }
     }

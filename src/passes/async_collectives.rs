@@ -87,8 +87,5 @@ fn split(graph: &mut Graph, id: NodeId, pairs: &mut Vec<(Value, Value)>) {
     for result in 0..types.len() as u32 {
         pairs.push((Value { node: id, result }, Value { node: done, result }));
     }
-    for p in graph.order_preds(id) {
-        graph.add_order(p, start);
-    }
-    graph.transfer_order_edges(id, done);
+    graph.transfer_order_edges(id, start, done);
 }

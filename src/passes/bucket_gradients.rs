@@ -351,7 +351,7 @@ fn rewrite(graph: &mut Graph, buckets: &[Vec<NodeId>]) {
                     result: i as u32,
                 },
             ));
-            graph.transfer_order_edges(m, ar);
+            graph.transfer_order_edges(m, ar, ar);
         }
     }
     graph.replace_uses_batch(&pairs);

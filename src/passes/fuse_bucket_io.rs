@@ -160,9 +160,6 @@ fn fuse_one(
         ));
     }
     // Order constraints on the old collective now bind the whole pack → reduce → unpack chain.
-    for p in graph.order_preds(id) {
-        graph.add_order(p, pack);
-    }
-    graph.transfer_order_edges(id, unpack);
+    graph.transfer_order_edges(id, pack, unpack);
     Ok(())
 }
