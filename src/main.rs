@@ -84,6 +84,9 @@ enum Command {
         /// Print the bucket plan as JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Print the lowered plan (per-stream steps, NCCL calls) instead of the graph.
+        #[arg(long)]
+        lowered: bool,
     },
 }
 
@@ -137,6 +140,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             disable_pass,
             print_after,
             json,
+            lowered,
         } => {
             let mut out = String::new();
             let profile = ModelProfile::load(&model)?;
@@ -224,7 +228,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 writeln!(out, "{}", serde_json::to_string_pretty(&json_out)?)?;
                 return emit(&out);
             }
-            write!(out, "{}", print(&graph))?;
+            if lowered {
+                write!(out, "{}", collective_fusion::codegen::lower(&graph)?)?;
+            } else {
+                write!(out, "{}", print(&graph))?;
+            }
             writeln!(out)?;
             writeln!(
                 out,

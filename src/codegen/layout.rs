@@ -1,19 +1,24 @@
 //! Bucket layouts: for every collective of an optimized graph, in launch order, the tensors it
 //! reduces and where each sits in the flat buffer.
 //!
-//! Members are laid out back to back in operand order (offset of member `i` = sum of the element
-//! counts before it), which is exactly what `bucket_pack` writes and `bucket_unpack` reads.
+//! Members are laid out in operand order, each starting at a multiple of [`ALIGN_BYTES`] of the
+//! wire dtype (so vectorized kernels and NCCL see aligned members); the gaps and the tail are
+//! padding that packs write as zero. A single-member collective has no padding.
 
 use serde::Serialize;
 
 use crate::graph::{CycleError, DType, Graph, GroupId, NodeId, Op, ReduceOp, Value};
+
+/// Every member of a multi-tensor bucket starts at a multiple of this many bytes of the wire
+/// dtype, and the buffer's length is rounded up to it (16 bytes: one 128-bit vector load).
+pub const ALIGN_BYTES: u64 = 16;
 
 /// One tensor inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct MemberLayout {
     /// Parameter whose gradient this is, when the member is a gradient.
     pub param: Option<String>,
-    /// Offset in the flat buffer, in elements of the member's dtype.
+    /// Offset in the flat buffer, in elements (the same count in the member's and the wire dtype).
     pub offset: u64,
     /// Element count.
     pub numel: u64,
@@ -36,8 +41,10 @@ pub struct BucketLayout {
     pub wire_dtype: String,
     /// Members in buffer order.
     pub members: Vec<MemberLayout>,
-    /// Elements on the wire.
+    /// Elements on the wire, padding included.
     pub numel: u64,
+    /// Padding elements (alignment gaps and tail) inside `numel`.
+    pub padding: u64,
     /// Bytes on the wire.
     pub bytes: u64,
     /// Bytes of the members in their own dtype.
@@ -51,7 +58,7 @@ fn param_of(graph: &Graph, v: Value) -> Option<String> {
     }
 }
 
-fn layout_of(
+pub(crate) fn layout_of(
     graph: &Graph,
     id: NodeId,
     reduce: ReduceOp,
@@ -69,11 +76,19 @@ fn layout_of(
             ),
             _ => (ops.to_vec(), None, graph.ty(ops[0]).dtype),
         };
-    let mut offset = 0;
+    let align = if members_vals.len() > 1 {
+        (ALIGN_BYTES / wire.size()).max(1)
+    } else {
+        1
+    };
+    let mut offset: u64 = 0;
     let mut members = Vec::with_capacity(members_vals.len());
     let mut member_bytes = 0;
+    let mut data: u64 = 0;
     for v in &members_vals {
         let t = graph.ty(*v);
+        offset = offset.next_multiple_of(align);
+        data += t.numel();
         members.push(MemberLayout {
             param: param_of(graph, *v),
             offset,
@@ -83,14 +98,16 @@ fn layout_of(
         offset += t.numel();
         member_bytes += t.bytes();
     }
+    let numel = offset.next_multiple_of(align);
     BucketLayout {
         bucket,
         reduce: reduce.name().to_string(),
         scale_div,
         group: group.0,
         wire_dtype: wire.name().to_string(),
-        numel: offset,
-        bytes: offset * wire.size(),
+        numel,
+        padding: numel - data,
+        bytes: numel * wire.size(),
         member_bytes,
         members,
     }

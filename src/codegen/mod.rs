@@ -1,7 +1,13 @@
 //! Lowering of an optimized graph to data a runtime executes. Pure: graph in, data out; never a
 //! device, a stream or Burn.
 //!
-//! Today it derives the bucket layouts (which gradient sits at which offset of which flat buffer,
-//! in launch order). The per-stream step plan and the CubeCL kernels build on these layouts.
+//! - [`layout`]: bucket layouts (which gradient sits at which offset of which flat buffer).
+//! - [`plan`]: the per-stream step lists one rank runs (compute, pack/unpack kernels, collective
+//!   calls, events), with a deterministic text form.
+//! - [`kernels`]: the CubeCL definitions of the bucket pack and unpack kernels.
 
+pub mod kernels;
 pub mod layout;
+pub mod plan;
+
+pub use plan::{Plan, lower};
