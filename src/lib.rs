@@ -13,3 +13,4 @@ pub mod cost;
 pub mod graph;
 pub mod model;
 pub mod passes;
+pub mod runtime;

@@ -1,0 +1,226 @@
+//! Host tensors: a typed flat buffer per gradient or bucket, and the element arithmetic every
+//! host path (pack, unpack, the in-process reduction) shares so that they agree bit for bit.
+
+use half::{bf16, f16};
+
+use crate::graph::DType;
+
+/// A float element the host paths handle.
+pub trait Element: Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static {
+    /// Its graph dtype.
+    const DTYPE: DType;
+    /// Zero.
+    const ZERO: Self;
+    /// `self + other`, rounded to this type.
+    fn add(self, other: Self) -> Self;
+    /// `self * (1 / div)`, the factor rounded to this type's arithmetic first (f32 for the half
+    /// types), exactly as the pack kernel and NCCL's average prescale it.
+    fn scale_div(self, div: u32) -> Self;
+    /// Widening to f64 (exact for every supported type).
+    fn to_f64(self) -> f64;
+    /// Narrowing from f64, round to nearest even.
+    fn from_f64(v: f64) -> Self;
+    /// The typed elements of a buffer of this dtype.
+    fn slice(b: &HostBuffer) -> Option<&[Self]>;
+    /// The typed elements of a buffer of this dtype, mutable.
+    fn slice_mut(b: &mut HostBuffer) -> Option<&mut [Self]>;
+}
+
+macro_rules! slices {
+    ($variant:ident) => {
+        fn slice(b: &HostBuffer) -> Option<&[Self]> {
+            match b {
+                HostBuffer::$variant(v) => Some(v),
+                _ => None,
+            }
+        }
+        fn slice_mut(b: &mut HostBuffer) -> Option<&mut [Self]> {
+            match b {
+                HostBuffer::$variant(v) => Some(v),
+                _ => None,
+            }
+        }
+    };
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    const ZERO: Self = 0.0;
+    #[inline]
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+    #[inline]
+    fn scale_div(self, div: u32) -> Self {
+        self * (1.0 / div as f32)
+    }
+    #[inline]
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    #[inline]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    slices!(F32);
+}
+
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+    const ZERO: Self = 0.0;
+    #[inline]
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+    #[inline]
+    fn scale_div(self, div: u32) -> Self {
+        self * (1.0 / f64::from(div))
+    }
+    #[inline]
+    fn to_f64(self) -> f64 {
+        self
+    }
+    #[inline]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    slices!(F64);
+}
+
+macro_rules! half_element {
+    ($t:ty, $d:expr, $variant:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            const ZERO: Self = <$t>::ZERO;
+            #[inline]
+            fn add(self, other: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + other.to_f32())
+            }
+            #[inline]
+            fn scale_div(self, div: u32) -> Self {
+                <$t>::from_f32(self.to_f32() * (1.0 / div as f32))
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            slices!($variant);
+        }
+    };
+}
+half_element!(f16, DType::F16, F16);
+half_element!(bf16, DType::BF16, BF16);
+
+/// A flat host tensor of one float dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostBuffer {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// 64-bit floats.
+    F64(Vec<f64>),
+    /// IEEE half.
+    F16(Vec<f16>),
+    /// bfloat16.
+    BF16(Vec<bf16>),
+}
+
+impl Default for HostBuffer {
+    fn default() -> Self {
+        HostBuffer::F32(Vec::new())
+    }
+}
+
+/// Calls `$body` with `$v` bound to the typed vector inside a [`HostBuffer`].
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_host_buffer {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            $crate::runtime::HostBuffer::F32($v) => $body,
+            $crate::runtime::HostBuffer::F64($v) => $body,
+            $crate::runtime::HostBuffer::F16($v) => $body,
+            $crate::runtime::HostBuffer::BF16($v) => $body,
+        }
+    };
+}
+
+impl HostBuffer {
+    /// A zero-filled buffer, or `None` for a dtype the host paths do not reduce (integers).
+    pub fn zeros(dtype: DType, len: usize) -> Option<HostBuffer> {
+        Some(match dtype {
+            DType::F32 => HostBuffer::F32(vec![0.0; len]),
+            DType::F64 => HostBuffer::F64(vec![0.0; len]),
+            DType::F16 => HostBuffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => HostBuffer::BF16(vec![bf16::ZERO; len]),
+            DType::I32 | DType::I64 => return None,
+        })
+    }
+
+    /// Converts f64 values to a buffer of `dtype` (round to nearest even).
+    pub fn from_f64(dtype: DType, values: &[f64]) -> Option<HostBuffer> {
+        let mut b = HostBuffer::zeros(dtype, values.len())?;
+        with_host_buffer!(&mut b, v => {
+            for (d, s) in v.iter_mut().zip(values) {
+                *d = Element::from_f64(*s);
+            }
+        });
+        Some(b)
+    }
+
+    /// Its dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostBuffer::F32(_) => DType::F32,
+            HostBuffer::F64(_) => DType::F64,
+            HostBuffer::F16(_) => DType::F16,
+            HostBuffer::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        with_host_buffer!(self, v => v.len())
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values widened to f64.
+    pub fn to_f64(&self) -> Vec<f64> {
+        with_host_buffer!(self, v => v.iter().map(|x| x.to_f64()).collect())
+    }
+
+    /// Bit-exact equality (distinguishes -0.0 from 0.0 and compares NaN payloads).
+    pub fn bits_eq(&self, other: &HostBuffer) -> bool {
+        match (self, other) {
+            (HostBuffer::F32(a), HostBuffer::F32(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            (HostBuffer::F64(a), HostBuffer::F64(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            (HostBuffer::F16(a), HostBuffer::F16(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            (HostBuffer::BF16(a), HostBuffer::BF16(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            }
+            _ => false,
+        }
+    }
+
+    /// The raw bytes, little-endian as in memory.
+    pub fn as_bytes(&self) -> &[u8] {
+        fn bytes<T>(v: &[T]) -> &[u8] {
+            // SAFETY: every element type here is plain old data without padding.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        }
+        with_host_buffer!(self, v => bytes(v))
+    }
+}

@@ -1,0 +1,176 @@
+//! The communicator interface the executor talks to, and its errors.
+//!
+//! A communicator is one rank's end of a group. `all_reduce` enqueues a collective on the rank's
+//! communication stream and returns at once with a [`PendingReduce`]; collectives run in the
+//! order they were enqueued (a stream), and [`PendingReduce::wait`] is bounded by a timeout.
+
+use std::fmt;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::buffer::HostBuffer;
+use crate::graph::{DType, ReduceOp};
+
+/// What a collective is, for matching across ranks and for error messages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveDesc {
+    /// Launch index in the plan.
+    pub collective: u32,
+    /// Bucket number, when bucketed.
+    pub bucket: Option<u32>,
+    /// Reduction.
+    pub op: ReduceOp,
+    /// Element type.
+    pub dtype: DType,
+    /// Element count.
+    pub count: u64,
+    /// Parameters whose gradients it carries (first and last are enough to find them).
+    pub params: Vec<String>,
+}
+
+impl fmt::Display for CollectiveDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.bucket {
+            Some(b) => write!(f, "all-reduce #{} (bucket b{b}", self.collective)?,
+            None => write!(f, "all-reduce #{} (", self.collective)?,
+        }
+        if self.bucket.is_some() {
+            f.write_str(", ")?;
+        }
+        write!(f, "{} {}×{}", self.op.name(), self.dtype, self.count)?;
+        match self.params.as_slice() {
+            [] => {}
+            [p] => write!(f, ", param {p}")?,
+            [a, .., z] => write!(f, ", {} params {a} … {z}", self.params.len())?,
+        }
+        f.write_str(")")
+    }
+}
+
+/// A failed collective.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CommError {
+    /// Not every rank arrived within the timeout.
+    #[error("rank {rank}: {what} timed out after {waited:?}; ranks {missing:?} never arrived")]
+    Timeout {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        what: CollectiveDesc,
+        /// How long it waited.
+        waited: Duration,
+        /// Ranks that had not arrived.
+        missing: Vec<usize>,
+    },
+    /// Ranks called different collectives at the same point of the sequence.
+    #[error("rank {rank}: collective mismatch: rank {rank} called {mine}, rank {other_rank} called {theirs}")]
+    Mismatch {
+        /// The rank reporting.
+        rank: usize,
+        /// What this rank called.
+        mine: CollectiveDesc,
+        /// The first other rank that disagrees.
+        other_rank: usize,
+        /// What it called.
+        theirs: CollectiveDesc,
+    },
+    /// The group was aborted by a rank's failure; this rank's collective did not run.
+    #[error("rank {rank}: {what} aborted: {reason}")]
+    Aborted {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective that did not run.
+        what: CollectiveDesc,
+        /// Why the group was aborted (the first failure).
+        reason: String,
+    },
+    /// The communicator cannot do this collective.
+    #[error("rank {rank}: {what}: {why}")]
+    Unsupported {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        what: CollectiveDesc,
+        /// Why.
+        why: String,
+    },
+    /// The communicator's stream is gone (closed, or its thread died).
+    #[error("rank {rank}: {what}: the communicator was closed")]
+    Closed {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        what: CollectiveDesc,
+    },
+}
+
+/// When a collective ran on the communication stream.
+#[derive(Clone, Copy, Debug)]
+pub struct CommSpan {
+    /// It started (every rank had arrived).
+    pub start: Instant,
+    /// It finished on this rank.
+    pub end: Instant,
+}
+
+/// The outcome a communicator sends back for one collective.
+pub type CommResult = Result<(HostBuffer, CommSpan), CommError>;
+
+/// A collective in flight.
+pub struct PendingReduce {
+    rank: usize,
+    what: CollectiveDesc,
+    rx: mpsc::Receiver<CommResult>,
+}
+
+impl PendingReduce {
+    /// A pending collective whose result arrives on `rx`.
+    pub fn new(rank: usize, what: CollectiveDesc, rx: mpsc::Receiver<CommResult>) -> Self {
+        PendingReduce { rank, what, rx }
+    }
+
+    /// A collective that already finished.
+    pub fn finished(rank: usize, what: CollectiveDesc, result: CommResult) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let _ = tx.send(result);
+        PendingReduce { rank, what, rx }
+    }
+
+    /// What is in flight.
+    pub fn desc(&self) -> &CollectiveDesc {
+        &self.what
+    }
+
+    /// Waits for the reduced buffer, at most `timeout`.
+    pub fn wait(self, timeout: Duration) -> Result<(HostBuffer, CommSpan), CommError> {
+        let t0 = Instant::now();
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(CommError::Timeout {
+                rank: self.rank,
+                what: self.what,
+                waited: t0.elapsed(),
+                missing: Vec::new(),
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(CommError::Closed {
+                rank: self.rank,
+                what: self.what,
+            }),
+        }
+    }
+}
+
+/// One rank's end of a communication group.
+pub trait Communicator: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// Enqueues an all-reduce of `buffer` (the whole buffer is reduced; its length and dtype must
+    /// match `what`). `ReduceOp::Mean` divides every contribution by the group size before the
+    /// sum, as NCCL's average does.
+    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError>;
+    /// Fails the group: every rank's pending and future collectives return
+    /// [`CommError::Aborted`] with `reason`, instead of waiting for this rank.
+    fn abort(&self, reason: &str);
+}

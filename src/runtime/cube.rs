@@ -1,0 +1,256 @@
+//! Launching the CubeCL bucket kernels ([`codegen::kernels`](crate::codegen::kernels)) on a
+//! CubeCL runtime: wgpu here (Mesa's software Vulkan driver in CI), CUDA on GPUs. Buffers are
+//! CubeCL handles, the same kind Burn's CubeCL backends keep their tensors in.
+//!
+//! A bucket is one launch when its members fit the device's binding limit (every member is one
+//! storage binding); larger buckets are packed in consecutive launches of up to that many
+//! members into the same buffer.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::codegen::kernels::{bucket_pack, bucket_unpack};
+use crate::codegen::layout::BucketLayout;
+use crate::graph::DType;
+
+/// Units per cube of the bucket kernels.
+const CUBE_DIM: u32 = 256;
+/// Most cubes a launch uses (the kernels loop over the rest).
+const MAX_CUBES: u32 = 1024;
+
+/// Why a kernel could not be launched.
+#[derive(Debug, thiserror::Error)]
+pub enum CubeError {
+    /// The runtime cannot run this dtype pair.
+    #[error("bucket {bucket}: {what} is not supported on this device")]
+    Unsupported {
+        /// Bucket label.
+        bucket: String,
+        /// The dtype pair or feature.
+        what: String,
+    },
+    /// A member handle does not match the layout.
+    #[error("bucket {bucket}: {why}")]
+    Layout {
+        /// Bucket label.
+        bucket: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+fn label(layout: &BucketLayout) -> String {
+    layout
+        .bucket
+        .map_or_else(|| "(unbucketed)".to_string(), |b| format!("b{b}"))
+}
+
+/// A member tensor on the device: its handle and element count.
+#[derive(Clone)]
+pub struct DeviceMember {
+    /// The buffer.
+    pub handle: Handle,
+    /// Elements.
+    pub len: usize,
+}
+
+fn launch_shape(numel: u64) -> (CubeCount, CubeDim) {
+    let cubes = numel.div_ceil(u64::from(CUBE_DIM)).clamp(1, u64::from(MAX_CUBES)) as u32;
+    (CubeCount::Static(cubes, 1, 1), CubeDim::new_1d(CUBE_DIM))
+}
+
+/// Members per launch on this client.
+fn members_per_launch<R: Runtime>(client: &ComputeClient<R>) -> usize {
+    // Every launch also binds the offsets and the flat buffer, plus CubeCL's metadata buffer.
+    let bindings = client.properties().hardware.max_bindings as usize;
+    bindings.saturating_sub(4).clamp(1, 64)
+}
+
+fn check<'a>(layout: &'a BucketLayout, members: &[DeviceMember]) -> Result<(), CubeError> {
+    if members.len() != layout.members.len() {
+        return Err(CubeError::Layout {
+            bucket: label(layout),
+            why: format!("{} members given, the layout has {}", members.len(), layout.members.len()),
+        });
+    }
+    if layout.numel > u64::from(u32::MAX) {
+        return Err(CubeError::Layout {
+            bucket: label(layout),
+            why: format!("{} elements exceed the kernels' 32-bit offsets", layout.numel),
+        });
+    }
+    for (i, (m, l)) in members.iter().zip(&layout.members).enumerate() {
+        if m.len as u64 != l.numel {
+            return Err(CubeError::Layout {
+                bucket: label(layout),
+                why: format!("member {i} has {} elements, the layout says {}", m.len, l.numel),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Offsets table of members `[from, to)`: their offsets then the end of the last one's padding.
+fn offsets(layout: &BucketLayout, from: usize, to: usize) -> Vec<u32> {
+    let mut o: Vec<u32> = layout.members[from..to].iter().map(|m| m.offset as u32).collect();
+    let end = layout.members.get(to).map_or(layout.numel, |m| m.offset);
+    o.push(end as u32);
+    o
+}
+
+fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+    members: &[DeviceMember],
+    scale: f32,
+    out: &Handle,
+) {
+    let per = members_per_launch(client);
+    let mut from = 0;
+    while from < members.len() {
+        let to = (from + per).min(members.len());
+        let offs = offsets(layout, from, to);
+        let offs_handle = client.create_from_slice(u32::as_bytes(&offs));
+        let span: u64 = members[from..to].iter().map(|m| m.len as u64).sum();
+        let (count, dim) = launch_shape(span.max(1));
+        let seq: SequenceArg<R, Array<F>> = members[from..to]
+            .iter()
+            // SAFETY: each handle holds `len` elements of `F` (checked against the layout).
+            .map(|m| unsafe { ArrayArg::from_raw_parts(m.handle.clone(), m.len) })
+            .collect();
+        bucket_pack::launch::<F, W, R>(
+            client,
+            count,
+            dim,
+            seq,
+            // SAFETY: the table was just created with `offs.len()` elements.
+            unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) },
+            // SAFETY: `out` holds `layout.numel` elements of `W` (the caller made it).
+            unsafe { ArrayArg::from_raw_parts(out.clone(), layout.numel as usize) },
+            F::new(scale),
+        );
+        from = to;
+    }
+}
+
+fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+    buffer: &Handle,
+    members: &[DeviceMember],
+) {
+    let per = members_per_launch(client);
+    let mut from = 0;
+    while from < members.len() {
+        let to = (from + per).min(members.len());
+        let offs = offsets(layout, from, to);
+        let offs_handle = client.create_from_slice(u32::as_bytes(&offs));
+        let span: u64 = members[from..to].iter().map(|m| m.len as u64).sum();
+        let (count, dim) = launch_shape(span.max(1));
+        let seq: SequenceArg<R, Array<F>> = members[from..to]
+            .iter()
+            // SAFETY: each handle holds `len` elements of `F` (checked against the layout).
+            .map(|m| unsafe { ArrayArg::from_raw_parts(m.handle.clone(), m.len) })
+            .collect();
+        bucket_unpack::launch::<W, F, R>(
+            client,
+            count,
+            dim,
+            // SAFETY: `buffer` holds `layout.numel` elements of `W`.
+            unsafe { ArrayArg::from_raw_parts(buffer.clone(), layout.numel as usize) },
+            // SAFETY: the table was just created with `offs.len()` elements.
+            unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) },
+            seq,
+        );
+        from = to;
+    }
+}
+
+fn dtype_of(layout: &BucketLayout, name: &str) -> Result<DType, CubeError> {
+    DType::from_name(name).ok_or_else(|| CubeError::Unsupported {
+        bucket: label(layout),
+        what: format!("dtype {name}"),
+    })
+}
+
+fn supports<R: Runtime>(client: &ComputeClient<R>, d: DType) -> bool {
+    let ty = match d {
+        DType::F32 => f32::as_type_native_unchecked(),
+        DType::F16 => half::f16::as_type_native_unchecked(),
+        DType::BF16 => half::bf16::as_type_native_unchecked(),
+        DType::F64 => f64::as_type_native_unchecked(),
+        DType::I32 | DType::I64 => return false,
+    };
+    client.properties().supports_type(ty)
+}
+
+macro_rules! by_dtype_pair {
+    ($member:expr, $wire:expr, $layout:expr, |$f:ident, $w:ident| $call:expr) => {{
+        macro_rules! inner {
+            ($ft:ty) => {
+                match $wire {
+                    DType::F32 => { type $f = $ft; type $w = f32; $call }
+                    DType::F16 => { type $f = $ft; type $w = half::f16; $call }
+                    DType::BF16 => { type $f = $ft; type $w = half::bf16; $call }
+                    DType::F64 => { type $f = $ft; type $w = f64; $call }
+                    d => return Err(CubeError::Unsupported { bucket: label($layout), what: format!("wire dtype {d}") }),
+                }
+            };
+        }
+        match $member {
+            DType::F32 => inner!(f32),
+            DType::F16 => inner!(half::f16),
+            DType::BF16 => inner!(half::bf16),
+            DType::F64 => inner!(f64),
+            d => return Err(CubeError::Unsupported { bucket: label($layout), what: format!("member dtype {d}") }),
+        }
+    }};
+}
+
+fn dtypes<R: Runtime>(client: &ComputeClient<R>, layout: &BucketLayout) -> Result<(DType, DType), CubeError> {
+    let wire = dtype_of(layout, &layout.wire_dtype)?;
+    let member = match layout.members.first() {
+        Some(m) => dtype_of(layout, &m.dtype)?,
+        None => wire,
+    };
+    for d in [member, wire] {
+        if !supports(client, d) {
+            return Err(CubeError::Unsupported {
+                bucket: label(layout),
+                what: format!("dtype {d}"),
+            });
+        }
+    }
+    Ok((member, wire))
+}
+
+/// Packs `members` into a new device buffer of the layout's wire dtype (scaled by
+/// `1/scale_div` when set), returning its handle. One launch per bucket when the members fit
+/// the device's binding limit.
+pub fn pack<R: Runtime>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+    members: &[DeviceMember],
+    scale_div: Option<u32>,
+) -> Result<Handle, CubeError> {
+    check(layout, members)?;
+    let (member, wire) = dtypes(client, layout)?;
+    let out = client.empty(layout.numel.max(1) as usize * wire.size() as usize);
+    // The same factor the host path uses: 1/div rounded in f32 (exact for powers of two).
+    let scale = scale_div.map_or(1.0, |d| 1.0 / d as f32);
+    by_dtype_pair!(member, wire, layout, |F, W| pack_typed::<R, F, W>(client, layout, members, scale, &out));
+    Ok(out)
+}
+
+/// Scatters a reduced flat buffer back into the members' buffers, casting back.
+pub fn unpack<R: Runtime>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+    buffer: &Handle,
+    members: &[DeviceMember],
+) -> Result<(), CubeError> {
+    check(layout, members)?;
+    let (member, wire) = dtypes(client, layout)?;
+    by_dtype_pair!(member, wire, layout, |F, W| unpack_typed::<R, W, F>(client, layout, buffer, members));
+    Ok(())
+}

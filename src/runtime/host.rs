@@ -1,0 +1,170 @@
+//! Host implementation of the bucket kernels, for tensors in host memory (NdArray's, and the
+//! reference the CubeCL kernels are checked against). Same arithmetic as the CubeCL kernels:
+//! scale in the member dtype, then cast to the wire dtype with round to nearest even.
+
+use super::buffer::{Element, HostBuffer};
+use crate::codegen::layout::BucketLayout;
+use crate::with_host_buffer;
+
+/// Why a bucket kernel could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// A member does not match the layout.
+    #[error("bucket {bucket}: member {index} ({param}) is {got}, the layout expects {expected}")]
+    Member {
+        /// Bucket label.
+        bucket: String,
+        /// Member index.
+        index: usize,
+        /// Parameter, when known.
+        param: String,
+        /// What the layout says.
+        expected: String,
+        /// What was given.
+        got: String,
+    },
+    /// A dtype the host path does not handle.
+    #[error("bucket {bucket}: dtype {dtype} is not supported by the host bucket kernels")]
+    Dtype {
+        /// Bucket label.
+        bucket: String,
+        /// The dtype.
+        dtype: String,
+    },
+}
+
+fn label(layout: &BucketLayout) -> String {
+    layout
+        .bucket
+        .map_or_else(|| "(unbucketed)".to_string(), |b| format!("b{b}"))
+}
+
+fn check(layout: &BucketLayout, members: &[&HostBuffer]) -> Result<(), KernelError> {
+    if members.len() != layout.members.len() {
+        return Err(KernelError::Member {
+            bucket: label(layout),
+            index: members.len().min(layout.members.len()),
+            param: "-".into(),
+            expected: format!("{} members", layout.members.len()),
+            got: format!("{} members", members.len()),
+        });
+    }
+    for (i, (m, l)) in members.iter().zip(&layout.members).enumerate() {
+        if m.len() as u64 != l.numel || m.dtype().name() != l.dtype {
+            return Err(KernelError::Member {
+                bucket: label(layout),
+                index: i,
+                param: l.param.clone().unwrap_or_else(|| "-".into()),
+                expected: format!("{}[{}]", l.dtype, l.numel),
+                got: format!("{}[{}]", m.dtype(), m.len()),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn pack_typed<F: Element, W: Element>(
+    layout: &BucketLayout,
+    members: &[&[F]],
+    scale_div: Option<u32>,
+    out: &mut [W],
+) {
+    for (m, l) in members.iter().zip(&layout.members) {
+        let dst = &mut out[l.offset as usize..][..m.len()];
+        match scale_div {
+            Some(d) => {
+                for (o, x) in dst.iter_mut().zip(m.iter()) {
+                    *o = W::from_f64(x.scale_div(d).to_f64());
+                }
+            }
+            None => {
+                for (o, x) in dst.iter_mut().zip(m.iter()) {
+                    *o = W::from_f64(x.to_f64());
+                }
+            }
+        }
+    }
+}
+
+fn unpack_typed<W: Element, F: Element>(layout: &BucketLayout, buffer: &[W], member: &mut [F], i: usize) {
+    let l = &layout.members[i];
+    let src = &buffer[l.offset as usize..][..member.len()];
+    for (o, x) in member.iter_mut().zip(src) {
+        *o = F::from_f64(x.to_f64());
+    }
+}
+
+fn wire_buffer(layout: &BucketLayout) -> Result<HostBuffer, KernelError> {
+    crate::graph::DType::from_name(&layout.wire_dtype)
+        .and_then(|d| HostBuffer::zeros(d, layout.numel as usize))
+        .ok_or_else(|| KernelError::Dtype {
+            bucket: label(layout),
+            dtype: layout.wire_dtype.clone(),
+        })
+}
+
+fn pack_as<F: Element>(
+    layout: &BucketLayout,
+    members: &[&HostBuffer],
+    scale_div: Option<u32>,
+    out: &mut HostBuffer,
+) {
+    let typed: Vec<&[F]> = members.iter().filter_map(|m| F::slice(m)).collect();
+    with_host_buffer!(out, o => pack_typed(layout, &typed, scale_div, o));
+}
+
+/// Packs `members` (in layout order) into a new flat buffer of the layout's wire dtype, dividing
+/// by `scale_div` when set. Padding is zero.
+pub fn pack(
+    layout: &BucketLayout,
+    members: &[&HostBuffer],
+    scale_div: Option<u32>,
+) -> Result<HostBuffer, KernelError> {
+    check(layout, members)?;
+    let mut out = wire_buffer(layout)?;
+    // Members share one dtype: the verifier guarantees it and `check` confirmed each one.
+    match members.first().map(|m| m.dtype()) {
+        None => {}
+        Some(crate::graph::DType::F32) => pack_as::<f32>(layout, members, scale_div, &mut out),
+        Some(crate::graph::DType::F64) => pack_as::<f64>(layout, members, scale_div, &mut out),
+        Some(crate::graph::DType::F16) => {
+            pack_as::<half::f16>(layout, members, scale_div, &mut out)
+        }
+        Some(crate::graph::DType::BF16) => {
+            pack_as::<half::bf16>(layout, members, scale_div, &mut out)
+        }
+        Some(d) => {
+            return Err(KernelError::Dtype {
+                bucket: label(layout),
+                dtype: d.name().to_string(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Scatters a reduced flat buffer back into `members` (in layout order), casting each element
+/// back to the member's dtype.
+pub fn unpack(
+    layout: &BucketLayout,
+    buffer: &HostBuffer,
+    members: &mut [&mut HostBuffer],
+) -> Result<(), KernelError> {
+    {
+        let shared: Vec<&HostBuffer> = members.iter().map(|m| &**m).collect();
+        check(layout, &shared)?;
+    }
+    if buffer.len() as u64 != layout.numel || buffer.dtype().name() != layout.wire_dtype {
+        return Err(KernelError::Member {
+            bucket: label(layout),
+            index: 0,
+            param: "(the flat buffer)".into(),
+            expected: format!("{}[{}]", layout.wire_dtype, layout.numel),
+            got: format!("{}[{}]", buffer.dtype(), buffer.len()),
+        });
+    }
+    for (i, m) in members.iter_mut().enumerate() {
+        with_host_buffer!(buffer, b => with_host_buffer!(&mut **m, o => unpack_typed(layout, b, o, i)));
+    }
+    Ok(())
+}

@@ -1,0 +1,368 @@
+//! The in-process communicator: N ranks as threads of one process over host memory.
+//!
+//! Each rank has a communication thread (its stream) that runs the rank's collectives in the
+//! order they were enqueued. A collective is a rendezvous: every rank posts its buffer; once all
+//! are there, rank `r` reduces the `r`-th chunk of the elements across all ranks' buffers and
+//! writes the result into every buffer, so the work is spread over the ranks' threads and each
+//! element crosses memory about as often as in a copy. Every element is reduced in rank order
+//! (`((x0 + x1) + x2) + …`, each contribution divided by the group size first for a mean), so the
+//! result does not depend on timing, chunking or which thread reduced it.
+//!
+//! Arrival is bounded by a timeout: a rank that does not arrive turns into
+//! [`CommError::Timeout`] on the ranks that did, and aborts the group so later collectives fail
+//! at once instead of hanging. Once every rank has arrived nothing external is awaited: the rest
+//! is memory arithmetic on buffers the ranks hold.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::buffer::{Element, HostBuffer};
+use super::comm::{CollectiveDesc, CommError, CommResult, CommSpan, Communicator, PendingReduce};
+use crate::graph::ReduceOp;
+
+/// Default bound on a rank's wait for the others.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Elements reduced per block (fits L1 with the accumulator).
+const BLOCK: usize = 2048;
+
+#[derive(Clone, Copy)]
+struct RawBuf(*mut u8);
+// SAFETY: the pointer is only dereferenced between the arrival and departure barriers of one
+// collective, while its owner blocks in that collective, on element ranges no other thread
+// touches (see `reduce_chunk`).
+unsafe impl Send for RawBuf {}
+
+struct Posted {
+    ptr: RawBuf,
+    what: CollectiveDesc,
+}
+
+struct State {
+    /// Sequence number of the collective now gathering.
+    round: u64,
+    arrived: usize,
+    finished: usize,
+    departed: usize,
+    posted: Vec<Option<Posted>>,
+    aborted: Option<String>,
+}
+
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the state half-updated in a way that
+        // matters more than the abort it causes; keep going with the data.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn abort(&self, reason: String) {
+        let mut st = self.lock();
+        if st.aborted.is_none() {
+            st.aborted = Some(reason);
+        }
+        self.cv.notify_all();
+    }
+
+    /// Runs collective number `seq` of `rank` on `buf`.
+    fn run(&self, rank: usize, seq: u64, buf: &mut HostBuffer, what: &CollectiveDesc) -> Result<Instant, CommError> {
+        let t0 = Instant::now();
+        let deadline = t0 + self.timeout;
+        let aborted = |reason: &str| CommError::Aborted {
+            rank,
+            what: what.clone(),
+            reason: reason.to_string(),
+        };
+        let mut st = self.lock();
+        // Wait for the previous collective to be left by everyone.
+        while st.round != seq && st.aborted.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                let err = CommError::Timeout {
+                    rank,
+                    what: what.clone(),
+                    waited: t0.elapsed(),
+                    missing: Vec::new(),
+                };
+                st.aborted.get_or_insert_with(|| err.to_string());
+                self.cv.notify_all();
+                return Err(err);
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if let Some(r) = &st.aborted {
+            return Err(aborted(r));
+        }
+        let ptr = with_buf_ptr(buf);
+        st.posted[rank] = Some(Posted {
+            ptr,
+            what: what.clone(),
+        });
+        st.arrived += 1;
+        if st.arrived == self.world {
+            self.cv.notify_all();
+        }
+        while st.arrived < self.world && st.aborted.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (0..self.world).filter(|r| st.posted[*r].is_none()).collect();
+                st.posted[rank] = None;
+                st.arrived -= 1;
+                let err = CommError::Timeout {
+                    rank,
+                    what: what.clone(),
+                    waited: t0.elapsed(),
+                    missing,
+                };
+                st.aborted.get_or_insert_with(|| err.to_string());
+                self.cv.notify_all();
+                return Err(err);
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if st.arrived < self.world {
+            st.posted[rank] = None;
+            st.arrived -= 1;
+            let r = st.aborted.clone().unwrap_or_default();
+            return Err(aborted(&r));
+        }
+        // Everyone is here. All ranks check the same descriptors and reach the same verdict.
+        let descs: Vec<&CollectiveDesc> = st.posted.iter().map(|p| &p.as_ref().expect("arrived").what).collect();
+        // If any two ranks disagree, every rank disagrees with someone: all of them fail.
+        if let Some(other) = (0..self.world).find(|r| !same_call(descs[*r], what)) {
+            let err = CommError::Mismatch {
+                rank,
+                mine: what.clone(),
+                other_rank: other,
+                theirs: descs[other].clone(),
+            };
+            // Depart without touching memory; the group is unusable after this.
+            st.aborted.get_or_insert_with(|| err.to_string());
+            self.depart(st);
+            return Err(err);
+        }
+        let ptrs: Vec<RawBuf> = st.posted.iter().map(|p| p.as_ref().expect("arrived").ptr).collect();
+        let started = Instant::now();
+        drop(st);
+
+        let count = what.count as usize;
+        let lo = count * rank / self.world;
+        let hi = count * (rank + 1) / self.world;
+        // SAFETY: every rank's buffer has `count` elements of `what.dtype` (checked above), its
+        // owner is blocked in this call until all ranks depart, and `[lo, hi)` is this rank's
+        // own chunk: no other thread reads or writes it during this collective.
+        unsafe {
+            match buf {
+                HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op, self.world),
+                HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op, self.world),
+                HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op, self.world),
+                HostBuffer::BF16(_) => reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op, self.world),
+            }
+        }
+
+        let mut st = self.lock();
+        st.finished += 1;
+        if st.finished == self.world {
+            self.cv.notify_all();
+        }
+        // No timeout here: all ranks are inside this collective doing bounded arithmetic.
+        while st.finished < self.world {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        self.depart(st);
+        Ok(started)
+    }
+
+    fn depart(&self, mut st: MutexGuard<'_, State>) {
+        st.departed += 1;
+        if st.departed == self.world {
+            st.arrived = 0;
+            st.finished = 0;
+            st.departed = 0;
+            st.posted.iter_mut().for_each(|p| *p = None);
+            st.round += 1;
+            self.cv.notify_all();
+        }
+    }
+}
+
+fn same_call(a: &CollectiveDesc, b: &CollectiveDesc) -> bool {
+    a.collective == b.collective && a.op == b.op && a.dtype == b.dtype && a.count == b.count
+}
+
+fn with_buf_ptr(buf: &mut HostBuffer) -> RawBuf {
+    RawBuf(match buf {
+        HostBuffer::F32(v) => v.as_mut_ptr().cast(),
+        HostBuffer::F64(v) => v.as_mut_ptr().cast(),
+        HostBuffer::F16(v) => v.as_mut_ptr().cast(),
+        HostBuffer::BF16(v) => v.as_mut_ptr().cast(),
+    })
+}
+
+/// Reduces elements `[lo, hi)` across all buffers, in rank order, and writes the result into
+/// every buffer.
+///
+/// # Safety
+/// Every pointer addresses at least `hi` elements of `E`, and no other thread accesses
+/// `[lo, hi)` of any of them during the call.
+unsafe fn reduce_chunk<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: ReduceOp, world: usize) {
+    let mut acc = [E::ZERO; BLOCK];
+    let div = world as u32;
+    let mut start = lo;
+    while start < hi {
+        let n = BLOCK.min(hi - start);
+        let acc = &mut acc[..n];
+        for (r, p) in ptrs.iter().enumerate() {
+            // SAFETY: in bounds and exclusively ours (the caller's contract).
+            let src = unsafe { std::slice::from_raw_parts(p.0.cast::<E>().add(start), n) };
+            match (r, op) {
+                (0, ReduceOp::Sum) => acc.copy_from_slice(src),
+                (0, ReduceOp::Mean) => {
+                    for (a, x) in acc.iter_mut().zip(src) {
+                        *a = x.scale_div(div);
+                    }
+                }
+                (_, ReduceOp::Sum) => {
+                    for (a, x) in acc.iter_mut().zip(src) {
+                        *a = a.add(*x);
+                    }
+                }
+                (_, ReduceOp::Mean) => {
+                    for (a, x) in acc.iter_mut().zip(src) {
+                        *a = a.add(x.scale_div(div));
+                    }
+                }
+            }
+        }
+        for p in ptrs {
+            // SAFETY: as above; the reads of this block are done.
+            let dst = unsafe { std::slice::from_raw_parts_mut(p.0.cast::<E>().add(start), n) };
+            dst.copy_from_slice(acc);
+        }
+        start += n;
+    }
+}
+
+struct Job {
+    buffer: HostBuffer,
+    what: CollectiveDesc,
+    reply: mpsc::Sender<CommResult>,
+}
+
+/// Builds the ranks of an in-process group.
+pub struct InProcessGroup;
+
+impl InProcessGroup {
+    /// `world` communicators, one per rank, each waiting at most `timeout` for the others.
+    pub fn new(world: usize, timeout: Duration) -> Vec<InProcessComm> {
+        let shared = Arc::new(Shared {
+            world,
+            timeout,
+            state: Mutex::new(State {
+                round: 0,
+                arrived: 0,
+                finished: 0,
+                departed: 0,
+                posted: (0..world).map(|_| None).collect(),
+                aborted: None,
+            }),
+            cv: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| {
+                let (tx, rx) = mpsc::channel::<Job>();
+                let sh = Arc::clone(&shared);
+                let worker = thread::Builder::new()
+                    .name(format!("cf-comm-r{rank}"))
+                    .spawn(move || {
+                        let mut seq = 0u64;
+                        for mut job in rx {
+                            let res = sh.run(rank, seq, &mut job.buffer, &job.what);
+                            seq += 1;
+                            let out = res.map(|start| {
+                                (
+                                    job.buffer,
+                                    CommSpan {
+                                        start,
+                                        end: Instant::now(),
+                                    },
+                                )
+                            });
+                            let _ = job.reply.send(out);
+                        }
+                    })
+                    .expect("spawning a communication thread");
+                InProcessComm {
+                    rank,
+                    world,
+                    shared: Arc::clone(&shared),
+                    tx: Some(tx),
+                    worker: Some(worker),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One rank of an in-process group.
+pub struct InProcessComm {
+    rank: usize,
+    world: usize,
+    shared: Arc<Shared>,
+    tx: Option<mpsc::Sender<Job>>,
+    worker: Option<thread::JoinHandle<()>>,
+}
+
+impl Communicator for InProcessComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError> {
+        if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
+            return Err(CommError::Unsupported {
+                rank: self.rank,
+                what,
+                why: format!("the buffer is {}[{}]", buffer.dtype(), buffer.len()),
+            });
+        }
+        let (reply, rx) = mpsc::channel();
+        let job = Job {
+            buffer,
+            what: what.clone(),
+            reply,
+        };
+        match &self.tx {
+            Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(self.rank, what, rx)),
+            _ => Err(CommError::Closed { rank: self.rank, what }),
+        }
+    }
+
+    fn abort(&self, reason: &str) {
+        self.shared.abort(format!("rank {} aborted the group: {reason}", self.rank));
+    }
+}
+
+impl Drop for InProcessComm {
+    fn drop(&mut self) {
+        // Whatever the other ranks still wait for from this rank will not come.
+        self.shared
+            .abort(format!("rank {} closed its communicator", self.rank));
+        self.tx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}

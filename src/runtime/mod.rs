@@ -1,0 +1,26 @@
+//! Running plans: host buffers and kernels, communicators, the executor, the plan cache, and the
+//! CubeCL launches of the bucket kernels.
+//!
+//! - [`buffer`]: typed host tensors and the element arithmetic every host path shares.
+//! - [`host`]: host pack/unpack (for host-memory tensors, and the reference for the kernels).
+//! - [`comm`]: the [`Communicator`] trait, collective descriptors, errors, pending handles.
+//! - [`inprocess`]: N ranks as threads of one process; deterministic rank-order reduction.
+//! - [`recording`]: a communicator wrapper that records every call, for tests.
+//! - [`exec`]: runs a plan on a rank (compute stream here, comm stream on the communicator).
+//! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
+//! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
+
+pub mod buffer;
+pub mod cache;
+pub mod comm;
+pub mod cube;
+pub mod exec;
+pub mod host;
+pub mod inprocess;
+pub mod recording;
+pub mod synthetic;
+
+pub use buffer::{Element, HostBuffer};
+pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
+pub use exec::{ExecError, ExecOptions, ExecReport, execute, run_in_process};
+pub use inprocess::{InProcessComm, InProcessGroup};

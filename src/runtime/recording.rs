@@ -1,0 +1,50 @@
+//! A communicator wrapper that records every collective it is asked for, in order, then lets the
+//! wrapped communicator do the work. Tests use it to see exactly what a plan launched.
+
+use std::sync::Mutex;
+
+use super::buffer::HostBuffer;
+use super::comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
+
+/// Records calls, delegates work.
+pub struct Recording<C> {
+    inner: C,
+    calls: Mutex<Vec<CollectiveDesc>>,
+}
+
+impl<C: Communicator> Recording<C> {
+    /// Wraps `inner`.
+    pub fn new(inner: C) -> Self {
+        Recording {
+            inner,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The collectives asked for so far, in order.
+    pub fn calls(&self) -> Vec<CollectiveDesc> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl<C: Communicator> Communicator for Recording<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+
+    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError> {
+        self.calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(what.clone());
+        self.inner.all_reduce(buffer, what)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}

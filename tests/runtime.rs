@@ -1,0 +1,275 @@
+//! The CPU runtime: exact numerics of bucketed, overlapped plans against one all-reduce per
+//! gradient; the in-process communicator's errors; the plan cache.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use collective_fusion::codegen::plan::{Plan, lower};
+use collective_fusion::config::BucketPolicy::{self, Ddp, PerParam};
+use collective_fusion::config::MIB;
+use collective_fusion::graph::ReduceOp;
+use collective_fusion::graph::builder::{BuildOptions, build_step_graph};
+use collective_fusion::model::ModelProfile;
+use collective_fusion::passes::compile;
+use collective_fusion::runtime::cache::PlanCache;
+use collective_fusion::runtime::comm::{CollectiveDesc, CommError, Communicator};
+use collective_fusion::runtime::exec::{ExecError, NoHooks};
+use collective_fusion::runtime::recording::Recording;
+use collective_fusion::runtime::synthetic::seeded_gradients;
+use collective_fusion::runtime::{
+    Element, ExecOptions, HostBuffer, InProcessGroup, execute, run_in_process,
+};
+use common::{bucket, config};
+
+const WORLD: u32 = 4;
+
+fn plan_for(model: &str, policy: BucketPolicy, cap: u64, reduce: ReduceOp, overlap: bool) -> Plan {
+    let profile = ModelProfile::load(model).unwrap();
+    let opts = BuildOptions {
+        world: WORLD,
+        batch: 8,
+        reduce,
+    };
+    let mut g = build_step_graph(&profile, &opts);
+    compile(&mut g, &config(bucket(policy, MIB.min(cap), cap), overlap)).unwrap();
+    lower(&g).unwrap()
+}
+
+fn inputs(plan: &Plan, seed: u64) -> Vec<Vec<HostBuffer>> {
+    (0..WORLD as usize)
+        .map(|r| seeded_gradients(plan, r, seed))
+        .collect()
+}
+
+/// Runs `plan` on 4 ranks and returns rank 0's reduced gradients by parameter name, after
+/// checking every rank holds the same bits.
+fn run(plan: &Plan, seed: u64) -> Vec<(String, HostBuffer)> {
+    run_with(plan, inputs(plan, seed))
+}
+
+/// Runs `plan` on `inputs` (per rank, per slot in the plan's slot order).
+fn run_with(plan: &Plan, inputs: Vec<Vec<HostBuffer>>) -> Vec<(String, HostBuffer)> {
+    let out = run_in_process(plan, inputs, ExecOptions::default()).unwrap();
+    let (first, _) = &out[0];
+    for (r, (g, _)) in out.iter().enumerate().skip(1) {
+        for (i, (a, b)) in first.iter().zip(g).enumerate() {
+            assert!(a.bits_eq(b), "rank {r} differs from rank 0 on {}", plan.slots[i].param);
+        }
+    }
+    let mut named: Vec<(String, HostBuffer)> = plan
+        .slots
+        .iter()
+        .map(|s| s.param.clone())
+        .zip(out.into_iter().next().unwrap().0)
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+/// Element `i` of slot `slot` reduced by hand: every rank's value (divided by the group size
+/// first for a mean) added in rank order.
+fn by_hand(inputs: &[Vec<HostBuffer>], slot: usize, i: usize, reduce: ReduceOp) -> f32 {
+    let vals: Vec<f32> = inputs
+        .iter()
+        .map(|g| match &g[slot] {
+            HostBuffer::F32(v) => v[i],
+            other => panic!("expected f32, got {}", other.dtype()),
+        })
+        .collect();
+    let term = |x: f32| match reduce {
+        ReduceOp::Sum => x,
+        ReduceOp::Mean => x.scale_div(WORLD),
+    };
+    vals[1..].iter().fold(term(vals[0]), |acc, x| acc + term(*x))
+}
+
+fn numerics(model: &str) {
+    for reduce in [ReduceOp::Sum, ReduceOp::Mean] {
+        let reference_plan = plan_for(model, PerParam, 25 * MIB, reduce, true);
+        let ins = inputs(&reference_plan, 7);
+        let reference = run_with(&reference_plan, ins.clone());
+        // Spot-check the reference itself against a reduction done by hand.
+        for (slot, s) in reference_plan.slots.iter().enumerate().step_by(7) {
+            let n = s.ty.numel() as usize;
+            let got = &reference.iter().find(|(p, _)| *p == s.param).unwrap().1;
+            let HostBuffer::F32(got) = got else { panic!() };
+            for i in [0, n / 2, n - 1] {
+                let want = by_hand(&ins, slot, i, reduce);
+                assert_eq!(got[i].to_bits(), want.to_bits(), "{model} {} [{i}]", s.param);
+            }
+        }
+        for cap in [MIB, 25 * MIB, u64::MAX / 4] {
+            let plan = plan_for(model, Ddp, cap, reduce, true);
+            if cap == u64::MAX / 4 {
+                assert_eq!(plan.collectives.len(), 2, "{model}: first bucket + one bucket");
+            }
+            // Same gradients: slots are in ready order whatever the policy.
+            assert!(plan.slots.iter().zip(&reference_plan.slots).all(|(a, b)| a.param == b.param));
+            let got = run_with(&plan, ins.clone());
+            assert_eq!(got.len(), reference.len());
+            for ((p, a), (q, b)) in got.iter().zip(&reference) {
+                assert_eq!(p, q);
+                assert!(
+                    a.bits_eq(b),
+                    "{model} {reduce:?} cap {cap}: {p} differs from one all-reduce per gradient"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn resnet50_bucketed_overlapped_equals_one_all_reduce_per_gradient_bitwise() {
+    numerics("resnet50");
+}
+
+#[test]
+fn gpt2_bucketed_overlapped_equals_one_all_reduce_per_gradient_bitwise() {
+    numerics("gpt2");
+}
+
+#[test]
+fn blocking_plan_equals_overlapped_plan_bitwise() {
+    let a = run(&plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, false), 3);
+    let b = run(&plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true), 3);
+    for ((p, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x.bits_eq(y), "{p}");
+    }
+}
+
+#[test]
+fn collectives_launch_in_plan_order_on_every_rank() {
+    let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
+    let comms: Vec<Recording<_>> = InProcessGroup::new(2, Duration::from_secs(30))
+        .into_iter()
+        .map(Recording::new)
+        .collect();
+    std::thread::scope(|s| {
+        for c in &comms {
+            let plan = &plan;
+            s.spawn(move || {
+                let mut g = seeded_gradients(plan, c.rank(), 1);
+                let plan2 = Plan {
+                    collectives: plan
+                        .collectives
+                        .iter()
+                        .cloned()
+                        .map(|mut k| {
+                            k.group_size = 2;
+                            k
+                        })
+                        .collect(),
+                    ..plan.clone()
+                };
+                execute(&plan2, c, &mut g, &mut NoHooks, ExecOptions::default()).unwrap();
+            });
+        }
+    });
+    let want: Vec<u32> = plan.collectives.iter().map(|c| c.id).collect();
+    for c in &comms {
+        let got: Vec<u32> = c.calls().iter().map(|d| d.collective).collect();
+        assert_eq!(got, want, "rank {}", c.rank());
+        assert!(c.calls().iter().all(|d| d.op == ReduceOp::Sum), "packs prescale; the wire sums");
+    }
+}
+
+fn desc(collective: u32, count: u64) -> CollectiveDesc {
+    CollectiveDesc {
+        collective,
+        bucket: Some(collective),
+        op: ReduceOp::Sum,
+        dtype: collective_fusion::graph::DType::F32,
+        count,
+        params: vec!["a.weight".into(), "b.bias".into()],
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_a_timeout_naming_rank_bucket_and_op() {
+    let comms = InProcessGroup::new(3, Duration::from_millis(300));
+    let t = Instant::now();
+    // Ranks 0 and 1 call; rank 2 never does.
+    let p0 = comms[0].all_reduce(HostBuffer::F32(vec![1.0; 8]), desc(0, 8)).unwrap();
+    let p1 = comms[1].all_reduce(HostBuffer::F32(vec![2.0; 8]), desc(0, 8)).unwrap();
+    let e0 = p0.wait(Duration::from_secs(10)).unwrap_err();
+    let e1 = p1.wait(Duration::from_secs(10)).unwrap_err();
+    let waited = t.elapsed();
+    assert!(waited < Duration::from_secs(5), "failed after {waited:?}");
+    let msg = e0.to_string();
+    assert!(matches!(e0, CommError::Timeout { rank: 0, .. }), "{msg}");
+    for needle in ["rank 0", "bucket b0", "sum", "f32×8", "[2]", "a.weight"] {
+        assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
+    }
+    // The other waiting rank fails too (its own timeout or the abort), and so does any later
+    // collective: nothing hangs.
+    assert!(matches!(e1, CommError::Timeout { .. } | CommError::Aborted { .. }), "{e1}");
+    let later = comms[0].all_reduce(HostBuffer::F32(vec![0.0; 8]), desc(1, 8)).unwrap();
+    assert!(matches!(later.wait(Duration::from_secs(5)), Err(CommError::Aborted { .. })));
+}
+
+#[test]
+fn ranks_calling_different_collectives_fail_on_every_rank_before_reducing() {
+    let comms = InProcessGroup::new(2, Duration::from_secs(10));
+    let a = HostBuffer::F32(vec![1.0; 8]);
+    let p0 = comms[0].all_reduce(a.clone(), desc(0, 8)).unwrap();
+    let p1 = comms[1].all_reduce(HostBuffer::F32(vec![1.0; 4]), desc(0, 4)).unwrap();
+    for (r, p) in [p0, p1].into_iter().enumerate() {
+        match p.wait(Duration::from_secs(10)) {
+            Err(CommError::Mismatch { rank, other_rank, .. }) => {
+                assert_eq!((rank, other_rank), (r, 1 - r));
+            }
+            other => panic!("rank {r}: expected a mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_gradient_of_the_wrong_shape_is_named() {
+    let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
+    let comms = InProcessGroup::new(1, Duration::from_secs(1));
+    let mut g = seeded_gradients(&plan, 0, 1);
+    g[3] = HostBuffer::F32(vec![0.0; 5]);
+    let plan1 = Plan {
+        collectives: plan
+            .collectives
+            .iter()
+            .cloned()
+            .map(|mut k| {
+                k.group_size = 1;
+                k
+            })
+            .collect(),
+        ..plan.clone()
+    };
+    let err = execute(&plan1, &comms[0], &mut g, &mut NoHooks, ExecOptions::default()).unwrap_err();
+    assert!(matches!(err, ExecError::Gradient { .. }), "{err}");
+    assert!(err.to_string().contains(&plan.slots[3].param), "{err}");
+}
+
+#[test]
+fn a_plan_for_another_group_size_is_refused() {
+    let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
+    let err = run_in_process(&plan, (0..2).map(|r| seeded_gradients(&plan, r, 1)).collect(), ExecOptions::default())
+        .unwrap_err();
+    assert!(matches!(err, ExecError::Group { group_size: 4, world: 2, .. }), "{err}");
+}
+
+#[test]
+fn a_second_identical_step_reuses_the_compiled_plan() {
+    let profile = ModelProfile::load("gpt2").unwrap();
+    let mut cache = PlanCache::new();
+    let cfg = config(bucket(Ddp, MIB, 25 * MIB), true);
+    let step = || build_step_graph(&profile, &BuildOptions::default());
+    let a = cache.get_or_compile(&step(), &cfg).unwrap();
+    let b = cache.get_or_compile(&step(), &cfg).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &b));
+    assert_eq!((cache.hits(), cache.misses(), cache.len()), (1, 1, 1));
+    // Another bucket cap is another plan; another batch size changes only compute costs, which
+    // are part of the structure.
+    let c = cache
+        .get_or_compile(&step(), &config(bucket(Ddp, MIB, 4 * MIB), true))
+        .unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&a, &c));
+    assert_eq!((cache.hits(), cache.misses()), (1, 2));
+}
