@@ -66,6 +66,18 @@ fn bucket_table(g: &collective_fusion::graph::Graph) -> String {
     s
 }
 
+/// The lowered plans: what one rank launches, stream by stream, with NCCL-shaped collective
+/// calls. A reader of these files sees exactly what a GPU run would launch.
+#[test]
+fn plan_snapshots_of_all_reference_models() {
+    for model in MODELS {
+        let g = compiled(model, Ddp);
+        let plan = collective_fusion::codegen::lower(&g).unwrap();
+        assert_eq!(plan.collectives.len(), bucket_layouts(&g).unwrap().len());
+        insta::assert_snapshot!(format!("plan_{model}"), plan.to_string());
+    }
+}
+
 #[test]
 fn pipeline_snapshots_of_all_reference_models() {
     for model in MODELS {

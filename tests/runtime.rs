@@ -54,7 +54,11 @@ fn run_with(plan: &Plan, inputs: Vec<Vec<HostBuffer>>) -> Vec<(String, HostBuffe
     let (first, _) = &out[0];
     for (r, (g, _)) in out.iter().enumerate().skip(1) {
         for (i, (a, b)) in first.iter().zip(g).enumerate() {
-            assert!(a.bits_eq(b), "rank {r} differs from rank 0 on {}", plan.slots[i].param);
+            assert!(
+                a.bits_eq(b),
+                "rank {r} differs from rank 0 on {}",
+                plan.slots[i].param
+            );
         }
     }
     let mut named: Vec<(String, HostBuffer)> = plan
@@ -81,7 +85,9 @@ fn by_hand(inputs: &[Vec<HostBuffer>], slot: usize, i: usize, reduce: ReduceOp) 
         ReduceOp::Sum => x,
         ReduceOp::Mean => x.scale_div(WORLD),
     };
-    vals[1..].iter().fold(term(vals[0]), |acc, x| acc + term(*x))
+    vals[1..]
+        .iter()
+        .fold(term(vals[0]), |acc, x| acc + term(*x))
 }
 
 fn numerics(model: &str) {
@@ -96,16 +102,30 @@ fn numerics(model: &str) {
             let HostBuffer::F32(got) = got else { panic!() };
             for i in [0, n / 2, n - 1] {
                 let want = by_hand(&ins, slot, i, reduce);
-                assert_eq!(got[i].to_bits(), want.to_bits(), "{model} {} [{i}]", s.param);
+                assert_eq!(
+                    got[i].to_bits(),
+                    want.to_bits(),
+                    "{model} {} [{i}]",
+                    s.param
+                );
             }
         }
         for cap in [MIB, 25 * MIB, u64::MAX / 4] {
             let plan = plan_for(model, Ddp, cap, reduce, true);
             if cap == u64::MAX / 4 {
-                assert_eq!(plan.collectives.len(), 2, "{model}: first bucket + one bucket");
+                assert_eq!(
+                    plan.collectives.len(),
+                    2,
+                    "{model}: first bucket + one bucket"
+                );
             }
             // Same gradients: slots are in ready order whatever the policy.
-            assert!(plan.slots.iter().zip(&reference_plan.slots).all(|(a, b)| a.param == b.param));
+            assert!(
+                plan.slots
+                    .iter()
+                    .zip(&reference_plan.slots)
+                    .all(|(a, b)| a.param == b.param)
+            );
             let got = run_with(&plan, ins.clone());
             assert_eq!(got.len(), reference.len());
             for ((p, a), (q, b)) in got.iter().zip(&reference) {
@@ -131,8 +151,14 @@ fn gpt2_bucketed_overlapped_equals_one_all_reduce_per_gradient_bitwise() {
 
 #[test]
 fn blocking_plan_equals_overlapped_plan_bitwise() {
-    let a = run(&plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, false), 3);
-    let b = run(&plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true), 3);
+    let a = run(
+        &plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, false),
+        3,
+    );
+    let b = run(
+        &plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true),
+        3,
+    );
     for ((p, x), (_, y)) in a.iter().zip(&b) {
         assert!(x.bits_eq(y), "{p}");
     }
@@ -141,7 +167,7 @@ fn blocking_plan_equals_overlapped_plan_bitwise() {
 #[test]
 fn collectives_launch_in_plan_order_on_every_rank() {
     let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
-    let comms: Vec<Recording<_>> = InProcessGroup::new(2, Duration::from_secs(30))
+    let comms: Vec<Recording<_>> = InProcessGroup::ranks(2, Duration::from_secs(30))
         .into_iter()
         .map(Recording::new)
         .collect();
@@ -170,7 +196,10 @@ fn collectives_launch_in_plan_order_on_every_rank() {
     for c in &comms {
         let got: Vec<u32> = c.calls().iter().map(|d| d.collective).collect();
         assert_eq!(got, want, "rank {}", c.rank());
-        assert!(c.calls().iter().all(|d| d.op == ReduceOp::Sum), "packs prescale; the wire sums");
+        assert!(
+            c.calls().iter().all(|d| d.op == ReduceOp::Sum),
+            "packs prescale; the wire sums"
+        );
     }
 }
 
@@ -187,11 +216,15 @@ fn desc(collective: u32, count: u64) -> CollectiveDesc {
 
 #[test]
 fn a_rank_that_never_arrives_is_a_timeout_naming_rank_bucket_and_op() {
-    let comms = InProcessGroup::new(3, Duration::from_millis(300));
+    let comms = InProcessGroup::ranks(3, Duration::from_millis(300));
     let t = Instant::now();
     // Ranks 0 and 1 call; rank 2 never does.
-    let p0 = comms[0].all_reduce(HostBuffer::F32(vec![1.0; 8]), desc(0, 8)).unwrap();
-    let p1 = comms[1].all_reduce(HostBuffer::F32(vec![2.0; 8]), desc(0, 8)).unwrap();
+    let p0 = comms[0]
+        .all_reduce(HostBuffer::F32(vec![1.0; 8]), desc(0, 8))
+        .unwrap();
+    let p1 = comms[1]
+        .all_reduce(HostBuffer::F32(vec![2.0; 8]), desc(0, 8))
+        .unwrap();
     let e0 = p0.wait(Duration::from_secs(10)).unwrap_err();
     let e1 = p1.wait(Duration::from_secs(10)).unwrap_err();
     let waited = t.elapsed();
@@ -203,20 +236,32 @@ fn a_rank_that_never_arrives_is_a_timeout_naming_rank_bucket_and_op() {
     }
     // The other waiting rank fails too (its own timeout or the abort), and so does any later
     // collective: nothing hangs.
-    assert!(matches!(e1, CommError::Timeout { .. } | CommError::Aborted { .. }), "{e1}");
-    let later = comms[0].all_reduce(HostBuffer::F32(vec![0.0; 8]), desc(1, 8)).unwrap();
-    assert!(matches!(later.wait(Duration::from_secs(5)), Err(CommError::Aborted { .. })));
+    assert!(
+        matches!(e1, CommError::Timeout { .. } | CommError::Aborted { .. }),
+        "{e1}"
+    );
+    let later = comms[0]
+        .all_reduce(HostBuffer::F32(vec![0.0; 8]), desc(1, 8))
+        .unwrap();
+    assert!(matches!(
+        later.wait(Duration::from_secs(5)),
+        Err(CommError::Aborted { .. })
+    ));
 }
 
 #[test]
 fn ranks_calling_different_collectives_fail_on_every_rank_before_reducing() {
-    let comms = InProcessGroup::new(2, Duration::from_secs(10));
+    let comms = InProcessGroup::ranks(2, Duration::from_secs(10));
     let a = HostBuffer::F32(vec![1.0; 8]);
     let p0 = comms[0].all_reduce(a.clone(), desc(0, 8)).unwrap();
-    let p1 = comms[1].all_reduce(HostBuffer::F32(vec![1.0; 4]), desc(0, 4)).unwrap();
+    let p1 = comms[1]
+        .all_reduce(HostBuffer::F32(vec![1.0; 4]), desc(0, 4))
+        .unwrap();
     for (r, p) in [p0, p1].into_iter().enumerate() {
         match p.wait(Duration::from_secs(10)) {
-            Err(CommError::Mismatch { rank, other_rank, .. }) => {
+            Err(CommError::Mismatch {
+                rank, other_rank, ..
+            }) => {
                 assert_eq!((rank, other_rank), (r, 1 - r));
             }
             other => panic!("rank {r}: expected a mismatch, got {other:?}"),
@@ -227,7 +272,7 @@ fn ranks_calling_different_collectives_fail_on_every_rank_before_reducing() {
 #[test]
 fn a_gradient_of_the_wrong_shape_is_named() {
     let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
-    let comms = InProcessGroup::new(1, Duration::from_secs(1));
+    let comms = InProcessGroup::ranks(1, Duration::from_secs(1));
     let mut g = seeded_gradients(&plan, 0, 1);
     g[3] = HostBuffer::F32(vec![0.0; 5]);
     let plan1 = Plan {
@@ -242,7 +287,14 @@ fn a_gradient_of_the_wrong_shape_is_named() {
             .collect(),
         ..plan.clone()
     };
-    let err = execute(&plan1, &comms[0], &mut g, &mut NoHooks, ExecOptions::default()).unwrap_err();
+    let err = execute(
+        &plan1,
+        &comms[0],
+        &mut g,
+        &mut NoHooks,
+        ExecOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, ExecError::Gradient { .. }), "{err}");
     assert!(err.to_string().contains(&plan.slots[3].param), "{err}");
 }
@@ -250,9 +302,23 @@ fn a_gradient_of_the_wrong_shape_is_named() {
 #[test]
 fn a_plan_for_another_group_size_is_refused() {
     let plan = plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true);
-    let err = run_in_process(&plan, (0..2).map(|r| seeded_gradients(&plan, r, 1)).collect(), ExecOptions::default())
-        .unwrap_err();
-    assert!(matches!(err, ExecError::Group { group_size: 4, world: 2, .. }), "{err}");
+    let err = run_in_process(
+        &plan,
+        (0..2).map(|r| seeded_gradients(&plan, r, 1)).collect(),
+        ExecOptions::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExecError::Group {
+                group_size: 4,
+                world: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

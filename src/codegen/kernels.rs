@@ -22,7 +22,7 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float>(
     out: &mut Array<W>,
     scale: F,
 ) {
-    let stride = (CUBE_COUNT as usize) * (CUBE_DIM as usize);
+    let stride = CUBE_COUNT * (CUBE_DIM as usize);
     #[unroll]
     for j in 0..members.len() {
         let m = &members[j];
@@ -50,7 +50,7 @@ pub fn bucket_unpack<W: Float, F: Float>(
     offsets: &Array<u32>,
     members: &mut Sequence<Array<F>>,
 ) {
-    let stride = (CUBE_COUNT as usize) * (CUBE_DIM as usize);
+    let stride = CUBE_COUNT * (CUBE_DIM as usize);
     #[unroll]
     for j in 0..members.len() {
         let m = members.index_mut(j);

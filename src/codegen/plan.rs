@@ -213,7 +213,11 @@ impl Lowering<'_> {
                 Loc::Slot(s) => Ok(s),
                 other => Err(self.err(
                     id,
-                    format!("operand %{}#{} is not a gradient slot ({other:?})", v.node.index(), v.result),
+                    format!(
+                        "operand %{}#{} is not a gradient slot ({other:?})",
+                        v.node.index(),
+                        v.result
+                    ),
                 )),
             })
             .collect()
@@ -309,7 +313,13 @@ impl Lowering<'_> {
                 let slot = self.plan.slots.len() as u32;
                 let ty = self.graph.node(id).results[0].clone();
                 self.plan.slots.push(Slot { param, ty });
-                self.loc.insert(Value { node: id, result: 0 }, Loc::Slot(slot));
+                self.loc.insert(
+                    Value {
+                        node: id,
+                        result: 0,
+                    },
+                    Loc::Slot(slot),
+                );
                 self.plan.compute.push(Step::Gradient { slot });
             }
             Op::GradSync { reduce, group, .. } => {
@@ -329,8 +339,16 @@ impl Lowering<'_> {
                 let slots = self.slots_of(id)?;
                 // The step names its collective once the collective that reads it is lowered.
                 self.packs.insert(id, (self.plan.compute.len(), slots));
-                self.loc.insert(Value { node: id, result: 0 }, Loc::Packed(id));
-                self.plan.compute.push(Step::Pack { collective: u32::MAX });
+                self.loc.insert(
+                    Value {
+                        node: id,
+                        result: 0,
+                    },
+                    Loc::Packed(id),
+                );
+                self.plan.compute.push(Step::Pack {
+                    collective: u32::MAX,
+                });
             }
             Op::AllReduceDone { .. } => {
                 let mut coll = None;
@@ -446,7 +464,11 @@ impl Plan {
         match s {
             Step::Compute { name, flops, .. } => write!(out, "compute {name:?} flops={flops}"),
             Step::Gradient { slot } => {
-                write!(out, "gradient s{slot} {:?}", self.slots[*slot as usize].param)
+                write!(
+                    out,
+                    "gradient s{slot} {:?}",
+                    self.slots[*slot as usize].param
+                )
             }
             Step::Pack { collective } => {
                 let c = &self.collectives[*collective as usize];
@@ -524,16 +546,16 @@ impl PlanCollective {
             return vec![(self.bucket_label(), self.layout.numel, self.wire_dtype())];
         }
         self.slots
-                .iter()
-                .zip(&self.layout.members)
-                .map(|(s, m)| {
-                    (
-                        format!("s{s}"),
-                        m.numel,
-                        DType::from_name(&m.dtype).unwrap_or(DType::F32),
-                    )
-                })
-                .collect()
+            .iter()
+            .zip(&self.layout.members)
+            .map(|(s, m)| {
+                (
+                    format!("s{s}"),
+                    m.numel,
+                    DType::from_name(&m.dtype).unwrap_or(DType::F32),
+                )
+            })
+            .collect()
     }
 }
 

@@ -62,7 +62,11 @@ impl PlanCache {
 
     /// The plan for `graph` (as recorded, before passes) under `config`: cached, or compiled,
     /// lowered and cached now.
-    pub fn get_or_compile(&mut self, graph: &Graph, config: &CompileConfig) -> Result<Arc<Plan>, PlanError> {
+    pub fn get_or_compile(
+        &mut self,
+        graph: &Graph,
+        config: &CompileConfig,
+    ) -> Result<Arc<Plan>, PlanError> {
         let key = (graph.structural_hash()?, config_key(config));
         if let Some(p) = self.plans.get(&key) {
             self.hits += 1;

@@ -63,7 +63,9 @@ pub enum CommError {
         missing: Vec<usize>,
     },
     /// Ranks called different collectives at the same point of the sequence.
-    #[error("rank {rank}: collective mismatch: rank {rank} called {mine}, rank {other_rank} called {theirs}")]
+    #[error(
+        "rank {rank}: collective mismatch: rank {rank} called {mine}, rank {other_rank} called {theirs}"
+    )]
     Mismatch {
         /// The rank reporting.
         rank: usize,
@@ -169,7 +171,11 @@ pub trait Communicator: Send + Sync {
     /// Enqueues an all-reduce of `buffer` (the whole buffer is reduced; its length and dtype must
     /// match `what`). `ReduceOp::Mean` divides every contribution by the group size before the
     /// sum, as NCCL's average does.
-    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError>;
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError>;
     /// Fails the group: every rank's pending and future collectives return
     /// [`CommError::Aborted`] with `reason`, instead of waiting for this rank.
     fn abort(&self, reason: &str);

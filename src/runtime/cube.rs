@@ -55,7 +55,9 @@ pub struct DeviceMember {
 }
 
 fn launch_shape(numel: u64) -> (CubeCount, CubeDim) {
-    let cubes = numel.div_ceil(u64::from(CUBE_DIM)).clamp(1, u64::from(MAX_CUBES)) as u32;
+    let cubes = numel
+        .div_ceil(u64::from(CUBE_DIM))
+        .clamp(1, u64::from(MAX_CUBES)) as u32;
     (CubeCount::Static(cubes, 1, 1), CubeDim::new_1d(CUBE_DIM))
 }
 
@@ -66,24 +68,34 @@ fn members_per_launch<R: Runtime>(client: &ComputeClient<R>) -> usize {
     bindings.saturating_sub(4).clamp(1, 64)
 }
 
-fn check<'a>(layout: &'a BucketLayout, members: &[DeviceMember]) -> Result<(), CubeError> {
+fn check(layout: &BucketLayout, members: &[DeviceMember]) -> Result<(), CubeError> {
     if members.len() != layout.members.len() {
         return Err(CubeError::Layout {
             bucket: label(layout),
-            why: format!("{} members given, the layout has {}", members.len(), layout.members.len()),
+            why: format!(
+                "{} members given, the layout has {}",
+                members.len(),
+                layout.members.len()
+            ),
         });
     }
     if layout.numel > u64::from(u32::MAX) {
         return Err(CubeError::Layout {
             bucket: label(layout),
-            why: format!("{} elements exceed the kernels' 32-bit offsets", layout.numel),
+            why: format!(
+                "{} elements exceed the kernels' 32-bit offsets",
+                layout.numel
+            ),
         });
     }
     for (i, (m, l)) in members.iter().zip(&layout.members).enumerate() {
         if m.len as u64 != l.numel {
             return Err(CubeError::Layout {
                 bucket: label(layout),
-                why: format!("member {i} has {} elements, the layout says {}", m.len, l.numel),
+                why: format!(
+                    "member {i} has {} elements, the layout says {}",
+                    m.len, l.numel
+                ),
             });
         }
     }
@@ -92,7 +104,10 @@ fn check<'a>(layout: &'a BucketLayout, members: &[DeviceMember]) -> Result<(), C
 
 /// Offsets table of members `[from, to)`: their offsets then the end of the last one's padding.
 fn offsets(layout: &BucketLayout, from: usize, to: usize) -> Vec<u32> {
-    let mut o: Vec<u32> = layout.members[from..to].iter().map(|m| m.offset as u32).collect();
+    let mut o: Vec<u32> = layout.members[from..to]
+        .iter()
+        .map(|m| m.offset as u32)
+        .collect();
     let end = layout.members.get(to).map_or(layout.numel, |m| m.offset);
     o.push(end as u32);
     o
@@ -189,11 +204,32 @@ macro_rules! by_dtype_pair {
         macro_rules! inner {
             ($ft:ty) => {
                 match $wire {
-                    DType::F32 => { type $f = $ft; type $w = f32; $call }
-                    DType::F16 => { type $f = $ft; type $w = half::f16; $call }
-                    DType::BF16 => { type $f = $ft; type $w = half::bf16; $call }
-                    DType::F64 => { type $f = $ft; type $w = f64; $call }
-                    d => return Err(CubeError::Unsupported { bucket: label($layout), what: format!("wire dtype {d}") }),
+                    DType::F32 => {
+                        type $f = $ft;
+                        type $w = f32;
+                        $call
+                    }
+                    DType::F16 => {
+                        type $f = $ft;
+                        type $w = half::f16;
+                        $call
+                    }
+                    DType::BF16 => {
+                        type $f = $ft;
+                        type $w = half::bf16;
+                        $call
+                    }
+                    DType::F64 => {
+                        type $f = $ft;
+                        type $w = f64;
+                        $call
+                    }
+                    d => {
+                        return Err(CubeError::Unsupported {
+                            bucket: label($layout),
+                            what: format!("wire dtype {d}"),
+                        })
+                    }
                 }
             };
         }
@@ -202,12 +238,20 @@ macro_rules! by_dtype_pair {
             DType::F16 => inner!(half::f16),
             DType::BF16 => inner!(half::bf16),
             DType::F64 => inner!(f64),
-            d => return Err(CubeError::Unsupported { bucket: label($layout), what: format!("member dtype {d}") }),
+            d => {
+                return Err(CubeError::Unsupported {
+                    bucket: label($layout),
+                    what: format!("member dtype {d}"),
+                });
+            }
         }
     }};
 }
 
-fn dtypes<R: Runtime>(client: &ComputeClient<R>, layout: &BucketLayout) -> Result<(DType, DType), CubeError> {
+fn dtypes<R: Runtime>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+) -> Result<(DType, DType), CubeError> {
     let wire = dtype_of(layout, &layout.wire_dtype)?;
     let member = match layout.members.first() {
         Some(m) => dtype_of(layout, &m.dtype)?,
@@ -238,7 +282,9 @@ pub fn pack<R: Runtime>(
     let out = client.empty(layout.numel.max(1) as usize * wire.size() as usize);
     // The same factor the host path uses: 1/div rounded in f32 (exact for powers of two).
     let scale = scale_div.map_or(1.0, |d| 1.0 / d as f32);
-    by_dtype_pair!(member, wire, layout, |F, W| pack_typed::<R, F, W>(client, layout, members, scale, &out));
+    by_dtype_pair!(member, wire, layout, |F, W| pack_typed::<R, F, W>(
+        client, layout, members, scale, &out
+    ));
     Ok(out)
 }
 
@@ -251,6 +297,8 @@ pub fn unpack<R: Runtime>(
 ) -> Result<(), CubeError> {
     check(layout, members)?;
     let (member, wire) = dtypes(client, layout)?;
-    by_dtype_pair!(member, wire, layout, |F, W| unpack_typed::<R, W, F>(client, layout, buffer, members));
+    by_dtype_pair!(member, wire, layout, |F, W| unpack_typed::<R, W, F>(
+        client, layout, buffer, members
+    ));
     Ok(())
 }

@@ -39,7 +39,9 @@ pub enum ExecError {
         got: String,
     },
     /// The plan's group does not match the communicator.
-    #[error("rank {rank}: {what} runs on a group of {group_size} ranks, the communicator has {world}")]
+    #[error(
+        "rank {rank}: {what} runs on a group of {group_size} ranks, the communicator has {world}"
+    )]
     Group {
         /// The rank.
         rank: usize,
@@ -112,14 +114,23 @@ pub struct ExecReport {
     pub launched: Vec<u32>,
 }
 
-fn desc_of(plan: &Plan, c: &PlanCollective, count: u64, dtype: DType, slots: &[u32]) -> CollectiveDesc {
+fn desc_of(
+    plan: &Plan,
+    c: &PlanCollective,
+    count: u64,
+    dtype: DType,
+    slots: &[u32],
+) -> CollectiveDesc {
     CollectiveDesc {
         collective: c.id,
         bucket: c.bucket,
         op: c.op,
         dtype,
         count,
-        params: slots.iter().map(|s| plan.slots[*s as usize].param.clone()).collect(),
+        params: slots
+            .iter()
+            .map(|s| plan.slots[*s as usize].param.clone())
+            .collect(),
     }
 }
 
@@ -167,7 +178,10 @@ fn check_plan(plan: &Plan, rank: usize, world: usize) -> Result<(), ExecError> {
             .filter(|s| **s == Step::Wait(Event::Done(c.id)))
             .count();
         if waits != 1 {
-            return Err(bad(format!("collective #{} is waited for {waits} times", c.id)));
+            return Err(bad(format!(
+                "collective #{} is waited for {waits} times",
+                c.id
+            )));
         }
     }
     Ok(())
@@ -177,7 +191,11 @@ fn check_grads(plan: &Plan, rank: usize, grads: &[HostBuffer]) -> Result<(), Exe
     if grads.len() != plan.slots.len() {
         return Err(ExecError::Plan {
             plan: plan.name.clone(),
-            why: format!("{} gradients given for {} slots", grads.len(), plan.slots.len()),
+            why: format!(
+                "{} gradients given for {} slots",
+                grads.len(),
+                plan.slots.len()
+            ),
         });
     }
     for (g, s) in grads.iter().zip(&plan.slots) {
@@ -186,7 +204,11 @@ fn check_grads(plan: &Plan, rank: usize, grads: &[HostBuffer]) -> Result<(), Exe
     Ok(())
 }
 
-fn check_slot(s: &crate::codegen::plan::Slot, rank: usize, g: &HostBuffer) -> Result<(), ExecError> {
+fn check_slot(
+    s: &crate::codegen::plan::Slot,
+    rank: usize,
+    g: &HostBuffer,
+) -> Result<(), ExecError> {
     if g.dtype() != s.ty.dtype || g.len() as u64 != s.ty.numel() {
         return Err(ExecError::Gradient {
             rank,
@@ -205,6 +227,13 @@ enum InFlight {
     Slots(Vec<(u32, PendingReduce)>),
 }
 
+/// Bucket buffers kept from one step to the next, so a steady-state step allocates nothing.
+#[derive(Default)]
+pub struct Workspace {
+    plan_hash: u64,
+    buffers: Vec<HostBuffer>,
+}
+
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
 /// gradient when this returns `Ok`.
 pub fn execute(
@@ -214,6 +243,22 @@ pub fn execute(
     hooks: &mut dyn StepHooks,
     opts: ExecOptions,
 ) -> Result<ExecReport, ExecError> {
+    execute_in(plan, comm, grads, hooks, opts, &mut Workspace::default())
+}
+
+/// [`execute`], packing into the buffers of `ws` (kept for the next step of the same plan).
+pub fn execute_in(
+    plan: &Plan,
+    comm: &dyn Communicator,
+    grads: &mut [HostBuffer],
+    hooks: &mut dyn StepHooks,
+    opts: ExecOptions,
+    ws: &mut Workspace,
+) -> Result<ExecReport, ExecError> {
+    if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
+        ws.plan_hash = plan.graph_hash;
+        ws.buffers = vec![HostBuffer::default(); plan.collectives.len()];
+    }
     let rank = comm.rank();
     check_plan(plan, rank, comm.world())?;
     check_grads(plan, rank, grads)?;
@@ -251,17 +296,27 @@ pub fn execute(
             }
             Step::Pack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let members: Vec<&HostBuffer> = c.slots.iter().map(|s| &grads[*s as usize]).collect();
-                packed[c.id as usize] = Some(host::pack(&c.layout, &members, c.layout.scale_div).map_err(kerr)?);
-                span(&mut report, "compute", format!("pack {}", bucket_name(c)), t);
+                let members: Vec<&HostBuffer> =
+                    c.slots.iter().map(|s| &grads[*s as usize]).collect();
+                let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
+                host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf).map_err(kerr)?;
+                packed[c.id as usize] = Some(buf);
+                span(
+                    &mut report,
+                    "compute",
+                    format!("pack {}", bucket_name(c)),
+                    t,
+                );
             }
             Step::Record(Event::Ready(cid)) => {
                 let c = &plan.collectives[*cid as usize];
                 let f = if c.packed {
-                    let buf = packed[c.id as usize].take().ok_or_else(|| ExecError::Plan {
-                        plan: plan.name.clone(),
-                        why: format!("collective #{} is ready before its pack", c.id),
-                    })?;
+                    let buf = packed[c.id as usize]
+                        .take()
+                        .ok_or_else(|| ExecError::Plan {
+                            plan: plan.name.clone(),
+                            why: format!("collective #{} is ready before its pack", c.id),
+                        })?;
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
                     InFlight::Bucket(comm.all_reduce(buf, what)?)
                 } else {
@@ -298,20 +353,33 @@ pub fn execute(
                         });
                     }
                 }
-                span(&mut report, "compute", format!("wait {}", bucket_name(c)), t);
+                span(
+                    &mut report,
+                    "compute",
+                    format!("wait {}", bucket_name(c)),
+                    t,
+                );
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let buf = packed[c.id as usize].take().ok_or_else(|| ExecError::Plan {
-                    plan: plan.name.clone(),
-                    why: format!("unpack of collective #{} before it finished", c.id),
-                })?;
+                let buf = packed[c.id as usize]
+                    .take()
+                    .ok_or_else(|| ExecError::Plan {
+                        plan: plan.name.clone(),
+                        why: format!("unpack of collective #{} before it finished", c.id),
+                    })?;
                 let mut members = disjoint_mut(grads, &c.slots).ok_or_else(|| ExecError::Plan {
                     plan: plan.name.clone(),
                     why: format!("collective #{} lists a slot twice", c.id),
                 })?;
                 host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
-                span(&mut report, "compute", format!("unpack {}", bucket_name(c)), t);
+                ws.buffers[c.id as usize] = buf;
+                span(
+                    &mut report,
+                    "compute",
+                    format!("unpack {}", bucket_name(c)),
+                    t,
+                );
             }
             Step::Sync { .. } => {}
             Step::Record(Event::Done(_)) | Step::Wait(Event::Ready(_)) | Step::AllReduce { .. } => {
@@ -341,9 +409,15 @@ fn bucket_name(c: &PlanCollective) -> String {
 /// Mutable references to `slots` of `grads`, in that order; `None` if a slot repeats or is out
 /// of range.
 fn disjoint_mut<'a>(grads: &'a mut [HostBuffer], slots: &[u32]) -> Option<Vec<&'a mut HostBuffer>> {
-    let mut order: Vec<(usize, usize)> = slots.iter().enumerate().map(|(i, s)| (*s as usize, i)).collect();
+    let mut order: Vec<(usize, usize)> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (*s as usize, i))
+        .collect();
     order.sort_unstable();
-    if order.windows(2).any(|w| w[0].0 == w[1].0) || order.last().is_some_and(|l| l.0 >= grads.len()) {
+    if order.windows(2).any(|w| w[0].0 == w[1].0)
+        || order.last().is_some_and(|l| l.0 >= grads.len())
+    {
         return None;
     }
     let mut out: Vec<Option<&'a mut HostBuffer>> = (0..slots.len()).map(|_| None).collect();
@@ -367,25 +441,26 @@ pub fn run_in_process(
     opts: ExecOptions,
 ) -> Result<Vec<(Vec<HostBuffer>, ExecReport)>, ExecError> {
     let world = grads.len();
-    let comms = super::inprocess::InProcessGroup::new(world, opts.timeout);
-    let results: Vec<Result<(Vec<HostBuffer>, ExecReport), ExecError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = comms
-            .iter()
-            .zip(grads)
-            .map(|(comm, mut g)| {
-                scope.spawn(move || {
-                    let r = execute(plan, comm, &mut g, &mut NoHooks, opts);
-                    if let Err(e) = &r {
-                        comm.abort(&e.to_string());
-                    }
-                    r.map(|rep| (g, rep))
+    let comms = super::inprocess::InProcessGroup::ranks(world, opts.timeout);
+    let results: Vec<Result<(Vec<HostBuffer>, ExecReport), ExecError>> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(grads)
+                .map(|(comm, mut g)| {
+                    scope.spawn(move || {
+                        let r = execute(plan, comm, &mut g, &mut NoHooks, opts);
+                        if let Err(e) = &r {
+                            comm.abort(&e.to_string());
+                        }
+                        r.map(|rep| (g, rep))
+                    })
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
     results.into_iter().collect()
 }

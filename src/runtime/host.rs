@@ -69,7 +69,10 @@ fn pack_typed<F: Element, W: Element>(
     scale_div: Option<u32>,
     out: &mut [W],
 ) {
-    for (m, l) in members.iter().zip(&layout.members) {
+    for (j, (m, l)) in members.iter().zip(&layout.members).enumerate() {
+        // Padding after this member, up to the next one (or the end).
+        let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
+        out[l.offset as usize + m.len()..end].fill(W::ZERO);
         let dst = &mut out[l.offset as usize..][..m.len()];
         match scale_div {
             Some(d) => {
@@ -86,7 +89,12 @@ fn pack_typed<F: Element, W: Element>(
     }
 }
 
-fn unpack_typed<W: Element, F: Element>(layout: &BucketLayout, buffer: &[W], member: &mut [F], i: usize) {
+fn unpack_typed<W: Element, F: Element>(
+    layout: &BucketLayout,
+    buffer: &[W],
+    member: &mut [F],
+    i: usize,
+) {
     let l = &layout.members[i];
     let src = &buffer[l.offset as usize..][..member.len()];
     for (o, x) in member.iter_mut().zip(src) {
@@ -120,19 +128,31 @@ pub fn pack(
     members: &[&HostBuffer],
     scale_div: Option<u32>,
 ) -> Result<HostBuffer, KernelError> {
-    check(layout, members)?;
     let mut out = wire_buffer(layout)?;
+    pack_into(layout, members, scale_div, &mut out)?;
+    Ok(out)
+}
+
+/// [`pack`] into `out`, reusing its memory when it already has the layout's dtype and length (a
+/// fresh buffer costs a page fault per 4 KiB on first touch, more than the pack itself).
+pub fn pack_into(
+    layout: &BucketLayout,
+    members: &[&HostBuffer],
+    scale_div: Option<u32>,
+    out: &mut HostBuffer,
+) -> Result<(), KernelError> {
+    check(layout, members)?;
+    if out.dtype().name() != layout.wire_dtype || out.len() as u64 != layout.numel {
+        *out = wire_buffer(layout)?;
+    }
+    let out = &mut *out;
     // Members share one dtype: the verifier guarantees it and `check` confirmed each one.
     match members.first().map(|m| m.dtype()) {
         None => {}
-        Some(crate::graph::DType::F32) => pack_as::<f32>(layout, members, scale_div, &mut out),
-        Some(crate::graph::DType::F64) => pack_as::<f64>(layout, members, scale_div, &mut out),
-        Some(crate::graph::DType::F16) => {
-            pack_as::<half::f16>(layout, members, scale_div, &mut out)
-        }
-        Some(crate::graph::DType::BF16) => {
-            pack_as::<half::bf16>(layout, members, scale_div, &mut out)
-        }
+        Some(crate::graph::DType::F32) => pack_as::<f32>(layout, members, scale_div, out),
+        Some(crate::graph::DType::F64) => pack_as::<f64>(layout, members, scale_div, out),
+        Some(crate::graph::DType::F16) => pack_as::<half::f16>(layout, members, scale_div, out),
+        Some(crate::graph::DType::BF16) => pack_as::<half::bf16>(layout, members, scale_div, out),
         Some(d) => {
             return Err(KernelError::Dtype {
                 bucket: label(layout),
@@ -140,7 +160,7 @@ pub fn pack(
             });
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Scatters a reduced flat buffer back into `members` (in layout order), casting each element

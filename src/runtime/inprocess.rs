@@ -28,6 +28,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Elements reduced per block (fits L1 with the accumulator).
 const BLOCK: usize = 2048;
 
+/// How long a rank spins before it sleeps on a barrier.
+const SPIN: Duration = Duration::from_micros(50);
+
 #[derive(Clone, Copy)]
 struct RawBuf(*mut u8);
 // SAFETY: the pointer is only dereferenced between the arrival and departure barriers of one
@@ -64,6 +67,39 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Waits while `pending` holds, until `deadline` if one is given; returns the guard and
+    /// whether the deadline passed. Spins for a few microseconds first: the ranks of a
+    /// collective usually arrive close together, and a sleep and wake-up costs tens of
+    /// microseconds.
+    fn wait_while<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        pending: impl Fn(&State) -> bool,
+        deadline: Option<Instant>,
+    ) -> (MutexGuard<'a, State>, bool) {
+        let spin_until = Instant::now() + SPIN;
+        while pending(&st) {
+            let now = Instant::now();
+            if now < spin_until {
+                drop(st);
+                thread::yield_now();
+                st = self.lock();
+                continue;
+            }
+            st = match deadline {
+                Some(d) if now >= d => return (st, true),
+                Some(d) => {
+                    self.cv
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+            };
+        }
+        (st, false)
+    }
+
     fn abort(&self, reason: String) {
         let mut st = self.lock();
         if st.aborted.is_none() {
@@ -73,7 +109,13 @@ impl Shared {
     }
 
     /// Runs collective number `seq` of `rank` on `buf`.
-    fn run(&self, rank: usize, seq: u64, buf: &mut HostBuffer, what: &CollectiveDesc) -> Result<Instant, CommError> {
+    fn run(
+        &self,
+        rank: usize,
+        seq: u64,
+        buf: &mut HostBuffer,
+        what: &CollectiveDesc,
+    ) -> Result<Instant, CommError> {
         let t0 = Instant::now();
         let deadline = t0 + self.timeout;
         let aborted = |reason: &str| CommError::Aborted {
@@ -83,20 +125,22 @@ impl Shared {
         };
         let mut st = self.lock();
         // Wait for the previous collective to be left by everyone.
-        while st.round != seq && st.aborted.is_none() {
-            let now = Instant::now();
-            if now >= deadline {
-                let err = CommError::Timeout {
-                    rank,
-                    what: what.clone(),
-                    waited: t0.elapsed(),
-                    missing: Vec::new(),
-                };
-                st.aborted.get_or_insert_with(|| err.to_string());
-                self.cv.notify_all();
-                return Err(err);
-            }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        let (g, late) = self.wait_while(
+            st,
+            |st| st.round != seq && st.aborted.is_none(),
+            Some(deadline),
+        );
+        st = g;
+        if late {
+            let err = CommError::Timeout {
+                rank,
+                what: what.clone(),
+                waited: t0.elapsed(),
+                missing: Vec::new(),
+            };
+            st.aborted.get_or_insert_with(|| err.to_string());
+            self.cv.notify_all();
+            return Err(err);
         }
         if let Some(r) = &st.aborted {
             return Err(aborted(r));
@@ -110,23 +154,28 @@ impl Shared {
         if st.arrived == self.world {
             self.cv.notify_all();
         }
-        while st.arrived < self.world && st.aborted.is_none() {
-            let now = Instant::now();
-            if now >= deadline {
-                let missing: Vec<usize> = (0..self.world).filter(|r| st.posted[*r].is_none()).collect();
-                st.posted[rank] = None;
-                st.arrived -= 1;
-                let err = CommError::Timeout {
-                    rank,
-                    what: what.clone(),
-                    waited: t0.elapsed(),
-                    missing,
-                };
-                st.aborted.get_or_insert_with(|| err.to_string());
-                self.cv.notify_all();
-                return Err(err);
-            }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        let world = self.world;
+        let (g, late) = self.wait_while(
+            st,
+            |st| st.arrived < world && st.aborted.is_none(),
+            Some(deadline),
+        );
+        st = g;
+        if late {
+            let missing: Vec<usize> = (0..self.world)
+                .filter(|r| st.posted[*r].is_none())
+                .collect();
+            st.posted[rank] = None;
+            st.arrived -= 1;
+            let err = CommError::Timeout {
+                rank,
+                what: what.clone(),
+                waited: t0.elapsed(),
+                missing,
+            };
+            st.aborted.get_or_insert_with(|| err.to_string());
+            self.cv.notify_all();
+            return Err(err);
         }
         if st.arrived < self.world {
             st.posted[rank] = None;
@@ -135,7 +184,11 @@ impl Shared {
             return Err(aborted(&r));
         }
         // Everyone is here. All ranks check the same descriptors and reach the same verdict.
-        let descs: Vec<&CollectiveDesc> = st.posted.iter().map(|p| &p.as_ref().expect("arrived").what).collect();
+        let descs: Vec<&CollectiveDesc> = st
+            .posted
+            .iter()
+            .map(|p| &p.as_ref().expect("arrived").what)
+            .collect();
         // If any two ranks disagree, every rank disagrees with someone: all of them fail.
         if let Some(other) = (0..self.world).find(|r| !same_call(descs[*r], what)) {
             let err = CommError::Mismatch {
@@ -149,7 +202,11 @@ impl Shared {
             self.depart(st);
             return Err(err);
         }
-        let ptrs: Vec<RawBuf> = st.posted.iter().map(|p| p.as_ref().expect("arrived").ptr).collect();
+        let ptrs: Vec<RawBuf> = st
+            .posted
+            .iter()
+            .map(|p| p.as_ref().expect("arrived").ptr)
+            .collect();
         let started = Instant::now();
         drop(st);
 
@@ -164,7 +221,9 @@ impl Shared {
                 HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op, self.world),
                 HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op, self.world),
                 HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op, self.world),
-                HostBuffer::BF16(_) => reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op, self.world),
+                HostBuffer::BF16(_) => {
+                    reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op, self.world)
+                }
             }
         }
 
@@ -174,9 +233,8 @@ impl Shared {
             self.cv.notify_all();
         }
         // No timeout here: all ranks are inside this collective doing bounded arithmetic.
-        while st.finished < self.world {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
+        let world = self.world;
+        let (st, _) = self.wait_while(st, |st| st.finished < world, None);
         self.depart(st);
         Ok(started)
     }
@@ -213,7 +271,13 @@ fn with_buf_ptr(buf: &mut HostBuffer) -> RawBuf {
 /// # Safety
 /// Every pointer addresses at least `hi` elements of `E`, and no other thread accesses
 /// `[lo, hi)` of any of them during the call.
-unsafe fn reduce_chunk<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: ReduceOp, world: usize) {
+unsafe fn reduce_chunk<E: Element>(
+    ptrs: &[RawBuf],
+    lo: usize,
+    hi: usize,
+    op: ReduceOp,
+    world: usize,
+) {
     let mut acc = [E::ZERO; BLOCK];
     let div = world as u32;
     let mut start = lo;
@@ -262,7 +326,7 @@ pub struct InProcessGroup;
 
 impl InProcessGroup {
     /// `world` communicators, one per rank, each waiting at most `timeout` for the others.
-    pub fn new(world: usize, timeout: Duration) -> Vec<InProcessComm> {
+    pub fn ranks(world: usize, timeout: Duration) -> Vec<InProcessComm> {
         let shared = Arc::new(Shared {
             world,
             timeout,
@@ -283,10 +347,8 @@ impl InProcessGroup {
                 let worker = thread::Builder::new()
                     .name(format!("cf-comm-r{rank}"))
                     .spawn(move || {
-                        let mut seq = 0u64;
-                        for mut job in rx {
-                            let res = sh.run(rank, seq, &mut job.buffer, &job.what);
-                            seq += 1;
+                        for (seq, mut job) in rx.into_iter().enumerate() {
+                            let res = sh.run(rank, seq as u64, &mut job.buffer, &job.what);
                             let out = res.map(|start| {
                                 (
                                     job.buffer,
@@ -330,7 +392,11 @@ impl Communicator for InProcessComm {
         self.world
     }
 
-    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError> {
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
         if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
             return Err(CommError::Unsupported {
                 rank: self.rank,
@@ -346,12 +412,16 @@ impl Communicator for InProcessComm {
         };
         match &self.tx {
             Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(self.rank, what, rx)),
-            _ => Err(CommError::Closed { rank: self.rank, what }),
+            _ => Err(CommError::Closed {
+                rank: self.rank,
+                what,
+            }),
         }
     }
 
     fn abort(&self, reason: &str) {
-        self.shared.abort(format!("rank {} aborted the group: {reason}", self.rank));
+        self.shared
+            .abort(format!("rank {} aborted the group: {reason}", self.rank));
     }
 }
 

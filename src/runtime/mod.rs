@@ -22,5 +22,7 @@ pub mod synthetic;
 
 pub use buffer::{Element, HostBuffer};
 pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
-pub use exec::{ExecError, ExecOptions, ExecReport, execute, run_in_process};
+pub use exec::{
+    ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,
+};
 pub use inprocess::{InProcessComm, InProcessGroup};

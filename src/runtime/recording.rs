@@ -36,7 +36,11 @@ impl<C: Communicator> Communicator for Recording<C> {
         self.inner.world()
     }
 
-    fn all_reduce(&self, buffer: HostBuffer, what: CollectiveDesc) -> Result<PendingReduce, CommError> {
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
         self.calls
             .lock()
             .unwrap_or_else(|e| e.into_inner())

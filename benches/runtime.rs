@@ -1,0 +1,139 @@
+//! Runtime throughput, side by side with memcpy of the same bytes on the same machine:
+//! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks
+//!   (algorithm bandwidth: bytes of one rank's buffer per unit time).
+//! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket.
+//!
+//! Run with `cargo bench --bench runtime`; criterion prints each throughput, the ratios are
+//! throughput(x) / throughput(memcpy) within one group.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use collective_fusion::codegen::layout::{BucketLayout, MemberLayout};
+use collective_fusion::graph::{DType, ReduceOp};
+use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
+use collective_fusion::runtime::cube::{self, DeviceMember};
+use collective_fusion::runtime::{HostBuffer, InProcessGroup, host};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use cubecl::prelude::*;
+use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+const SIZES: [usize; 3] = [256 << 10, 4 << 20, 32 << 20];
+
+fn desc(count: usize) -> CollectiveDesc {
+    CollectiveDesc {
+        collective: 0,
+        bucket: Some(0),
+        op: ReduceOp::Sum,
+        dtype: DType::F32,
+        count: count as u64,
+        params: Vec::new(),
+    }
+}
+
+fn allreduce(c: &mut Criterion) {
+    for bytes in SIZES {
+        let n = bytes / 4;
+        let mut g = c.benchmark_group(format!("allreduce/{}KiB", bytes >> 10));
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.measurement_time(Duration::from_secs(3)).sample_size(20);
+        let src = vec![1.0f32; n];
+        let mut dst = vec![0.0f32; n];
+        g.bench_function("memcpy", |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&src));
+                black_box(&dst);
+            })
+        });
+        for world in [2usize, 4] {
+            let comms = InProcessGroup::ranks(world, Duration::from_secs(60));
+            let mut bufs: Vec<Option<HostBuffer>> = (0..world)
+                .map(|_| Some(HostBuffer::F32(vec![1.0; n])))
+                .collect();
+            g.bench_function(format!("inprocess_{world}ranks"), |b| {
+                b.iter(|| {
+                    let pending: Vec<_> = comms
+                        .iter()
+                        .zip(bufs.iter_mut())
+                        .map(|(c, buf)| c.all_reduce(buf.take().unwrap(), desc(n)).unwrap())
+                        .collect();
+                    for (p, slot) in pending.into_iter().zip(bufs.iter_mut()) {
+                        *slot = Some(p.wait(Duration::from_secs(60)).unwrap().0);
+                    }
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+fn layout(total: usize, members: usize) -> BucketLayout {
+    let each = total / members;
+    BucketLayout {
+        bucket: Some(0),
+        reduce: "sum".into(),
+        scale_div: Some(4),
+        group: 0,
+        wire_dtype: "f32".into(),
+        members: (0..members)
+            .map(|i| MemberLayout {
+                param: None,
+                offset: (i * each) as u64,
+                numel: each as u64,
+                dtype: "f32".into(),
+            })
+            .collect(),
+        numel: (each * members) as u64,
+        padding: 0,
+        bytes: (each * members * 4) as u64,
+        member_bytes: (each * members * 4) as u64,
+    }
+}
+
+fn pack(c: &mut Criterion) {
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    for bytes in SIZES {
+        let n = bytes / 4;
+        let l = layout(n, 16);
+        let mut g = c.benchmark_group(format!("pack/{}KiB", bytes >> 10));
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.measurement_time(Duration::from_secs(3)).sample_size(20);
+        let src = vec![1.0f32; n];
+        let mut dst = vec![0.0f32; n];
+        g.bench_function("memcpy", |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&src));
+                black_box(&dst);
+            })
+        });
+        let members: Vec<HostBuffer> = (0..16)
+            .map(|_| HostBuffer::F32(vec![1.5; n / 16]))
+            .collect();
+        let refs: Vec<&HostBuffer> = members.iter().collect();
+        let mut out = host::pack(&l, &refs, Some(4)).unwrap();
+        g.bench_function("host_pack", |b| {
+            b.iter(|| {
+                host::pack_into(&l, &refs, Some(4), &mut out).unwrap();
+                black_box(&out);
+            })
+        });
+        let dev: Vec<DeviceMember> = members
+            .iter()
+            .map(|m| DeviceMember {
+                handle: client.create_from_slice(m.as_bytes()),
+                len: m.len(),
+            })
+            .collect();
+        g.bench_function("cubecl_pack_wgpu", |b| {
+            b.iter(|| {
+                let h = cube::pack(&client, &l, &dev, Some(4)).unwrap();
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(h);
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, allreduce, pack);
+criterion_main!(benches);
