@@ -203,6 +203,74 @@ impl StepTimes {
 /// until it finishes; a `grad_sync` is treated as Burn's default per-parameter sync: launched when
 /// the gradient is ready, waited for at the sync point.
 pub fn simulate(graph: &Graph, model: &CostModel) -> Result<StepTimes, CycleError> {
+    simulate_inner(graph, model, None)
+}
+
+/// A span of simulated time on one stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimSpan {
+    /// `compute` or `comm`.
+    pub stream: &'static str,
+    /// Category: `compute`, `pack`, `unpack`, `all-reduce` or `wait`.
+    pub cat: &'static str,
+    /// Label.
+    pub name: String,
+    /// Start, seconds from the start of the step.
+    pub start: f64,
+    /// End, seconds.
+    pub end: f64,
+}
+
+/// [`simulate`], also returning every span of both streams (for traces).
+pub fn simulate_spans(
+    graph: &Graph,
+    model: &CostModel,
+) -> Result<(StepTimes, Vec<SimSpan>), CycleError> {
+    let mut spans = Vec::new();
+    let st = simulate_inner(graph, model, Some(&mut spans))?;
+    Ok((st, spans))
+}
+
+fn simulate_inner(
+    graph: &Graph,
+    model: &CostModel,
+    mut spans: Option<&mut Vec<SimSpan>>,
+) -> Result<StepTimes, CycleError> {
+    let mut record = |stream, cat, name: String, start: f64, end: f64| {
+        if let Some(s) = spans.as_deref_mut()
+            && end > start
+        {
+            s.push(SimSpan {
+                stream,
+                cat,
+                name,
+                start,
+                end,
+            });
+        }
+    };
+    let label = |id| -> String {
+        match graph.op(id) {
+            Op::Compute { name, .. } => name.clone(),
+            Op::BucketPack { bucket, .. } => format!("pack b{bucket}"),
+            Op::BucketUnpack { bucket } => format!("unpack b{bucket}"),
+            Op::AllReduce {
+                bucket: Some(b), ..
+            }
+            | Op::AllReduceStart {
+                bucket: Some(b), ..
+            }
+            | Op::AllReduceDone { bucket: Some(b) } => format!("all-reduce b{b}"),
+            Op::GradSync { param, .. } => format!("all-reduce {param}"),
+            _ => {
+                let ops = graph.operands(id);
+                match ops.first().map(|v| graph.op(v.node)) {
+                    Some(Op::Gradient { param }) => format!("all-reduce {param}"),
+                    _ => "all-reduce".to_string(),
+                }
+            }
+        }
+    };
     let order = graph.topo_order()?;
     let mut finish = vec![0.0f64; graph.node_bound()];
     let mut t_compute = 0.0f64;
@@ -229,29 +297,61 @@ pub fn simulate(graph: &Graph, model: &CostModel) -> Result<StepTimes, CycleErro
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
+                record("compute", "compute", label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.compute += d;
             }
             Op::BucketPack { .. } | Op::BucketUnpack { .. } => {
                 let d = model.copy_secs(bytes_in(id));
+                let cat = if matches!(graph.op(id), Op::BucketPack { .. }) {
+                    "pack"
+                } else {
+                    "unpack"
+                };
+                record("compute", cat, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.copies += d;
             }
             Op::AllReduce { group, .. } => {
+                let issued = t_compute;
                 t_compute = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+                record(
+                    "comm",
+                    "all-reduce",
+                    label(id),
+                    t_compute - st.last_collective,
+                    t_compute,
+                );
+                record(
+                    "compute",
+                    "wait",
+                    format!("wait {}", label(id)),
+                    issued,
+                    t_compute,
+                );
             }
             Op::GradSync { group, .. } | Op::AllReduceStart { group, .. } => {
-                finish[id.index()] = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+                let end = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+                finish[id.index()] = end;
+                record(
+                    "comm",
+                    "all-reduce",
+                    label(id),
+                    end - st.last_collective,
+                    end,
+                );
             }
-            Op::AllReduceDone { .. } => {
+            Op::AllReduceDone { .. } | Op::Sync => {
+                let before = t_compute;
                 for v in graph.operands(id) {
                     t_compute = t_compute.max(finish[v.node.index()]);
                 }
-            }
-            Op::Sync => {
-                for v in graph.operands(id) {
-                    t_compute = t_compute.max(finish[v.node.index()]);
-                }
+                let what = if matches!(graph.op(id), Op::Sync) {
+                    "wait sync".to_string()
+                } else {
+                    format!("wait {}", label(id))
+                };
+                record("compute", "wait", what, before, t_compute);
             }
             Op::Parameter { .. } | Op::Input { .. } | Op::Gradient { .. } => {}
         }

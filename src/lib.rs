@@ -3,8 +3,9 @@
 //!
 //! The crate records a training step as a graph ([`graph`]), optimizes it at a sync point with
 //! passes ([`passes`]): gradient bucketing, start/done splitting, overlap scheduling and fusion of
-//! the bucket copies. [`codegen`] turns the result into data a runtime executes. See
-//! `ARCHITECTURE.md` for the codemap.
+//! the bucket copies. [`codegen`] lowers the result to a two-stream plan that [`runtime`] executes
+//! on ranks. [`profile`] simulates a step under every policy; [`trace`] writes what happened as
+//! Chrome trace JSON or SVG. See `ARCHITECTURE.md` for the codemap.
 #![warn(missing_docs)]
 
 pub mod codegen;
@@ -13,4 +14,6 @@ pub mod cost;
 pub mod graph;
 pub mod model;
 pub mod passes;
+pub mod profile;
 pub mod runtime;
+pub mod trace;

@@ -35,6 +35,16 @@ enum Policy {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum ProfilePolicy {
+    /// One all-reduce per parameter.
+    None,
+    /// PyTorch DDP's buckets.
+    Ddp,
+    /// Cost-model buckets.
+    Cost,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum PrintWhen {
     All,
     Change,
@@ -42,6 +52,38 @@ enum PrintWhen {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Simulate one training step of a model under every bucketing policy, side by side against
+    /// a lower bound; optionally write the chosen policy's step as a trace.
+    Profile {
+        /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
+        /// llama_1b_tied) or the path of a profile file of the same schema.
+        #[arg(long)]
+        model: String,
+        /// Ranks (default: the link profile's).
+        #[arg(long)]
+        world: Option<u32>,
+        /// System profile: a bundled name (h200-nvlink, ib-400g) or a file.
+        #[arg(long)]
+        link: Option<String>,
+        /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
+        #[arg(long, value_parser = parse_size)]
+        bucket_cap: Option<u64>,
+        /// Cap of the first bucket. Default 1MiB.
+        #[arg(long, value_parser = parse_size)]
+        first_bucket: Option<u64>,
+        /// Policy whose trace is written and which the table marks with `*` (none = per-param).
+        #[arg(long, default_value = "cost")]
+        policy: ProfilePolicy,
+        /// Samples per rank (scales compute).
+        #[arg(long, default_value_t = 8)]
+        batch: u64,
+        /// Write the chosen policy's simulated step as Chrome/Perfetto trace JSON.
+        #[arg(long)]
+        trace: Option<std::path::PathBuf>,
+        /// Write the same step as an SVG timeline.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+    },
     /// Compile one training step of a model and print the optimized graph and its bucket plan.
     Plan {
         /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
@@ -126,6 +168,27 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Profile {
+            model,
+            world,
+            link,
+            bucket_cap,
+            first_bucket,
+            policy,
+            batch,
+            trace,
+            svg,
+        } => profile_cmd(ProfileArgs {
+            model,
+            world,
+            link,
+            bucket_cap,
+            first_bucket,
+            policy,
+            batch,
+            trace,
+            svg,
+        }),
         Command::Plan {
             model,
             policy,
@@ -305,6 +368,85 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             emit(&out)
         }
     }
+}
+
+struct ProfileArgs {
+    model: String,
+    world: Option<u32>,
+    link: Option<String>,
+    bucket_cap: Option<u64>,
+    first_bucket: Option<u64>,
+    policy: ProfilePolicy,
+    batch: u64,
+    trace: Option<std::path::PathBuf>,
+    svg: Option<std::path::PathBuf>,
+}
+
+fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use collective_fusion::profile::{ProfileOptions, compare, compiled_graph, simulated_trace};
+    use std::io::IsTerminal as _;
+    let profile = ModelProfile::load(&a.model)?;
+    let mut config = CompileConfig::from_env()?;
+    if let Some(l) = a.link {
+        config.cost = CostModel::new(SystemProfile::load(&l)?);
+    }
+    if let Some(c) = a.bucket_cap {
+        config.bucket.cap_bytes = c;
+    }
+    if let Some(c) = a.first_bucket {
+        config.bucket.first_bucket_bytes = c;
+    }
+    let world = a.world.unwrap_or(config.cost.system.world);
+    if world == 0 {
+        return Err("--world must be at least 1".into());
+    }
+    let opts = ProfileOptions {
+        world,
+        batch: a.batch,
+        reduce: ReduceOp::Mean,
+        config,
+    };
+    let selected = match a.policy {
+        ProfilePolicy::None => BucketPolicy::PerParam,
+        ProfilePolicy::Ddp => BucketPolicy::Ddp,
+        ProfilePolicy::Cost => BucketPolicy::Cost,
+    };
+    // Progress on a terminal once a run takes more than a moment.
+    let started = std::time::Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let mut shown = false;
+    let cmp = compare(&profile, &opts, selected, |policy| {
+        if tty && started.elapsed() > std::time::Duration::from_millis(300) {
+            eprint!("\rsimulating {} · policy {policy:<9}", profile.model);
+            shown = true;
+        }
+    })?;
+    if shown {
+        eprint!("\r{:60}\r", "");
+    }
+    let mut out = cmp.to_string();
+    if a.trace.is_some() || a.svg.is_some() {
+        let g = compiled_graph(&profile, &opts, selected)?;
+        let (_, spans) = simulated_trace(&g, &opts.config.cost)?;
+        let title = format!(
+            "{} · {} · world {} · {} (simulated)",
+            profile.model,
+            selected.name(),
+            world,
+            opts.config.cost.system.name
+        );
+        if let Some(p) = &a.trace {
+            std::fs::write(p, collective_fusion::trace::chrome_json(&title, &spans))
+                .map_err(|e| format!("writing {}: {e}", p.display()))?;
+            let _ = writeln!(out, "trace: {} ({} spans)", p.display(), spans.len());
+        }
+        if let Some(p) = &a.svg {
+            std::fs::write(p, collective_fusion::trace::svg(&title, &spans))
+                .map_err(|e| format!("writing {}: {e}", p.display()))?;
+            let _ = writeln!(out, "svg: {}", p.display());
+        }
+    }
+    emit(&out)
 }
 
 /// Writes the output; a closed pipe (`| head`) is not an error.

@@ -1,0 +1,301 @@
+//! Profiling by simulation: one training step of a model under each bucketing policy, side by
+//! side, against a lower bound, and the trace of the chosen policy's step.
+//!
+//! The lower bound no schedule can beat under the cost model: communication cannot finish before
+//! the last gradient exists plus that gradient's own all-reduce, nor before the first gradient
+//! exists plus all gradients reduced as one collective:
+//! `bound = max(compute + t(last gradient), t_first_ready + t(all bytes))`. Its exposed
+//! communication is `bound - compute`.
+
+use std::fmt;
+
+use crate::config::{BucketPolicy, CompileConfig};
+use crate::cost::{CostModel, SimSpan, StepTimes, simulate, simulate_spans};
+use crate::graph::builder::{BuildOptions, build_step_graph};
+use crate::graph::print::fmt_bytes;
+use crate::graph::{Graph, Op, ReduceOp};
+use crate::model::ModelProfile;
+use crate::passes::{CompileError, compile};
+use crate::trace::TraceSpan;
+
+/// Why a profile could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    /// Compiling a policy's graph failed.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// A graph had a cycle.
+    #[error(transparent)]
+    Cycle(#[from] crate::graph::CycleError),
+}
+
+/// What to simulate.
+#[derive(Clone, Debug)]
+pub struct ProfileOptions {
+    /// Ranks.
+    pub world: u32,
+    /// Samples per rank.
+    pub batch: u64,
+    /// Reduction.
+    pub reduce: ReduceOp,
+    /// Compiler options (bucket caps, overlap, cost model); the policy is set per row.
+    pub config: CompileConfig,
+}
+
+/// One policy's simulated step.
+#[derive(Clone, Debug)]
+pub struct PolicyRow {
+    /// The policy.
+    pub policy: BucketPolicy,
+    /// Collectives launched.
+    pub collectives: usize,
+    /// Where the time went.
+    pub times: StepTimes,
+}
+
+/// The bound of the module doc.
+#[derive(Clone, Copy, Debug)]
+pub struct LowerBound {
+    /// Compute of the step.
+    pub compute: f64,
+    /// Bound on the step time.
+    pub step: f64,
+    /// Bound on what communication adds to the step (`step - compute`).
+    pub exposed: f64,
+}
+
+/// All policies side by side.
+#[derive(Clone, Debug)]
+pub struct Comparison {
+    /// Model name.
+    pub model: String,
+    /// Parameters.
+    pub tensors: usize,
+    /// Gradient bytes.
+    pub bytes: u64,
+    /// The options.
+    pub options: ProfileOptions,
+    /// One row per policy: per-param, ddp, cost.
+    pub rows: Vec<PolicyRow>,
+    /// The bound.
+    pub bound: LowerBound,
+    /// The policy whose trace was asked for (marked in the table).
+    pub selected: BucketPolicy,
+}
+
+/// The step graph of `profile` compiled with `policy`.
+pub fn compiled_graph(
+    profile: &ModelProfile,
+    opts: &ProfileOptions,
+    policy: BucketPolicy,
+) -> Result<Graph, CompileError> {
+    let mut g = build_step_graph(
+        profile,
+        &BuildOptions {
+            world: opts.world,
+            batch: opts.batch,
+            reduce: opts.reduce,
+        },
+    );
+    let mut cfg = opts.config.clone();
+    cfg.bucket.policy = policy;
+    compile(&mut g, &cfg)?;
+    Ok(g)
+}
+
+/// The lower bound of the module doc, from the unoptimized step graph.
+pub fn lower_bound(graph: &Graph, cost: &CostModel, world: u32) -> LowerBound {
+    let mut t = 0.0;
+    let mut first_ready = None;
+    let mut last_bytes = 0;
+    let mut total_bytes = 0;
+    if let Ok(order) = graph.topo_order() {
+        for id in order {
+            match graph.op(id) {
+                Op::Compute { flops, .. } => t += cost.compute_secs(*flops),
+                Op::Gradient { .. } => {
+                    first_ready.get_or_insert(t);
+                    let b = graph.node(id).results[0].bytes();
+                    last_bytes = b;
+                    total_bytes += b;
+                }
+                _ => {}
+            }
+        }
+    }
+    let step = (t + cost.all_reduce_secs(last_bytes, world))
+        .max(first_ready.unwrap_or(t) + cost.all_reduce_secs(total_bytes, world));
+    LowerBound {
+        compute: t,
+        step,
+        exposed: step - t,
+    }
+}
+
+/// Simulates every policy. `progress` is told what starts (the command shows it when a model
+/// takes more than a moment).
+pub fn compare(
+    profile: &ModelProfile,
+    opts: &ProfileOptions,
+    selected: BucketPolicy,
+    mut progress: impl FnMut(&str),
+) -> Result<Comparison, ProfileError> {
+    let base = build_step_graph(
+        profile,
+        &BuildOptions {
+            world: opts.world,
+            batch: opts.batch,
+            reduce: opts.reduce,
+        },
+    );
+    let bound = lower_bound(&base, &opts.config.cost, opts.world);
+    let mut rows = Vec::new();
+    for policy in [
+        BucketPolicy::PerParam,
+        BucketPolicy::Ddp,
+        BucketPolicy::Cost,
+    ] {
+        progress(policy.name());
+        let g = compiled_graph(profile, opts, policy)?;
+        let times = simulate(&g, &opts.config.cost)?;
+        rows.push(PolicyRow {
+            policy,
+            collectives: times.collectives,
+            times,
+        });
+    }
+    Ok(Comparison {
+        model: profile.model.clone(),
+        tensors: profile.params.len(),
+        bytes: profile.total_bytes(),
+        options: opts.clone(),
+        rows,
+        bound,
+        selected,
+    })
+}
+
+/// The simulated step of `graph` as trace spans of rank 0 (every rank runs the same schedule in
+/// the simulation).
+pub fn simulated_trace(
+    graph: &Graph,
+    cost: &CostModel,
+) -> Result<(StepTimes, Vec<TraceSpan>), crate::graph::CycleError> {
+    let (times, spans) = simulate_spans(graph, cost)?;
+    Ok((
+        times,
+        spans
+            .into_iter()
+            .map(|s: SimSpan| TraceSpan {
+                rank: 0,
+                stream: s.stream.to_string(),
+                cat: s.cat.to_string(),
+                name: s.name,
+                start_us: s.start * 1e6,
+                dur_us: (s.end - s.start) * 1e6,
+            })
+            .collect(),
+    ))
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.3} ms", s * 1e3)
+}
+
+impl Comparison {
+    /// The row of a policy.
+    pub fn row(&self, p: BucketPolicy) -> Option<&PolicyRow> {
+        self.rows.iter().find(|r| r.policy == p)
+    }
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let o = &self.options;
+        let sys = &o.config.cost.system;
+        writeln!(
+            f,
+            "model {} · {} tensors, {} · world {} · batch {} · link {} (α {} µs, busbw {} GB/s, {} TFLOP/s)",
+            self.model,
+            self.tensors,
+            fmt_bytes(self.bytes),
+            o.world,
+            o.batch,
+            sys.name,
+            sys.alpha_us,
+            sys.busbw_gbs,
+            sys.compute_tflops
+        )?;
+        writeln!(
+            f,
+            "buckets: cap {} · first {} · overlap {}",
+            fmt_bytes(o.config.bucket.cap_bytes),
+            fmt_bytes(o.config.bucket.first_bucket_bytes),
+            if o.config.overlap { "on" } else { "off" }
+        )?;
+        writeln!(f)?;
+        writeln!(
+            f,
+            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>9} {:>13} {:>11} {:>7}",
+            "policy",
+            "colls",
+            "compute",
+            "copies",
+            "comm",
+            "exposed",
+            "overlap",
+            "vs ddp",
+            "step−compute",
+            "step",
+            "÷bound"
+        )?;
+        let ddp_exposed = self.row(BucketPolicy::Ddp).map(|r| r.times.exposed_comm);
+        for r in &self.rows {
+            let t = &r.times;
+            let mark = if r.policy == self.selected { "*" } else { " " };
+            let vs = match ddp_exposed {
+                Some(d) if d > 0.0 => format!("{:+.0}%", 100.0 * (t.exposed_comm / d - 1.0)),
+                _ => "-".to_string(),
+            };
+            writeln!(
+                f,
+                "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>7.0}% {:>9} {:>13} {:>11} {:>7.3}",
+                format!("{}{mark}", r.policy.name()),
+                r.collectives,
+                ms(t.compute),
+                ms(t.copies),
+                ms(t.comm),
+                ms(t.exposed_comm),
+                t.overlap_pct(),
+                vs,
+                ms(t.total - t.compute),
+                ms(t.total),
+                t.total / self.bound.step,
+            )?;
+        }
+        writeln!(
+            f,
+            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>9} {:>13} {:>11} {:>7.3}",
+            "bound",
+            "-",
+            ms(self.bound.compute),
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+            ms(self.bound.exposed),
+            ms(self.bound.step),
+            1.0,
+        )?;
+        writeln!(f)?;
+        writeln!(
+            f,
+            "exposed = time the compute stream waits for communication; step−compute adds pack/unpack copies"
+        )?;
+        writeln!(
+            f,
+            "bound = max(compute + all-reduce of the last gradient, first gradient ready + one all-reduce of all gradients)"
+        )
+    }
+}

@@ -1,0 +1,152 @@
+//! The `profile` comparison table and trace files: structure snapshots (the simulation is
+//! deterministic arithmetic, so the table's numbers are stable; trace snapshots keep names,
+//! tracks and order, not times).
+
+use collective_fusion::config::{BucketPolicy, CompileConfig};
+use collective_fusion::cost::{CostModel, SystemProfile};
+use collective_fusion::graph::ReduceOp;
+use collective_fusion::model::ModelProfile;
+use collective_fusion::profile::{ProfileOptions, compare, compiled_graph, simulated_trace};
+use collective_fusion::trace::{chrome_json, svg};
+
+fn options(link: &str) -> ProfileOptions {
+    let cost = CostModel::new(SystemProfile::load(link).unwrap());
+    ProfileOptions {
+        world: cost.system.world,
+        batch: 8,
+        reduce: ReduceOp::Mean,
+        config: CompileConfig {
+            cost,
+            ..CompileConfig::default()
+        },
+    }
+}
+
+#[test]
+fn profile_tables_of_two_models() {
+    for (model, link) in [("gpt2", "h200-nvlink"), ("resnet50", "ib-400g")] {
+        let profile = ModelProfile::load(model).unwrap();
+        let mut seen = Vec::new();
+        let cmp = compare(&profile, &options(link), BucketPolicy::Cost, |p| {
+            seen.push(p.to_string())
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            ["per-param", "ddp", "cost"],
+            "progress names every policy"
+        );
+        for r in &cmp.rows {
+            assert!(
+                r.times.total >= cmp.bound.step * (1.0 - 1e-9),
+                "{model} {}: beats the bound",
+                r.policy.name()
+            );
+        }
+        insta::assert_snapshot!(format!("profile_{model}_{link}"), cmp.to_string());
+    }
+}
+
+#[test]
+fn trace_structure_names_tracks_and_order() {
+    let profile = ModelProfile::load("resnet50").unwrap();
+    let opts = options("h200-nvlink");
+    let g = compiled_graph(&profile, &opts, BucketPolicy::Ddp).unwrap();
+    let (times, spans) = simulated_trace(&g, &opts.config.cost).unwrap();
+    // Early buckets' all-reduces overlap later backward compute.
+    let first_ar = spans.iter().find(|s| s.cat == "all-reduce").unwrap();
+    assert!(
+        spans.iter().any(|s| s.cat == "compute"
+            && s.start_us < first_ar.start_us + first_ar.dur_us
+            && s.start_us + s.dur_us > first_ar.start_us),
+        "the first all-reduce overlaps compute"
+    );
+    assert!(
+        (spans
+            .iter()
+            .map(|s| s.start_us + s.dur_us)
+            .fold(0.0, f64::max)
+            - times.total * 1e6)
+            .abs()
+            < 1e-3
+    );
+    let json: serde_json::Value = serde_json::from_str(&chrome_json("resnet50", &spans)).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let mut lines = Vec::new();
+    for e in events {
+        let ph = e["ph"].as_str().unwrap();
+        if ph == "M" {
+            lines.push(format!(
+                "M pid={} tid={} {}={}",
+                e["pid"],
+                e["tid"],
+                e["name"].as_str().unwrap(),
+                e["args"]
+            ));
+        } else {
+            assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() > 0.0);
+            lines.push(format!(
+                "X pid={} tid={} [{}] {}",
+                e["pid"],
+                e["tid"],
+                e["cat"].as_str().unwrap(),
+                e["name"].as_str().unwrap()
+            ));
+        }
+    }
+    // Compute spans are many and uninteresting one by one: keep the first five and the count.
+    let compute: Vec<&String> = lines.iter().filter(|l| l.contains("[compute]")).collect();
+    let n_compute = compute.len();
+    let keep: Vec<String> = lines
+        .iter()
+        .filter(|l| {
+            !l.contains("[compute]") || compute.iter().take(5).any(|c| std::ptr::eq(*c, *l))
+        })
+        .cloned()
+        .collect();
+    insta::assert_snapshot!(format!(
+        "{}\n... {n_compute} compute spans in all",
+        keep.join("\n")
+    ));
+    let svg = svg("resnet50", &spans);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<title>").count(), spans.len());
+}
+
+#[test]
+fn profile_command_prints_the_table_and_writes_both_traces() {
+    let dir = std::env::temp_dir().join(format!("cf-profile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, svg_path) = (dir.join("step.json"), dir.join("step.svg"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        .args([
+            "profile", "--model", "resnet50", "--policy", "ddp", "--trace",
+        ])
+        .arg(&trace)
+        .arg("--svg")
+        .arg(&svg_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("ddp*") && text.contains("bound"), "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    assert!(json["traceEvents"].as_array().unwrap().len() > 100);
+    assert!(
+        std::fs::read_to_string(&svg_path)
+            .unwrap()
+            .contains("all-reduce b0")
+    );
+    // An unknown model is a clear error naming it.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        .args(["profile", "--model", "no_such_model"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no_such_model"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
