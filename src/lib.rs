@@ -8,6 +8,7 @@
 //! Chrome trace JSON or SVG. See `ARCHITECTURE.md` for the codemap.
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod codegen;
 pub mod config;
 pub mod cost;

@@ -1,0 +1,189 @@
+//! The Burn glue: `Collective<I>`, a Burn 0.21 backend over an inner backend `I` (NdArray here,
+//! Burn's CubeCL backends on GPUs) that owns Burn's gradient-sync hooks.
+//!
+//! Today every tensor op runs eagerly on `I` (`ops.rs`, generated: unwrap, call `I`, wrap), and
+//! the distributed hooks are compiled: `submit_gradient_sync` records a `grad_sync` node per
+//! gradient in ready order; `submit_sync_collective` builds the segment's graph, compiles it
+//! through the plan cache (bucketing, fusion, async split, overlap scheduling), runs the plan on
+//! the rank's communicator and writes the reduced gradients back through Burn's `TensorRef`
+//! pointers before it returns.
+//!
+//! Ranks: [`CollectiveDevice`] carries the inner device and a rank, and every tensor carries its
+//! rank, so N "devices" over one CPU train data-parallel in one process, one thread per rank, with
+//! the in-process communicator.
+
+mod distributed;
+mod ops;
+
+use std::fmt;
+
+use burn_backend::ops::{ActivationOps, TransactionOps};
+use burn_backend::ops::{DeformConv2dBackward, MaxPool2dBackward, MaxPool2dWithIndices};
+use burn_backend::{
+    Backend, BackendTypes, DTypeUsageSet, DeviceId, DeviceOps, QTensorPrimitive, TensorMetadata,
+};
+use burn_std::{DType, Shape};
+
+pub use distributed::{CollectiveOptions, mark_distributed};
+
+/// A Burn backend that compiles the gradient communication of data-parallel training.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Collective<I> {
+    _inner: std::marker::PhantomData<I>,
+}
+
+/// A device of `Collective<I>`: the inner backend's device and this rank.
+#[derive(Clone, Default, PartialEq, Eq, Debug, Hash)]
+pub struct CollectiveDevice<D> {
+    /// The inner backend's device.
+    pub inner: D,
+    /// The rank in the data-parallel group.
+    pub rank: u32,
+}
+
+impl<D> CollectiveDevice<D> {
+    /// Rank `rank` on `inner`.
+    pub fn new(inner: D, rank: u32) -> Self {
+        CollectiveDevice { inner, rank }
+    }
+}
+
+impl<D: fmt::Debug> fmt::Display for CollectiveDevice<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} on {:?}", self.rank, self.inner)
+    }
+}
+
+/// Bits of the device id's 16-bit index that hold the rank (the rest hold the inner device's
+/// index): 256 ranks per process, 256 inner devices.
+const RANK_BITS: u32 = 8;
+
+impl<D: DeviceOps> burn_backend::Device for CollectiveDevice<D> {
+    fn from_id(id: DeviceId) -> Self {
+        let inner = D::from_id(DeviceId {
+            type_id: id.type_id,
+            index_id: id.index_id >> RANK_BITS,
+        });
+        CollectiveDevice {
+            inner,
+            rank: u32::from(id.index_id & ((1 << RANK_BITS) - 1)),
+        }
+    }
+
+    fn to_id(&self) -> DeviceId {
+        let inner = self.inner.to_id();
+        DeviceId {
+            type_id: inner.type_id,
+            index_id: (inner.index_id << RANK_BITS) | (self.rank as u16 & ((1 << RANK_BITS) - 1)),
+        }
+    }
+}
+
+impl<D: DeviceOps> DeviceOps for CollectiveDevice<D> {}
+
+/// A tensor of `Collective<I>`: the inner backend's tensor and the rank it lives on.
+#[derive(Clone, Debug)]
+pub struct CTensor<P> {
+    /// The inner backend's tensor.
+    pub inner: P,
+    /// Its rank.
+    pub rank: u32,
+}
+
+impl<P> CTensor<P> {
+    /// Wraps `inner` on `rank`.
+    pub fn new(inner: P, rank: u32) -> Self {
+        CTensor { inner, rank }
+    }
+}
+
+impl<P: TensorMetadata> TensorMetadata for CTensor<P> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn shape(&self) -> Shape {
+        self.inner.shape()
+    }
+}
+
+impl<P: QTensorPrimitive> QTensorPrimitive for CTensor<P> {
+    fn scheme(&self) -> &burn_backend::quantization::QuantScheme {
+        self.inner.scheme()
+    }
+    fn acc_precision(&self) -> burn_std::quantization::QuantAcc {
+        self.inner.acc_precision()
+    }
+    fn propagation(&self) -> burn_backend::quantization::QuantPropagation {
+        self.inner.propagation()
+    }
+    fn default_scheme() -> burn_backend::quantization::QuantScheme {
+        P::default_scheme()
+    }
+}
+
+impl<I: Backend> BackendTypes for Collective<I> {
+    type Device = CollectiveDevice<I::Device>;
+    type FloatTensorPrimitive = CTensor<I::FloatTensorPrimitive>;
+    type FloatElem = I::FloatElem;
+    type IntTensorPrimitive = CTensor<I::IntTensorPrimitive>;
+    type IntElem = I::IntElem;
+    type BoolTensorPrimitive = CTensor<I::BoolTensorPrimitive>;
+    type BoolElem = I::BoolElem;
+    type QuantizedTensorPrimitive = CTensor<I::QuantizedTensorPrimitive>;
+}
+
+impl<I: Backend> Backend for Collective<I> {
+    fn name(device: &Self::Device) -> String {
+        format!("collective<{}>", I::name(&device.inner))
+    }
+
+    fn seed(device: &Self::Device, seed: u64) {
+        I::seed(&device.inner, seed)
+    }
+
+    fn sync(device: &Self::Device) -> Result<(), burn_backend::ExecutionError> {
+        I::sync(&device.inner)
+    }
+
+    fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {
+        I::dtype_usage(&device.inner, dtype)
+    }
+
+    fn device_count(type_id: u16) -> usize {
+        I::device_count(type_id)
+    }
+
+    fn memory_cleanup(device: &Self::Device) {
+        I::memory_cleanup(&device.inner)
+    }
+}
+
+impl<I: Backend> ActivationOps<Self> for Collective<I> {}
+impl<I: Backend> TransactionOps<Self> for Collective<I> {}
+
+pub(crate) fn wrap_max_pool2d_with_indices<I: Backend>(
+    r: MaxPool2dWithIndices<I>,
+    rank: u32,
+) -> MaxPool2dWithIndices<Collective<I>> {
+    MaxPool2dWithIndices::new(CTensor::new(r.output, rank), CTensor::new(r.indices, rank))
+}
+
+pub(crate) fn wrap_max_pool2d_backward<I: Backend>(
+    r: MaxPool2dBackward<I>,
+    rank: u32,
+) -> MaxPool2dBackward<Collective<I>> {
+    MaxPool2dBackward::new(CTensor::new(r.x_grad, rank))
+}
+
+pub(crate) fn wrap_deform_conv2d_backward<I: Backend>(
+    r: DeformConv2dBackward<I>,
+    rank: u32,
+) -> DeformConv2dBackward<Collective<I>> {
+    DeformConv2dBackward::new(
+        CTensor::new(r.x_grad, rank),
+        CTensor::new(r.offset_grad, rank),
+        CTensor::new(r.weight_grad, rank),
+        r.mask_grad.map(|t| CTensor::new(t, rank)),
+        r.bias_grad.map(|t| CTensor::new(t, rank)),
+    )
+}

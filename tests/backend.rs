@@ -1,0 +1,236 @@
+//! `Autodiff<Collective<NdArray>>` trains burn-nn modules data-parallel on 4 CPU ranks in one
+//! process; the weights equal one-rank training on the concatenated batch, and bucketed sync
+//! equals per-parameter sync bit for bit.
+
+use std::sync::Mutex;
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn_core::tensor::{Tensor, TensorData};
+use burn_ndarray::{NdArray, NdArrayDevice};
+use burn_nn::conv::{Conv2d, Conv2dConfig};
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, mark_distributed,
+};
+use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+
+type Inner = Collective<NdArray>;
+type B = Autodiff<Inner>;
+type Dev = CollectiveDevice<NdArrayDevice>;
+
+/// Sessions are per backend type: tests that start one run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const WORLD: u32 = 4;
+const ROWS_PER_RANK: usize = 4;
+const INPUTS: usize = 36; // a 6×6 single-channel image for the conv net
+const OUTPUTS: usize = 4;
+const STEPS: usize = 5;
+
+fn device(rank: u32) -> Dev {
+    CollectiveDevice::new(NdArrayDevice::Cpu, rank)
+}
+
+/// A model the harness trains.
+trait Net: AutodiffModule<B> + Clone + Send + 'static {
+    fn init(d: &Dev) -> Self;
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
+}
+
+type Mlp = Vec<Linear<B>>;
+
+impl Net for Mlp {
+    fn init(d: &Dev) -> Self {
+        [INPUTS, 32, 16, OUTPUTS]
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+            .collect()
+    }
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let mut h = x;
+        for (i, l) in self.iter().enumerate() {
+            h = l.forward(h);
+            if i + 1 < self.len() {
+                h = burn_core::tensor::activation::relu(h);
+            }
+        }
+        h
+    }
+}
+
+type ConvNet = (Conv2d<B>, Conv2d<B>, Linear<B>);
+
+impl Net for ConvNet {
+    fn init(d: &Dev) -> Self {
+        (
+            Conv2dConfig::new([1, 4], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
+            Conv2dConfig::new([4, 4], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
+            LinearConfig::new(4 * INPUTS, OUTPUTS).init(d),
+        )
+    }
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let n = x.dims()[0];
+        let h = x.reshape([n, 1, 6, 6]);
+        let h = burn_core::tensor::activation::relu(self.0.forward(h));
+        let h = burn_core::tensor::activation::relu(self.1.forward(h));
+        self.2.forward(h.reshape([n, 4 * INPUTS]))
+    }
+}
+
+/// Every float parameter's values, in visiting order.
+fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0
+                .extend(param.val().into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+fn init_model<M: Net>() -> M {
+    let d = device(0);
+    <B as burn_backend::Backend>::seed(&d, 42);
+    let model = M::init(&d);
+    // Parameters initialize lazily; materialize them now, under this seed, before any copy.
+    let _ = weights(&model);
+    model
+}
+
+/// Rows `[from, to)` of step `step`'s global batch, deterministic.
+fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let x: Vec<f32> = (from * INPUTS..to * INPUTS)
+        .map(|i| (((i * 37 + step * 11) % 97) as f32 / 97.0) - 0.5)
+        .collect();
+    let y: Vec<f32> = (from * OUTPUTS..to * OUTPUTS)
+        .map(|i| (((i * 53 + step * 7) % 89) as f32 / 89.0) - 0.5)
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [to - from, INPUTS]), dev),
+        Tensor::from_data(TensorData::new(y, [to - from, OUTPUTS]), dev),
+    )
+}
+
+fn train<M: Net>(mut model: M, rows: (usize, usize), dev: &Dev) -> M {
+    let mut optim = SgdConfig::new().init::<B, M>();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, rows.0, rows.1, dev);
+        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.05, model, grads);
+    }
+    model
+}
+
+/// Trains on `WORLD` ranks (one thread each) and returns every rank's final weights.
+fn train_data_parallel<M: Net>(policy: BucketPolicy) -> Vec<Vec<f32>> {
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    CollectiveOptions {
+        config: CompileConfig {
+            bucket: BucketConfig {
+                policy,
+                // Small caps so these small models form several buckets.
+                cap_bytes: 1024,
+                first_bucket_bytes: 256,
+            },
+            verify: true,
+            ..CompileConfig::default()
+        },
+        timeout: std::time::Duration::from_secs(30),
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let init: M = init_model();
+    let out = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let model = init.clone().fork(d);
+                s.spawn(move || {
+                    let model = mark_distributed::<B, M>(model);
+                    let r = d.rank as usize;
+                    weights(&train(
+                        model,
+                        (r * ROWS_PER_RANK, (r + 1) * ROWS_PER_RANK),
+                        d,
+                    ))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    Inner::close_communication_server(&devices[0]);
+    out
+}
+
+fn equals_one_rank_on_the_concatenated_batch<M: Net>() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ranks = train_data_parallel::<M>(BucketPolicy::Ddp);
+    for (r, w) in ranks.iter().enumerate().skip(1) {
+        assert_eq!(w, &ranks[0], "rank {r} diverged from rank 0");
+    }
+    // Reference: one rank, the whole batch, no communication.
+    let reference = weights(&train(
+        init_model::<M>(),
+        (0, WORLD as usize * ROWS_PER_RANK),
+        &device(0),
+    ));
+    let initial = weights(&init_model::<M>());
+    assert_eq!(ranks[0].len(), reference.len());
+    let mut moved = 0.0f64;
+    for (i, (a, b)) in ranks[0].iter().zip(&reference).enumerate() {
+        let (a, b) = (f64::from(*a), f64::from(*b));
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1e-3),
+            "weight {i}: {a} vs {b}"
+        );
+        moved += (b - f64::from(initial[i])).abs();
+    }
+    assert!(moved > 1e-3, "training did not move the weights");
+}
+
+fn bucketed_equals_per_parameter<M: Net>() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let bucketed = train_data_parallel::<M>(BucketPolicy::Ddp);
+    let per_param = train_data_parallel::<M>(BucketPolicy::PerParam);
+    assert!(!bucketed[0].is_empty());
+    for (a, b) in bucketed[0].iter().zip(&per_param[0]) {
+        assert_eq!(a.to_bits(), b.to_bits());
+    }
+}
+
+#[test]
+fn mlp_on_four_ranks_equals_one_rank_on_the_concatenated_batch() {
+    equals_one_rank_on_the_concatenated_batch::<Mlp>();
+}
+
+#[test]
+fn conv_net_on_four_ranks_equals_one_rank_on_the_concatenated_batch() {
+    equals_one_rank_on_the_concatenated_batch::<ConvNet>();
+}
+
+#[test]
+fn mlp_bucketed_sync_equals_per_parameter_sync_bitwise() {
+    bucketed_equals_per_parameter::<Mlp>();
+}
+
+#[test]
+fn conv_net_bucketed_sync_equals_per_parameter_sync_bitwise() {
+    bucketed_equals_per_parameter::<ConvNet>();
+}
