@@ -14,7 +14,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, mark_distributed,
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, expected_plan, mark_distributed,
+    sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 
@@ -135,6 +136,14 @@ fn train<M: Net>(mut model: M, rows: (usize, usize), dev: &Dev) -> M {
 
 /// Trains on `WORLD` ranks (one thread each) and returns every rank's final weights.
 fn train_data_parallel<M: Net>(policy: BucketPolicy) -> Vec<Vec<f32>> {
+    train_data_parallel_inspect::<M>(policy, |_| {})
+}
+
+/// [`train_data_parallel`], calling `inspect` while the communication server still runs.
+fn train_data_parallel_inspect<M: Net>(
+    policy: BucketPolicy,
+    inspect: impl FnOnce(&[Vec<f32>]),
+) -> Vec<Vec<f32>> {
     let devices: Vec<_> = (0..WORLD).map(device).collect();
     CollectiveOptions {
         config: CompileConfig {
@@ -173,8 +182,26 @@ fn train_data_parallel<M: Net>(policy: BucketPolicy) -> Vec<Vec<f32>> {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
+    // The first step compiled and ran at the sync point; every later step followed its plan,
+    // launching buckets during backward.
+    for r in 0..WORLD as usize {
+        let stats = sync_stats::<NdArray>(r);
+        assert_eq!(
+            stats,
+            SyncStats {
+                eager_steps: STEPS as u64 - 1,
+                flushed_steps: 1,
+                compiled: 1
+            },
+            "rank {r}"
+        );
+    }
+    inspect(&out);
     Inner::close_communication_server(&devices[0]);
     out
 }
@@ -233,4 +260,37 @@ fn mlp_bucketed_sync_equals_per_parameter_sync_bitwise() {
 #[test]
 fn conv_net_bucketed_sync_equals_per_parameter_sync_bitwise() {
     bucketed_equals_per_parameter::<ConvNet>();
+}
+
+#[test]
+fn the_optimized_sync_of_a_recorded_mlp_step_is_stable() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    train_data_parallel_inspect::<Mlp>(BucketPolicy::Ddp, |_| {
+        let (plan, graph) = expected_plan::<NdArray>(0).expect("a plan after the first step");
+        assert!(
+            plan.collectives.len() > 1,
+            "small caps form several buckets"
+        );
+        // Parameter ids are random per run: name them by first appearance.
+        let text = format!("{graph}\n{plan}");
+        let mut ids: Vec<String> = Vec::new();
+        let mut out = String::new();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("param.") {
+            out.push_str(&rest[..at]);
+            let digits: String = rest[at + 6..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            let k = ids.iter().position(|d| *d == digits).unwrap_or_else(|| {
+                ids.push(digits.clone());
+                ids.len() - 1
+            });
+            out.push_str(&format!("param{k}"));
+            rest = &rest[at + 6 + digits.len()..];
+        }
+        out.push_str(rest);
+        let out = out.replace(&format!("{:016x}", plan.graph_hash), "<hash>");
+        insta::assert_snapshot!(out);
+    });
 }

@@ -24,11 +24,12 @@ use burn_backend::{Backend, DeviceId, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 
 use super::{CTensor, Collective, CollectiveDevice};
+use crate::codegen::plan::Plan;
 use crate::config::CompileConfig;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType, Value};
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::{CollectiveDesc, Communicator};
-use crate::runtime::exec::{ExecOptions, NoHooks, Workspace, execute_in};
+use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
 use crate::runtime::{HostBuffer, InProcessComm, InProcessGroup};
 
 /// How `Collective<I>` compiles and runs its gradient sync.
@@ -67,12 +68,46 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// One gradient submitted this step.
+struct Submitted<I: Backend> {
+    tref: TensorRef<Collective<I>>,
+    name: String,
+    ty: TensorType,
+    /// Its data, unless it was handed to the live execution.
+    data: Option<HostBuffer>,
+}
+
+/// A step following the previous step's plan: buckets are packed and launched as their last
+/// gradient arrives, during backward.
+struct Live {
+    plan: Arc<Plan>,
+    exec: Execution,
+    /// Slot-indexed gradients.
+    grads: Vec<HostBuffer>,
+    ready: Vec<bool>,
+    /// Slot → index in `RankState::submitted`.
+    source: Vec<Option<usize>>,
+    /// A gradient arrived out of the plan's order: launch nothing more.
+    diverged: bool,
+}
+
 struct RankState<I: Backend> {
-    pending: Vec<(TensorRef<Collective<I>>, DistributedParams)>,
+    submitted: Vec<Submitted<I>>,
+    index: HashMap<String, usize>,
     registered: usize,
+    /// The plan the previous step compiled to; the next step follows it while it can.
+    expected: Option<Arc<Plan>>,
+    /// Its optimized graph, printed.
+    expected_graph: String,
+    live: Option<Live>,
     cache: PlanCache,
     workspace: Workspace,
+    /// Workspace of the plans that reduce what a diverged step left over.
+    leftover_workspace: Workspace,
     user_collectives: u32,
+    /// Steps whose buckets launched during backward / steps that ran everything at the sync.
+    eager_steps: u64,
+    flushed_steps: u64,
 }
 
 struct Session<I: Backend> {
@@ -167,118 +202,308 @@ impl<I: Backend> Session<I> {
         panic!("collective-fusion: rank {rank}: {msg}");
     }
 
-    fn sync(&self, device: &CollectiveDevice<I::Device>) {
-        let rank = device.rank as usize;
-        if rank >= self.world {
-            panic!(
-                "collective-fusion: submit_sync_collective on rank {rank}, but the communication server has {} ranks",
+    fn state(&self, rank: usize, what: &str) -> MutexGuard<'_, RankState<I>> {
+        match self.ranks.get(rank) {
+            Some(r) => lock(r),
+            None => panic!(
+                "collective-fusion: {what} on rank {rank}, but the communication server has {} ranks",
                 self.world
-            );
+            ),
         }
-        let mut st = lock(&self.ranks[rank]);
-        let pending = std::mem::take(&mut st.pending);
-        if pending.is_empty() {
-            return;
+    }
+
+    fn opts(&self) -> ExecOptions {
+        ExecOptions {
+            timeout: self.options.timeout,
         }
-        // The segment: one gradient and one grad_sync per submitted tensor, in ready order.
+    }
+
+    /// The graph of a sync segment: a gradient and a `grad_sync` per entry, in ready order.
+    fn segment(&self, entries: &[(&str, &TensorType)]) -> Graph {
         let mut g = Graph::new("sync");
         let group = g.add_group(self.world as u32);
-        let mut grads = Vec::with_capacity(pending.len());
-        let mut syncs = Vec::with_capacity(pending.len());
-        let mut index = HashMap::new();
-        for (i, (tref, params)) in pending.iter().enumerate() {
-            // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
-            let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };
-            let name = param_name(params);
-            let Some(dtype) = graph_dtype(t.dtype()) else {
-                self.fail(
-                    rank,
-                    format!(
-                        "gradient of {name} has dtype {:?}, which is not a float",
-                        t.dtype()
-                    ),
-                );
-            };
-            let dims: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
-            let ty = TensorType::new(dtype, &dims);
+        let mut syncs = Vec::with_capacity(entries.len());
+        for (i, (name, ty)) in entries.iter().enumerate() {
             let src = g.add_node(
                 Op::Input {
                     name: format!("{name}.grad"),
                 },
-                [ty.clone()],
+                [(*ty).clone()],
                 &[],
             );
             let grad = g.add_node(
                 Op::Gradient {
-                    param: name.clone(),
+                    param: name.to_string(),
                 },
-                [ty.clone()],
+                [(*ty).clone()],
                 &[Value::of(src)],
             );
             let sync = g.add_node(
                 Op::GradSync {
-                    param: name.clone(),
+                    param: name.to_string(),
                     ready: i as u32,
                     reduce: self.reduce,
                     group,
                 },
-                [ty],
+                [(*ty).clone()],
                 &[Value::of(grad)],
             );
             syncs.push(Value::of(sync));
-            if index.insert(name.clone(), i).is_some() {
-                self.fail(
-                    rank,
-                    format!("the gradient of {name} was submitted twice in one step"),
-                );
-            }
-            let data = match cubecl::future::block_on(I::float_into_data(t.inner.clone())) {
-                Ok(d) => d,
-                Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
-            };
-            match to_host(&data) {
-                Ok(h) => grads.push(h),
-                Err(e) => self.fail(rank, format!("{name}: {e}")),
-            }
         }
         g.add_node(Op::Sync, [], &syncs);
-        let plan = match st.cache.get_or_compile(&g, &self.options.config) {
-            Ok(p) => p,
-            Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+        g
+    }
+
+    fn submit(&self, tref: TensorRef<Collective<I>>, params: &DistributedParams) {
+        // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
+        let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };
+        let rank = t.rank as usize;
+        let mut guard = self.state(rank, "submit_gradient_sync");
+        let st = &mut *guard;
+        let name = param_name(params);
+        let Some(dtype) = graph_dtype(t.dtype()) else {
+            self.fail(
+                rank,
+                format!(
+                    "gradient of {name} has dtype {:?}, which is not a float",
+                    t.dtype()
+                ),
+            );
         };
-        // Slots follow the plan's gradient order; map them from the submission order.
-        let mut slot_grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
-        let mut slot_src = Vec::with_capacity(plan.slots.len());
-        for s in &plan.slots {
-            let i = index[&s.param];
-            slot_grads.push(std::mem::take(&mut grads[i]));
-            slot_src.push(i);
+        let dims: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
+        let ty = TensorType::new(dtype, &dims);
+        if st.index.contains_key(&name) {
+            self.fail(
+                rank,
+                format!("the gradient of {name} was submitted twice in one step"),
+            );
         }
-        let opts = ExecOptions {
-            timeout: self.options.timeout,
+        let data = match cubecl::future::block_on(I::float_into_data(t.inner.clone())) {
+            Ok(d) => d,
+            Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
         };
-        let ws = &mut st.workspace;
-        if let Err(e) = execute_in(
-            &plan,
-            &self.comms[rank],
-            &mut slot_grads,
-            &mut NoHooks,
-            opts,
-            ws,
-        ) {
-            self.fail(rank, e.to_string());
+        let buf = match to_host(&data) {
+            Ok(h) => h,
+            Err(e) => self.fail(rank, format!("{name}: {e}")),
+        };
+        let i = st.submitted.len();
+        st.index.insert(name.clone(), i);
+        // The first gradient of a step starts following the previous step's plan.
+        if st.live.is_none()
+            && i == 0
+            && let Some(plan) = st.expected.clone()
+        {
+            match Execution::new(&plan, &self.comms[rank], &mut st.workspace) {
+                Ok(exec) => {
+                    let n = plan.slots.len();
+                    st.live = Some(Live {
+                        exec,
+                        grads: vec![HostBuffer::default(); n],
+                        ready: vec![false; n],
+                        source: vec![None; n],
+                        diverged: false,
+                        plan,
+                    });
+                }
+                Err(e) => self.fail(rank, e.to_string()),
+            }
         }
-        // Write back in place, through the pointers Burn gave us.
-        for (buf, i) in slot_grads.into_iter().zip(slot_src) {
-            let tref = &pending[i].0;
-            // SAFETY: as above; nothing else accesses the gradient while this hook runs.
-            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *tref.0 };
+        let mut data = Some(buf);
+        if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
+            let next = live.exec.next_gradient(&live.plan);
+            match next.map(|s| (s, &live.plan.slots[s as usize])) {
+                Some((slot, s)) if s.param == name && s.ty == ty => {
+                    live.grads[slot as usize] = data.take().unwrap_or_default();
+                    live.ready[slot as usize] = true;
+                    live.source[slot as usize] = Some(i);
+                    // Pack and launch every bucket this gradient completes; never wait here.
+                    if let Err(e) = live.exec.run(
+                        &live.plan,
+                        &self.comms[rank],
+                        &mut live.grads,
+                        &live.ready,
+                        &mut NoHooks,
+                        self.opts(),
+                        &mut st.workspace,
+                        false,
+                    ) {
+                        self.fail(rank, e.to_string());
+                    }
+                }
+                _ => live.diverged = true,
+            }
+        }
+        st.submitted.push(Submitted {
+            tref,
+            name,
+            ty,
+            data,
+        });
+    }
+
+    fn sync(&self, device: &CollectiveDevice<I::Device>) {
+        let rank = device.rank as usize;
+        let mut guard = self.state(rank, "submit_sync_collective");
+        let st = &mut *guard;
+        if st.submitted.is_empty() {
+            return;
+        }
+        let opts = self.opts();
+        let comm = &self.comms[rank];
+        // Reduced gradients by submission index.
+        let mut reduced: Vec<Option<HostBuffer>> = vec![None; st.submitted.len()];
+        if let Some(mut live) = st.live.take() {
+            let complete = !live.diverged
+                && live.ready.iter().all(|r| *r)
+                && live.plan.slots.len() == st.submitted.len();
+            if complete {
+                if let Err(e) = live.exec.run(
+                    &live.plan,
+                    comm,
+                    &mut live.grads,
+                    &live.ready,
+                    &mut NoHooks,
+                    opts,
+                    &mut st.workspace,
+                    true,
+                ) {
+                    self.fail(rank, e.to_string());
+                }
+                st.eager_steps += 1;
+                for (slot, buf) in live.grads.into_iter().enumerate() {
+                    if let Some(i) = live.source[slot] {
+                        reduced[i] = Some(buf);
+                    }
+                }
+            } else {
+                // Finish what was launched (every rank launched the same), give the rest back.
+                let done = match live.exec.drain(
+                    &live.plan,
+                    comm,
+                    &mut live.grads,
+                    opts,
+                    &mut st.workspace,
+                ) {
+                    Ok(d) => d,
+                    Err(e) => self.fail(rank, e.to_string()),
+                };
+                let mut is_done = vec![false; live.grads.len()];
+                for s in done {
+                    is_done[s as usize] = true;
+                }
+                for (slot, buf) in live.grads.into_iter().enumerate() {
+                    if let Some(i) = live.source[slot] {
+                        if is_done[slot] {
+                            reduced[i] = Some(buf);
+                        } else {
+                            st.submitted[i].data = Some(buf);
+                        }
+                    }
+                }
+            }
+        }
+        // Whatever is not reduced yet: compile (cached) and run its own plan, in ready order.
+        let left: Vec<usize> = (0..st.submitted.len())
+            .filter(|i| reduced[*i].is_none())
+            .collect();
+        if !left.is_empty() {
+            let owned: Vec<(String, TensorType)> = left
+                .iter()
+                .map(|i| (st.submitted[*i].name.clone(), st.submitted[*i].ty.clone()))
+                .collect();
+            let entries: Vec<(&str, &TensorType)> =
+                owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let g = self.segment(&entries);
+            let plan = match st.cache.get_or_compile(&g, &self.options.config) {
+                Ok(p) => p,
+                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+            };
+            let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
+            let mut source = Vec::with_capacity(plan.slots.len());
+            for s in &plan.slots {
+                let i = left[entries.iter().position(|(n, _)| *n == s.param).unwrap_or(0)];
+                grads.push(st.submitted[i].data.take().unwrap_or_default());
+                source.push(i);
+            }
+            let ws = if left.len() == st.submitted.len() {
+                &mut st.workspace
+            } else {
+                &mut st.leftover_workspace
+            };
+            if let Err(e) = execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
+                self.fail(rank, e.to_string());
+            }
+            for (buf, i) in grads.into_iter().zip(source) {
+                reduced[i] = Some(buf);
+            }
+            st.flushed_steps += 1;
+        }
+        // The next step follows this step's order.
+        if st.expected.is_none() || !left.is_empty() {
+            let owned: Vec<(String, TensorType)> = st
+                .submitted
+                .iter()
+                .map(|s| (s.name.clone(), s.ty.clone()))
+                .collect();
+            let entries: Vec<(&str, &TensorType)> =
+                owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let g = self.segment(&entries);
+            match st.cache.get_or_compile(&g, &self.options.config) {
+                Ok(p) => st.expected = Some(p),
+                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+            }
+            let mut optimized = g;
+            if crate::passes::compile(&mut optimized, &self.options.config).is_ok() {
+                st.expected_graph = crate::graph::print::print(&optimized);
+            }
+        }
+        // Write back in place, through the pointers Burn gave us; only now, so a failed step
+        // leaves every gradient as it was.
+        for (sub, buf) in st.submitted.iter().zip(reduced) {
+            let Some(buf) = buf else { continue };
+            // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
+            // touches the gradient meanwhile.
+            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
             let data = from_host(buf, t.shape());
             let dev = I::float_device(&t.inner);
             t.inner = I::float_from_data(data, &dev);
         }
+        st.submitted.clear();
+        st.index.clear();
         st.registered = 0;
     }
+}
+
+/// How the gradient sync of a rank ran so far (for tests and reports).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Steps whose buckets were packed and launched during backward, following the previous
+    /// step's plan.
+    pub eager_steps: u64,
+    /// Steps that reduced some or all gradients at the sync point (the first step, and steps
+    /// whose gradient order changed).
+    pub flushed_steps: u64,
+    /// Plans compiled.
+    pub compiled: u64,
+}
+
+/// The sync statistics of `rank` of the running communication server for `Collective<I>`.
+pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
+    let s = session::<I>("sync_stats");
+    let st = s.state(rank, "sync_stats");
+    SyncStats {
+        eager_steps: st.eager_steps,
+        flushed_steps: st.flushed_steps,
+        compiled: st.cache.misses(),
+    }
+}
+
+/// The plan the next step of `rank` will follow and its optimized graph in text form (what logs
+/// and snapshots show).
+pub fn expected_plan<I: Backend>(rank: usize) -> Option<(Arc<Plan>, String)> {
+    let s = session::<I>("expected_plan");
+    let st = s.state(rank, "expected_plan");
+    st.expected.clone().map(|p| (p, st.expected_graph.clone()))
 }
 
 impl<I: Backend> DistributedBackend for Collective<I> {
@@ -306,11 +531,18 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             ranks: (0..world)
                 .map(|_| {
                     Mutex::new(RankState {
-                        pending: Vec::new(),
+                        submitted: Vec::new(),
+                        index: HashMap::new(),
                         registered: 0,
+                        expected: None,
+                        expected_graph: String::new(),
+                        live: None,
                         cache: PlanCache::new(),
                         workspace: Workspace::default(),
+                        leftover_workspace: Workspace::default(),
                         user_collectives: 0,
+                        eager_steps: 0,
+                        flushed_steps: 0,
                     })
                 })
                 .collect(),
@@ -332,16 +564,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
-        let s = session::<I>("submit_gradient_sync");
-        // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
-        let rank = unsafe { (*tensor.0).rank } as usize;
-        match s.ranks.get(rank) {
-            Some(r) => lock(r).pending.push((tensor, params)),
-            None => panic!(
-                "collective-fusion: a gradient on rank {rank} was submitted, but the communication server has {} ranks",
-                s.world
-            ),
-        }
+        session::<I>("submit_gradient_sync").submit(tensor, &params);
     }
 
     fn submit_sync_collective(device: &Self::Device) {

@@ -2,11 +2,16 @@
 //! Burn's CubeCL backends on GPUs) that owns Burn's gradient-sync hooks.
 //!
 //! Today every tensor op runs eagerly on `I` (`ops.rs`, generated: unwrap, call `I`, wrap), and
-//! the distributed hooks are compiled: `submit_gradient_sync` records a `grad_sync` node per
-//! gradient in ready order; `submit_sync_collective` builds the segment's graph, compiles it
-//! through the plan cache (bucketing, fusion, async split, overlap scheduling), runs the plan on
-//! the rank's communicator and writes the reduced gradients back through Burn's `TensorRef`
-//! pointers before it returns.
+//! the distributed hooks are compiled. The first step records a `grad_sync` per gradient in ready
+//! order; `submit_sync_collective` builds the segment's graph, compiles it through the plan cache
+//! (bucketing, fusion, async split, overlap scheduling) and runs the plan. Later steps follow that
+//! plan while gradients arrive in its order: each bucket is packed and its all-reduce launched on
+//! the communication thread the moment its last gradient arrives, overlapping the rest of
+//! backward, and the sync point only waits and unpacks. A step whose order changes finishes what
+//! it launched and reduces the rest with a plan of its own (every rank does the same, and a rank
+//! that disagrees fails with a mismatch error instead of hanging). Reduced gradients are written
+//! back through Burn's `TensorRef` pointers before the hook returns, and only once every bucket
+//! is done, so a failed step leaves the gradients as they were.
 //!
 //! Ranks: [`CollectiveDevice`] carries the inner device and a rank, and every tensor carries its
 //! rank, so N "devices" over one CPU train data-parallel in one process, one thread per rank, with
@@ -24,7 +29,7 @@ use burn_backend::{
 };
 use burn_std::{DType, Shape};
 
-pub use distributed::{CollectiveOptions, mark_distributed};
+pub use distributed::{CollectiveOptions, SyncStats, expected_plan, mark_distributed, sync_stats};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]

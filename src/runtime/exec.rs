@@ -255,39 +255,199 @@ pub fn execute_in(
     opts: ExecOptions,
     ws: &mut Workspace,
 ) -> Result<ExecReport, ExecError> {
-    if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
-        ws.plan_hash = plan.graph_hash;
-        ws.buffers = vec![HostBuffer::default(); plan.collectives.len()];
+    check_grads(plan, comm.rank(), grads)?;
+    let mut ex = Execution::new(plan, comm, ws)?;
+    let ready = vec![true; plan.slots.len()];
+    ex.run(plan, comm, grads, &ready, hooks, opts, ws, true)?;
+    ex.finish()
+}
+
+/// A plan being run step by step, so that a caller who receives gradients one at a time (Burn's
+/// `submit_gradient_sync`) can pack and launch each bucket the moment its last gradient arrives,
+/// while the rest of backward still runs, and wait only at the sync point.
+pub struct Execution {
+    /// Graph hash of the plan it runs (every call must pass that plan).
+    plan_hash: u64,
+    steps: usize,
+    rank: usize,
+    /// Next compute-stream step.
+    pc: usize,
+    packed: Vec<Option<HostBuffer>>,
+    flight: Vec<Option<InFlight>>,
+    report: ExecReport,
+}
+
+impl Execution {
+    /// Checks `plan` against the communicator and prepares `ws` for it.
+    pub fn new(
+        plan: &Plan,
+        comm: &dyn Communicator,
+        ws: &mut Workspace,
+    ) -> Result<Self, ExecError> {
+        check_plan(plan, comm.rank(), comm.world())?;
+        if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
+            ws.plan_hash = plan.graph_hash;
+            ws.buffers = vec![HostBuffer::default(); plan.collectives.len()];
+        }
+        Ok(Execution {
+            plan_hash: plan.graph_hash,
+            steps: plan.compute.len(),
+            rank: comm.rank(),
+            pc: 0,
+            packed: vec![None; plan.collectives.len()],
+            flight: (0..plan.collectives.len()).map(|_| None).collect(),
+            report: ExecReport::default(),
+        })
     }
-    let rank = comm.rank();
-    check_plan(plan, rank, comm.world())?;
-    check_grads(plan, rank, grads)?;
-    let kerr = |source| ExecError::Kernel { rank, source };
-    let mut report = ExecReport::default();
-    let mut packed: Vec<Option<HostBuffer>> = vec![None; plan.collectives.len()];
-    let mut flight: Vec<Option<InFlight>> = (0..plan.collectives.len()).map(|_| None).collect();
-    let span = |report: &mut ExecReport, stream, name: String, start: Instant| {
-        report.spans.push(Span {
-            stream,
-            name,
-            start,
-            end: Instant::now(),
-        })
-    };
-    let comm_span = |report: &mut ExecReport, name: String, s: CommSpan| {
-        report.spans.push(Span {
-            stream: "comm",
-            name,
-            start: s.start,
-            end: s.end,
-        })
-    };
-    for step in &plan.compute {
+
+    /// The slot of the next gradient the plan expects, if any is still to come.
+    pub fn next_gradient(&self, plan: &Plan) -> Option<u32> {
+        plan.compute[self.pc.min(plan.compute.len())..]
+            .iter()
+            .find_map(|s| match s {
+                Step::Gradient { slot } => Some(*slot),
+                _ => None,
+            })
+    }
+
+    /// Whether every step has run.
+    pub fn is_done(&self) -> bool {
+        self.pc == self.steps
+    }
+
+    fn same_plan(&self, plan: &Plan) -> Result<(), ExecError> {
+        if plan.graph_hash != self.plan_hash || plan.compute.len() != self.steps {
+            return Err(ExecError::Plan {
+                plan: plan.name.clone(),
+                why: "an execution was resumed with another plan".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs compute-stream steps in order. Stops before a gradient whose `ready[slot]` is false,
+    /// and, unless `block`, before a wait for a collective (so that a caller inside backward never
+    /// blocks on communication).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        plan: &Plan,
+        comm: &dyn Communicator,
+        grads: &mut [HostBuffer],
+        ready: &[bool],
+        hooks: &mut dyn StepHooks,
+        opts: ExecOptions,
+        ws: &mut Workspace,
+        block: bool,
+    ) -> Result<(), ExecError> {
+        self.same_plan(plan)?;
+        while let Some(step) = plan.compute.get(self.pc) {
+            match step {
+                Step::Gradient { slot } if !ready[*slot as usize] => return Ok(()),
+                Step::Wait(_) if !block => return Ok(()),
+                _ => {}
+            }
+            self.step(plan, step, comm, grads, hooks, opts, ws)?;
+            self.pc += 1;
+        }
+        Ok(())
+    }
+
+    /// Completes the collectives already launched (wait, unpack) and nothing else; returns the
+    /// slots they reduced. For a step that stopped following the plan: what was launched is
+    /// finished on every rank alike, the rest is the caller's to reduce.
+    pub fn drain(
+        &mut self,
+        plan: &Plan,
+        comm: &dyn Communicator,
+        grads: &mut [HostBuffer],
+        opts: ExecOptions,
+        ws: &mut Workspace,
+    ) -> Result<Vec<u32>, ExecError> {
+        self.same_plan(plan)?;
+        let mut reduced = Vec::new();
+        let launched: Vec<u32> = (0..self.flight.len() as u32)
+            .filter(|c| self.flight[*c as usize].is_some())
+            .collect();
+        for c in launched {
+            self.step(
+                plan,
+                &Step::Wait(Event::Done(c)),
+                comm,
+                grads,
+                &mut NoHooks,
+                opts,
+                ws,
+            )?;
+            if plan.collectives[c as usize].packed {
+                self.step(
+                    plan,
+                    &Step::Unpack { collective: c },
+                    comm,
+                    grads,
+                    &mut NoHooks,
+                    opts,
+                    ws,
+                )?;
+            }
+            reduced.extend(&plan.collectives[c as usize].slots);
+        }
+        self.pc = self.steps;
+        Ok(reduced)
+    }
+
+    /// The report, once every step ran.
+    pub fn finish(self) -> Result<ExecReport, ExecError> {
+        if !self.is_done() {
+            return Err(ExecError::Plan {
+                plan: format!("{:016x}", self.plan_hash),
+                why: format!("stopped at step {} of {}", self.pc, self.steps),
+            });
+        }
+        if let Some(c) = self.flight.iter().position(Option::is_some) {
+            return Err(ExecError::Plan {
+                plan: format!("{:016x}", self.plan_hash),
+                why: format!("collective #{c} is never waited for"),
+            });
+        }
+        Ok(self.report)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn step(
+        &mut self,
+        plan: &Plan,
+        step: &Step,
+        comm: &dyn Communicator,
+        grads: &mut [HostBuffer],
+        hooks: &mut dyn StepHooks,
+        opts: ExecOptions,
+        ws: &mut Workspace,
+    ) -> Result<(), ExecError> {
+        let rank = self.rank;
+        let kerr = |source| ExecError::Kernel { rank, source };
         let t = Instant::now();
+        let report = &mut self.report;
+        let span = |report: &mut ExecReport, stream, name: String| {
+            report.spans.push(Span {
+                stream,
+                name,
+                start: t,
+                end: Instant::now(),
+            })
+        };
+        let comm_span = |report: &mut ExecReport, name: String, s: CommSpan| {
+            report.spans.push(Span {
+                stream: "comm",
+                name,
+                start: s.start,
+                end: s.end,
+            })
+        };
         match step {
             Step::Compute { name, flops, .. } => {
                 hooks.compute(name, *flops);
-                span(&mut report, "compute", name.clone(), t);
+                span(report, "compute", name.clone());
             }
             Step::Gradient { slot } => {
                 let s = *slot as usize;
@@ -300,18 +460,13 @@ pub fn execute_in(
                     c.slots.iter().map(|s| &grads[*s as usize]).collect();
                 let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
                 host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf).map_err(kerr)?;
-                packed[c.id as usize] = Some(buf);
-                span(
-                    &mut report,
-                    "compute",
-                    format!("pack {}", bucket_name(c)),
-                    t,
-                );
+                self.packed[c.id as usize] = Some(buf);
+                span(report, "compute", format!("pack {}", bucket_name(c)));
             }
             Step::Record(Event::Ready(cid)) => {
                 let c = &plan.collectives[*cid as usize];
                 let f = if c.packed {
-                    let buf = packed[c.id as usize]
+                    let buf = self.packed[c.id as usize]
                         .take()
                         .ok_or_else(|| ExecError::Plan {
                             plan: plan.name.clone(),
@@ -329,20 +484,20 @@ pub fn execute_in(
                     InFlight::Slots(calls)
                 };
                 report.launched.push(c.id);
-                flight[c.id as usize] = Some(f);
+                self.flight[c.id as usize] = Some(f);
             }
             Step::Wait(Event::Done(cid)) => {
                 let c = &plan.collectives[*cid as usize];
-                match flight[c.id as usize].take() {
+                match self.flight[c.id as usize].take() {
                     Some(InFlight::Bucket(p)) => {
                         let (buf, s) = p.wait(opts.timeout)?;
-                        comm_span(&mut report, format!("all_reduce {}", bucket_name(c)), s);
-                        packed[c.id as usize] = Some(buf);
+                        comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                        self.packed[c.id as usize] = Some(buf);
                     }
                     Some(InFlight::Slots(calls)) => {
                         for (slot, p) in calls {
                             let (buf, s) = p.wait(opts.timeout)?;
-                            comm_span(&mut report, format!("all_reduce {}", bucket_name(c)), s);
+                            comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
                             grads[slot as usize] = buf;
                         }
                     }
@@ -353,16 +508,11 @@ pub fn execute_in(
                         });
                     }
                 }
-                span(
-                    &mut report,
-                    "compute",
-                    format!("wait {}", bucket_name(c)),
-                    t,
-                );
+                span(report, "compute", format!("wait {}", bucket_name(c)));
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let buf = packed[c.id as usize]
+                let buf = self.packed[c.id as usize]
                     .take()
                     .ok_or_else(|| ExecError::Plan {
                         plan: plan.name.clone(),
@@ -374,12 +524,7 @@ pub fn execute_in(
                 })?;
                 host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
                 ws.buffers[c.id as usize] = buf;
-                span(
-                    &mut report,
-                    "compute",
-                    format!("unpack {}", bucket_name(c)),
-                    t,
-                );
+                span(report, "compute", format!("unpack {}", bucket_name(c)));
             }
             Step::Sync { .. } => {}
             Step::Record(Event::Done(_)) | Step::Wait(Event::Ready(_)) | Step::AllReduce { .. } => {
@@ -389,14 +534,8 @@ pub fn execute_in(
                 });
             }
         }
+        Ok(())
     }
-    if let Some(c) = flight.iter().position(Option::is_some) {
-        return Err(ExecError::Plan {
-            plan: plan.name.clone(),
-            why: format!("collective #{c} is never waited for"),
-        });
-    }
-    Ok(report)
 }
 
 fn bucket_name(c: &PlanCollective) -> String {
