@@ -18,3 +18,4 @@ pub mod passes;
 pub mod profile;
 pub mod runtime;
 pub mod trace;
+pub mod train;

@@ -35,6 +35,14 @@ enum Policy {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum RunModelArg {
+    /// 784 → 1024 → 1024 → 1024 → 10 multilayer perceptron.
+    Mlp,
+    /// Two 3×3 convolutions and a linear layer on 28×28 inputs.
+    Convnet,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum ProfilePolicy {
     /// One all-reduce per parameter.
     None,
@@ -52,6 +60,37 @@ enum PrintWhen {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train a model data-parallel on CPU ranks (threads of this process) through
+    /// `Autodiff<Collective<NdArray>>`, with per-step timing and an optional trace.
+    Run {
+        /// Ranks.
+        #[arg(long, default_value_t = 4)]
+        world: u32,
+        /// Model.
+        #[arg(long, value_enum, default_value = "mlp")]
+        model: RunModelArg,
+        /// Training steps.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Samples per rank per step.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
+        #[arg(long, value_enum)]
+        policy: Option<Policy>,
+        /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
+        #[arg(long, value_parser = parse_size)]
+        bucket_cap: Option<u64>,
+        /// Cap of the first bucket. Default 1MiB.
+        #[arg(long, value_parser = parse_size)]
+        first_bucket: Option<u64>,
+        /// Write every rank's spans as Chrome/Perfetto trace JSON.
+        #[arg(long)]
+        trace: Option<std::path::PathBuf>,
+        /// Write the same as an SVG timeline.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+    },
     /// Simulate one training step of a model under every bucketing policy, side by side against
     /// a lower bound; optionally write the chosen policy's step as a trace.
     Profile {
@@ -168,6 +207,27 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Run {
+            world,
+            model,
+            steps,
+            batch,
+            policy,
+            bucket_cap,
+            first_bucket,
+            trace,
+            svg,
+        } => run_cmd(RunArgs {
+            world,
+            model,
+            steps,
+            batch,
+            policy,
+            bucket_cap,
+            first_bucket,
+            trace,
+            svg,
+        }),
         Command::Profile {
             model,
             world,
@@ -368,6 +428,167 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             emit(&out)
         }
     }
+}
+
+struct RunArgs {
+    world: u32,
+    model: RunModelArg,
+    steps: usize,
+    batch: usize,
+    policy: Option<Policy>,
+    bucket_cap: Option<u64>,
+    first_bucket: Option<u64>,
+    trace: Option<std::path::PathBuf>,
+    svg: Option<std::path::PathBuf>,
+}
+
+fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use collective_fusion::backend::CollectiveOptions;
+    use collective_fusion::train::{RunModel, RunOptions, run};
+    use std::io::IsTerminal as _;
+    if a.world == 0 || a.world > 256 {
+        return Err("--world must be between 1 and 256".into());
+    }
+    if a.steps == 0 || a.batch == 0 {
+        return Err("--steps and --batch must be at least 1".into());
+    }
+    let mut config = CompileConfig::from_env()?;
+    if let Some(p) = a.policy {
+        config.bucket.policy = match p {
+            Policy::PerParam => BucketPolicy::PerParam,
+            Policy::Ddp => BucketPolicy::Ddp,
+            Policy::Cost => BucketPolicy::Cost,
+        };
+    }
+    if let Some(c) = a.bucket_cap {
+        config.bucket.cap_bytes = c;
+    }
+    if let Some(c) = a.first_bucket {
+        config.bucket.first_bucket_bytes = c;
+    }
+    let model = match a.model {
+        RunModelArg::Mlp => RunModel::Mlp,
+        RunModelArg::Convnet => RunModel::ConvNet,
+    };
+    let opts = RunOptions {
+        world: a.world,
+        model,
+        steps: a.steps,
+        batch: a.batch,
+        collective: CollectiveOptions {
+            config: config.clone(),
+            timeout: collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT,
+            trace: a.trace.is_some() || a.svg.is_some(),
+        },
+    };
+    let tty = std::io::stderr().is_terminal();
+    let steps = a.steps;
+    let progress = move |done: usize| {
+        if tty {
+            let width = 30;
+            let filled = done * width / steps;
+            eprint!(
+                "\r[{}{}] step {done}/{steps}",
+                "#".repeat(filled),
+                " ".repeat(width - filled)
+            );
+            if done == steps {
+                eprint!("\r{:60}\r", "");
+            }
+        }
+    };
+    let report = run(&opts, &progress);
+    let mut out = String::new();
+    writeln!(
+        out,
+        "run {} · {} ranks · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
+        model.name(),
+        a.world,
+        report.params,
+        fmt_bytes(report.bytes),
+        a.batch,
+        config.bucket.policy.name(),
+        fmt_bytes(config.bucket.cap_bytes),
+        fmt_bytes(config.bucket.first_bucket_bytes)
+    )?;
+    writeln!(
+        out,
+        "{:>5} {:>11} {:>13} {:>10}",
+        "step", "time", "backward+sync", "loss"
+    )?;
+    for (i, s) in report.steps.iter().enumerate() {
+        writeln!(
+            out,
+            "{:>5} {:>8.1} ms {:>10.1} ms {:>10.5}",
+            i + 1,
+            s.secs * 1e3,
+            s.backward_secs * 1e3,
+            s.loss
+        )?;
+    }
+    if report.steps.len() > 1 {
+        let rest = &report.steps[1..];
+        let mean = rest.iter().map(|s| s.secs).sum::<f64>() / rest.len() as f64;
+        writeln!(
+            out,
+            "steps 2–{}: mean {:.1} ms",
+            report.steps.len(),
+            mean * 1e3
+        )?;
+    }
+    let s0 = &report.stats[0];
+    writeln!(
+        out,
+        "gradient sync: {} steps launched buckets during backward, {} reduced at the sync point, {} plan(s) compiled; ranks agree: {}",
+        s0.eager_steps,
+        s0.flushed_steps,
+        s0.compiled,
+        if report.ranks_agree { "yes" } else { "NO" }
+    )?;
+    let title = format!(
+        "run {} · {} ranks · {}",
+        model.name(),
+        a.world,
+        config.bucket.policy.name()
+    );
+    if let Some(p) = &a.trace {
+        std::fs::write(
+            p,
+            collective_fusion::trace::chrome_json(&title, &report.trace),
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        writeln!(out, "trace: {} ({} spans)", p.display(), report.trace.len())?;
+    }
+    if let Some(p) = &a.svg {
+        // The last step: from rank 0's last forward to the end.
+        let from = report
+            .trace
+            .iter()
+            .filter(|s| s.rank == 0 && s.name == "forward")
+            .map(|s| s.start_us)
+            .fold(0.0, f64::max);
+        let to = report
+            .trace
+            .iter()
+            .map(|s| s.start_us + s.dur_us)
+            .fold(0.0, f64::max);
+        let title = format!(
+            "{title} · step {} of {}",
+            report.steps.len(),
+            report.steps.len()
+        );
+        std::fs::write(
+            p,
+            collective_fusion::trace::svg_between(&title, &report.trace, from, to),
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        writeln!(out, "svg: {} (the last step)", p.display())?;
+    }
+    if !report.ranks_agree {
+        emit(&out)?;
+        return Err("the ranks ended with different weights".into());
+    }
+    emit(&out)
 }
 
 struct ProfileArgs {

@@ -99,6 +99,33 @@ fn escape(s: &str) -> String {
 /// A self-contained SVG timeline: one row per track, a time axis, a legend; each span has a
 /// `<title>` with its name and times (hover in a browser).
 pub fn svg(title: &str, spans: &[TraceSpan]) -> String {
+    let end = spans
+        .iter()
+        .map(|s| s.start_us + s.dur_us)
+        .fold(0.0f64, f64::max);
+    svg_between(title, spans, 0.0, end)
+}
+
+/// [`svg`] of the window `[from_us, to_us]` only (spans clipped to it, times shown from its
+/// start): one step of a long run, say.
+pub fn svg_between(title: &str, spans: &[TraceSpan], from_us: f64, to_us: f64) -> String {
+    let clipped: Vec<TraceSpan> = spans
+        .iter()
+        .filter(|s| s.start_us < to_us && s.start_us + s.dur_us > from_us)
+        .map(|s| {
+            let start = s.start_us.max(from_us);
+            let end = (s.start_us + s.dur_us).min(to_us);
+            TraceSpan {
+                start_us: start - from_us,
+                dur_us: end - start,
+                ..s.clone()
+            }
+        })
+        .collect();
+    svg_spans(title, &clipped)
+}
+
+fn svg_spans(title: &str, spans: &[TraceSpan]) -> String {
     let tracks = tracks(spans);
     let end = spans
         .iter()

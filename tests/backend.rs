@@ -157,6 +157,7 @@ fn train_data_parallel_inspect<M: Net>(
             ..CompileConfig::default()
         },
         timeout: std::time::Duration::from_secs(30),
+        trace: false,
     }
     .install::<NdArray>();
     Inner::start_communication_server(

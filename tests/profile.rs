@@ -150,3 +150,66 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no_such_model"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
+    let dir = std::env::temp_dir().join(format!("cf-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("run.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        .args([
+            "run",
+            "--world",
+            "2",
+            "--steps",
+            "3",
+            "--batch",
+            "4",
+            "--bucket-cap",
+            "2MiB",
+            "--trace",
+        ])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("2 steps launched buckets during backward, 1 reduced at the sync point"),
+        "{text}"
+    );
+    assert!(text.contains("ranks agree: yes"), "{text}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let spans = |pid: u64, name: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| {
+                e["ph"] == "X" && e["pid"] == pid && e["name"].as_str().unwrap().starts_with(name)
+            })
+            .map(|e| {
+                (
+                    e["ts"].as_f64().unwrap(),
+                    e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    for rank in 0..2 {
+        // In a step after the first, an all-reduce starts while that rank's backward still runs.
+        let backward = spans(rank, "backward");
+        let all_reduce = spans(rank, "all_reduce");
+        let overlapped = backward[1..]
+            .iter()
+            .any(|(b0, b1)| all_reduce.iter().any(|(a0, _)| a0 > b0 && a0 < b1));
+        assert!(
+            overlapped,
+            "rank {rank}: no all-reduce started during a backward pass"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

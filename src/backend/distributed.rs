@@ -13,7 +13,7 @@
 
 use std::any::{Any, TypeId};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn_backend::distributed::{
     CollectiveTensor, DistributedBackend, DistributedConfig, DistributedParamId, DistributedParams,
@@ -29,8 +29,10 @@ use crate::config::CompileConfig;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType, Value};
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::{CollectiveDesc, Communicator};
+use crate::runtime::exec::ExecReport;
 use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
 use crate::runtime::{HostBuffer, InProcessComm, InProcessGroup};
+use crate::trace::TraceSpan;
 
 /// How `Collective<I>` compiles and runs its gradient sync.
 #[derive(Clone, Debug)]
@@ -39,6 +41,8 @@ pub struct CollectiveOptions {
     pub config: CompileConfig,
     /// Bound on every wait for another rank.
     pub timeout: Duration,
+    /// Keep a trace of every rank's pack, all-reduce, wait and unpack spans ([`take_trace`]).
+    pub trace: bool,
 }
 
 impl Default for CollectiveOptions {
@@ -46,6 +50,7 @@ impl Default for CollectiveOptions {
         CollectiveOptions {
             config: CompileConfig::from_env().unwrap_or_default(),
             timeout: crate::runtime::inprocess::DEFAULT_TIMEOUT,
+            trace: false,
         }
     }
 }
@@ -111,6 +116,9 @@ struct RankState<I: Backend> {
 }
 
 struct Session<I: Backend> {
+    /// Time zero of traces.
+    epoch: Instant,
+    trace: Mutex<Vec<TraceSpan>>,
     world: usize,
     reduce: ReduceOp,
     options: CollectiveOptions,
@@ -209,6 +217,44 @@ impl<I: Backend> Session<I> {
                 "collective-fusion: {what} on rank {rank}, but the communication server has {} ranks",
                 self.world
             ),
+        }
+    }
+
+    /// Adds a run's spans to the trace, when tracing.
+    fn record(&self, rank: usize, report: &ExecReport) {
+        if !self.options.trace {
+            return;
+        }
+        let mut t = lock(&self.trace);
+        for s in &report.spans {
+            let cat = match s.name.split(' ').next().unwrap_or("") {
+                "pack" => "pack",
+                "unpack" => "unpack",
+                "all_reduce" => "all-reduce",
+                "wait" => "wait",
+                _ => "compute",
+            };
+            t.push(self.span(rank, s.stream, cat, s.name.clone(), s.start, s.end));
+        }
+    }
+
+    fn span(
+        &self,
+        rank: usize,
+        stream: &str,
+        cat: &str,
+        name: String,
+        start: Instant,
+        end: Instant,
+    ) -> TraceSpan {
+        let us = |t: Instant| t.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
+        TraceSpan {
+            rank,
+            stream: stream.to_string(),
+            cat: cat.to_string(),
+            name,
+            start_us: us(start),
+            dur_us: (us(end) - us(start)).max(0.0),
         }
     }
 
@@ -369,6 +415,10 @@ impl<I: Backend> Session<I> {
                 ) {
                     self.fail(rank, e.to_string());
                 }
+                match live.exec.finish() {
+                    Ok(report) => self.record(rank, &report),
+                    Err(e) => self.fail(rank, e.to_string()),
+                }
                 st.eager_steps += 1;
                 for (slot, buf) in live.grads.into_iter().enumerate() {
                     if let Some(i) = live.source[slot] {
@@ -387,6 +437,9 @@ impl<I: Backend> Session<I> {
                     Ok(d) => d,
                     Err(e) => self.fail(rank, e.to_string()),
                 };
+                if let Ok(report) = live.exec.finish() {
+                    self.record(rank, &report);
+                }
                 let mut is_done = vec![false; live.grads.len()];
                 for s in done {
                     is_done[s as usize] = true;
@@ -430,8 +483,9 @@ impl<I: Backend> Session<I> {
             } else {
                 &mut st.leftover_workspace
             };
-            if let Err(e) = execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
-                self.fail(rank, e.to_string());
+            match execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
+                Ok(report) => self.record(rank, &report),
+                Err(e) => self.fail(rank, e.to_string()),
             }
             for (buf, i) in grads.into_iter().zip(source) {
                 reduced[i] = Some(buf);
@@ -525,6 +579,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             ReduceOperation::Mean => ReduceOp::Mean,
         };
         let session = Session::<I> {
+            epoch: Instant::now(),
+            trace: Mutex::new(Vec::new()),
             world,
             reduce,
             comms: InProcessGroup::ranks(world, options.timeout),
@@ -629,4 +685,19 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     fn sync_collective(_device: &Self::Device) {
         // `all_reduce` completes before it returns: nothing is outstanding.
     }
+}
+
+/// Adds a span of the caller's own work (forward, backward, optimizer) on `rank`'s compute
+/// stream to the trace of the running communication server, when it traces.
+pub fn trace_span<I: Backend>(rank: usize, name: &str, start: Instant, end: Instant) {
+    let s = session::<I>("trace_span");
+    if s.options.trace {
+        let span = s.span(rank, "compute", "compute", name.to_string(), start, end);
+        lock(&s.trace).push(span);
+    }
+}
+
+/// Takes the spans traced so far (times in microseconds since the server started).
+pub fn take_trace<I: Backend>() -> Vec<TraceSpan> {
+    std::mem::take(&mut *lock(&session::<I>("take_trace").trace))
 }

@@ -29,7 +29,10 @@ use burn_backend::{
 };
 use burn_std::{DType, Shape};
 
-pub use distributed::{CollectiveOptions, SyncStats, expected_plan, mark_distributed, sync_stats};
+pub use distributed::{
+    CollectiveOptions, SyncStats, expected_plan, mark_distributed, sync_stats, take_trace,
+    trace_span,
+};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]

@@ -1,0 +1,251 @@
+//! A real data-parallel training run on CPU ranks: `Autodiff<Collective<NdArray>>`, one thread
+//! per rank, burn-nn models, SGD, synthetic data. What the `run` command drives; its trace shows
+//! where each rank's step time goes (forward, backward, optimizer on the compute stream; pack,
+//! all-reduce, wait and unpack of every bucket).
+
+use std::time::Instant;
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn_core::tensor::{Tensor, TensorData};
+use burn_ndarray::{NdArray, NdArrayDevice};
+use burn_nn::conv::{Conv2d, Conv2dConfig};
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+
+use crate::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
+    take_trace, trace_span,
+};
+use crate::trace::TraceSpan;
+
+type Inner = Collective<NdArray>;
+type B = Autodiff<Inner>;
+type Dev = CollectiveDevice<NdArrayDevice>;
+
+/// Which model to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunModel {
+    /// 784 → 1024 → 1024 → 1024 → 10, ReLU.
+    Mlp,
+    /// Two 3×3 convolutions (1 → 16 → 32 channels) on 28×28 inputs, then a linear layer to 10.
+    ConvNet,
+}
+
+impl RunModel {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunModel::Mlp => "mlp",
+            RunModel::ConvNet => "convnet",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Ranks (threads).
+    pub world: u32,
+    /// Model.
+    pub model: RunModel,
+    /// Training steps.
+    pub steps: usize,
+    /// Samples per rank per step.
+    pub batch: usize,
+    /// How the gradient sync compiles and runs.
+    pub collective: CollectiveOptions,
+}
+
+/// One step, as rank 0 saw it.
+#[derive(Clone, Debug)]
+pub struct StepRecord {
+    /// Wall time of the step on rank 0 (forward, backward with sync, optimizer), seconds.
+    pub secs: f64,
+    /// Backward including the gradient sync, seconds.
+    pub backward_secs: f64,
+    /// Loss on rank 0's batch.
+    pub loss: f32,
+}
+
+/// The outcome of a run.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    /// Per step.
+    pub steps: Vec<StepRecord>,
+    /// Parameters and their bytes.
+    pub params: usize,
+    /// Gradient bytes per step.
+    pub bytes: u64,
+    /// Every rank's sync statistics.
+    pub stats: Vec<SyncStats>,
+    /// The trace (empty unless `collective.trace`).
+    pub trace: Vec<TraceSpan>,
+    /// Whether every rank ended with the same weights.
+    pub ranks_agree: bool,
+}
+
+const INPUTS: usize = 784;
+const OUTPUTS: usize = 10;
+
+trait Net: AutodiffModule<B> + Clone + Send + 'static {
+    fn init(d: &Dev) -> Self;
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
+}
+
+type Mlp = Vec<Linear<B>>;
+
+impl Net for Mlp {
+    fn init(d: &Dev) -> Self {
+        [INPUTS, 1024, 1024, 1024, OUTPUTS]
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+            .collect()
+    }
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let mut h = x;
+        for (i, l) in self.iter().enumerate() {
+            h = l.forward(h);
+            if i + 1 < self.len() {
+                h = burn_core::tensor::activation::relu(h);
+            }
+        }
+        h
+    }
+}
+
+type ConvNet = (Conv2d<B>, Conv2d<B>, Linear<B>);
+
+impl Net for ConvNet {
+    fn init(d: &Dev) -> Self {
+        (
+            Conv2dConfig::new([1, 16], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
+            Conv2dConfig::new([16, 32], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
+            LinearConfig::new(32 * INPUTS, OUTPUTS).init(d),
+        )
+    }
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let n = x.dims()[0];
+        let h = x.reshape([n, 1, 28, 28]);
+        let h = burn_core::tensor::activation::relu(self.0.forward(h));
+        let h = burn_core::tensor::activation::relu(self.1.forward(h));
+        self.2.forward(h.reshape([n, 32 * INPUTS]))
+    }
+}
+
+/// Every float parameter's values, in visiting order.
+fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0
+                .extend(param.val().into_data().to_vec::<f32>().unwrap_or_default());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+/// A deterministic synthetic batch: rows `[from, to)` of step `step`.
+fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let x: Vec<f32> = (from * INPUTS..to * INPUTS)
+        .map(|i| (((i * 37 + step * 11) % 97) as f32 / 97.0) - 0.5)
+        .collect();
+    let y: Vec<f32> = (from * OUTPUTS..to * OUTPUTS)
+        .map(|i| (((i * 53 + step * 7) % 89) as f32 / 89.0) - 0.5)
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [to - from, INPUTS]), dev),
+        Tensor::from_data(TensorData::new(y, [to - from, OUTPUTS]), dev),
+    )
+}
+
+fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
+    let devices: Vec<Dev> = (0..opts.world)
+        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+        .collect();
+    opts.collective.clone().install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    <B as burn_backend::Backend>::seed(&devices[0], 7);
+    let init = M::init(&devices[0]);
+    // Parameters initialize lazily: materialize them before the ranks copy them.
+    let w0 = weights(&init);
+    let params = w0.len();
+    let results: Vec<(Vec<StepRecord>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let model = init.clone().fork(d);
+                s.spawn(move || {
+                    let rank = d.rank as usize;
+                    let mut model = mark_distributed::<B, M>(model);
+                    let mut optim = SgdConfig::new().init::<B, M>();
+                    let mut records = Vec::with_capacity(opts.steps);
+                    for step in 0..opts.steps {
+                        let t0 = Instant::now();
+                        let (x, y) = batch(step, rank * opts.batch, (rank + 1) * opts.batch, d);
+                        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+                        let lv = loss.clone().into_data().to_vec::<f32>().unwrap_or_default();
+                        let t1 = Instant::now();
+                        let grads = loss.backward();
+                        let t2 = Instant::now();
+                        let grads = GradientsParams::from_grads(grads, &model);
+                        model = optim.step(0.01, model, grads);
+                        let t3 = Instant::now();
+                        trace_span::<NdArray>(rank, "forward", t0, t1);
+                        trace_span::<NdArray>(rank, "backward", t1, t2);
+                        trace_span::<NdArray>(rank, "optimizer", t2, t3);
+                        records.push(StepRecord {
+                            secs: (t3 - t0).as_secs_f64(),
+                            backward_secs: (t2 - t1).as_secs_f64(),
+                            loss: lv.first().copied().unwrap_or(f32::NAN),
+                        });
+                        if rank == 0 {
+                            progress(step + 1);
+                        }
+                    }
+                    (records, weights(&model))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let stats = (0..opts.world as usize)
+        .map(sync_stats::<NdArray>)
+        .collect();
+    let trace = take_trace::<NdArray>();
+    Inner::close_communication_server(&devices[0]);
+    let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
+    RunReport {
+        steps: results.into_iter().next().map(|r| r.0).unwrap_or_default(),
+        params,
+        bytes: params as u64 * 4,
+        stats,
+        trace,
+        ranks_agree,
+    }
+}
+
+/// Trains `opts.model` on `opts.world` CPU ranks; `progress` is told each step rank 0 finishes.
+/// Runs one at a time per process (the communication server is per backend type).
+pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
+    match opts.model {
+        RunModel::Mlp => run_model::<Mlp>(opts, progress),
+        RunModel::ConvNet => run_model::<ConvNet>(opts, progress),
+    }
+}
