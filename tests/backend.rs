@@ -295,3 +295,39 @@ fn the_optimized_sync_of_a_recorded_mlp_step_is_stable() {
         insta::assert_snapshot!(out);
     });
 }
+
+#[test]
+fn tensor_all_reduce_sums_across_ranks_and_its_backward_all_reduces_the_gradient() {
+    use collective_fusion::backend::{DistributedContext, all_reduce};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    let ctx = DistributedContext::<Inner>::start(&devices, ReduceOperation::Sum);
+    let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let devices = &devices;
+                s.spawn(move || {
+                    let r = d.rank as f32;
+                    let x: Tensor<B, 1> =
+                        Tensor::from_data(TensorData::new(vec![r, 2.0 * r, 1.0], [3]), d)
+                            .require_grad();
+                    let y = all_reduce(x.clone() * 3.0, ReduceOperation::Sum, devices).resolve();
+                    let grads = y.clone().sum().backward();
+                    let gx = x.grad(&grads).unwrap();
+                    (
+                        y.into_data().to_vec::<f32>().unwrap(),
+                        gx.into_data().to_vec::<f32>().unwrap(),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(ctx);
+    // Σ 3·[r, 2r, 1] over r = 0..4 = [18, 36, 12]; d(Σ y)/dx = 3 · all_reduce(ones) = 3 · 4.
+    for (r, (y, gx)) in results.iter().enumerate() {
+        assert_eq!(y, &vec![18.0, 36.0, 12.0], "rank {r}");
+        assert_eq!(gx, &vec![12.0, 12.0, 12.0], "rank {r}");
+    }
+}

@@ -17,6 +17,7 @@
 //! rank, so N "devices" over one CPU train data-parallel in one process, one thread per rank, with
 //! the in-process communicator.
 
+mod api;
 mod distributed;
 mod ops;
 
@@ -29,6 +30,7 @@ use burn_backend::{
 };
 use burn_std::{DType, Shape};
 
+pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
     CollectiveOptions, SyncStats, expected_plan, mark_distributed, sync_stats, take_trace,
     trace_span,

@@ -1,0 +1,71 @@
+//! What `Collective<NdArray>` costs over `NdArray` alone, single rank, no autodiff:
+//! - `op/…`: one elementwise add on a 1-element tensor (per-op overhead, ns/op);
+//! - `mlp_forward/…`: a 784 → 1024 → 1024 → 10 MLP forward pass on a batch of 64.
+//!
+//! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
+//! a group.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use burn_backend::Backend;
+use burn_core::tensor::{Tensor, TensorData};
+use burn_ndarray::{NdArray, NdArrayDevice};
+use burn_nn::{Linear, LinearConfig};
+use collective_fusion::backend::{Collective, CollectiveDevice};
+use criterion::{Criterion, criterion_group, criterion_main};
+
+fn op<B: Backend>(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    d: &B::Device,
+) {
+    let a: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![1.0f32], [1]), d);
+    let b: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d);
+    c.bench_function(name, |bench| {
+        bench.iter(|| black_box(a.clone() + b.clone()))
+    });
+}
+
+fn mlp<B: Backend>(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    d: &B::Device,
+) {
+    B::seed(d, 1);
+    let layers: Vec<Linear<B>> = [784, 1024, 1024, 10]
+        .windows(2)
+        .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+        .collect();
+    let x: Tensor<B, 2> = Tensor::from_data(TensorData::new(vec![0.5f32; 64 * 784], [64, 784]), d);
+    c.bench_function(name, |bench| {
+        bench.iter(|| {
+            let mut h = x.clone();
+            for (i, l) in layers.iter().enumerate() {
+                h = l.forward(h);
+                if i + 1 < layers.len() {
+                    h = burn_core::tensor::activation::relu(h);
+                }
+            }
+            black_box(h.into_data())
+        })
+    });
+}
+
+fn overhead(c: &mut Criterion) {
+    let nd = NdArrayDevice::Cpu;
+    let cd = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+    let mut g = c.benchmark_group("op");
+    g.measurement_time(Duration::from_secs(3));
+    op::<NdArray>(&mut g, "ndarray", &nd);
+    op::<Collective<NdArray>>(&mut g, "collective_ndarray", &cd);
+    g.finish();
+    let mut g = c.benchmark_group("mlp_forward");
+    g.measurement_time(Duration::from_secs(5)).sample_size(30);
+    mlp::<NdArray>(&mut g, "ndarray", &nd);
+    mlp::<Collective<NdArray>>(&mut g, "collective_ndarray", &cd);
+    g.finish();
+}
+
+criterion_group!(benches, overhead);
+criterion_main!(benches);
