@@ -69,6 +69,14 @@ fn next_options() -> &'static Mutex<HashMap<TypeId, CollectiveOptions>> {
     NEXT.get_or_init(Default::default)
 }
 
+/// Gradient syncs completed in this process, all backends and ranks together.
+static SYNCS_TOTAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many gradient syncs (one per rank per step) completed in this process so far.
+pub fn gradient_syncs_total() -> u64 {
+    SYNCS_TOTAL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -525,6 +533,7 @@ impl<I: Backend> Session<I> {
         st.submitted.clear();
         st.index.clear();
         st.registered = 0;
+        SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
