@@ -142,5 +142,8 @@ fn burn_train_ddp_strategy_trains_on_four_cpu_ranks() {
     assert_ne!(w, initial, "training moved the weights");
     // Every rank synced its gradients through Collective at every step.
     let syncs = gradient_syncs_total() - syncs_before;
-    assert!(syncs >= 4 && syncs % 4 == 0, "{syncs} gradient syncs");
+    assert!(
+        syncs >= 4 && syncs.is_multiple_of(4),
+        "{syncs} gradient syncs"
+    );
 }
