@@ -12,6 +12,7 @@ use collective_fusion::graph::ReduceOp;
 use collective_fusion::graph::builder::{BuildOptions, build_step_graph};
 use collective_fusion::model::ModelProfile;
 use collective_fusion::passes::compile;
+use collective_fusion::runtime::agree::is_agreement;
 use collective_fusion::runtime::cache::PlanCache;
 use collective_fusion::runtime::comm::{CollectiveDesc, CommError, Communicator};
 use collective_fusion::runtime::exec::{ExecError, NoHooks};
@@ -194,12 +195,17 @@ fn collectives_launch_in_plan_order_on_every_rank() {
     });
     let want: Vec<u32> = plan.collectives.iter().map(|c| c.id).collect();
     for c in &comms {
-        let got: Vec<u32> = c.calls().iter().map(|d| d.collective).collect();
+        let calls: Vec<CollectiveDesc> =
+            c.calls().into_iter().filter(|d| !is_agreement(d)).collect();
+        let got: Vec<u32> = calls.iter().map(|d| d.collective).collect();
         assert_eq!(got, want, "rank {}", c.rank());
         assert!(
-            c.calls().iter().all(|d| d.op == ReduceOp::Sum),
+            calls.iter().all(|d| d.op == ReduceOp::Sum),
             "packs prescale; the wire sums"
         );
+        // One agreement (two exchanges) comes first.
+        assert_eq!(c.calls().len(), calls.len() + 2);
+        assert!(c.calls().iter().take(2).all(is_agreement));
     }
 }
 
@@ -346,4 +352,78 @@ fn a_second_identical_step_reuses_the_compiled_plan() {
         .unwrap();
     assert!(!std::sync::Arc::ptr_eq(&a, &c));
     assert_eq!((cache.hits(), cache.misses()), (1, 2));
+}
+
+#[test]
+fn ranks_with_different_plans_fail_before_launching_anything() {
+    // Rank 0 compiled with 25 MiB buckets, rank 1 with 1 MiB buckets: their sequences differ.
+    let plans = [
+        plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true),
+        plan_for("resnet50", Ddp, MIB, ReduceOp::Mean, true),
+    ];
+    let plans: Vec<Plan> = plans
+        .into_iter()
+        .map(|p| Plan {
+            collectives: p
+                .collectives
+                .iter()
+                .cloned()
+                .map(|mut k| {
+                    k.group_size = 2;
+                    k
+                })
+                .collect(),
+            ..p
+        })
+        .collect();
+    let comms: Vec<Recording<_>> = InProcessGroup::ranks(2, Duration::from_secs(30))
+        .into_iter()
+        .map(Recording::new)
+        .collect();
+    let errors: Vec<ExecError> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&plans)
+            .map(|(c, plan)| {
+                s.spawn(move || {
+                    let mut g = seeded_gradients(plan, c.rank(), 1);
+                    execute(plan, c, &mut g, &mut NoHooks, ExecOptions::default()).unwrap_err()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        match e {
+            ExecError::Comm(CommError::PlanMismatch {
+                rank,
+                other_rank,
+                index,
+                mine,
+                theirs,
+            }) => {
+                assert_eq!((*rank, *other_rank), (r, 1 - r));
+                assert!(mine.is_some() && theirs.is_some());
+                // Both sides name the same position.
+                assert_eq!(
+                    *index,
+                    match &errors[1 - r] {
+                        ExecError::Comm(CommError::PlanMismatch { index, .. }) => *index,
+                        _ => unreachable!(),
+                    }
+                );
+            }
+            other => panic!("rank {r}: expected a plan mismatch, got {other}"),
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.contains("would launch all-reduce #") && msg.contains("bucket b"),
+            "{msg}"
+        );
+        // Nothing but the agreement was launched.
+        assert!(
+            comms[r].calls().iter().all(is_agreement),
+            "rank {r} launched a bucket"
+        );
+    }
 }

@@ -347,7 +347,7 @@ impl<I: Backend> Session<I> {
             && i == 0
             && let Some(plan) = st.expected.clone()
         {
-            match Execution::new(&plan, &self.comms[rank], &mut st.workspace) {
+            match Execution::new(&plan, &self.comms[rank], &mut st.workspace, self.opts()) {
                 Ok(exec) => {
                     let n = plan.slots.len();
                     st.live = Some(Live {

@@ -76,6 +76,24 @@ pub enum CommError {
         /// What it called.
         theirs: CollectiveDesc,
     },
+    /// The ranks compiled different plans: caught before the plan's first collective.
+    #[error(
+        "rank {rank}: the ranks' plans differ at collective call {index}: rank {rank} would launch {}, rank {other_rank} would launch {}",
+        mine.as_ref().map_or("nothing".to_string(), |d| d.to_string()),
+        theirs.as_ref().map_or("nothing".to_string(), |d| d.to_string())
+    )]
+    PlanMismatch {
+        /// The rank reporting.
+        rank: usize,
+        /// Position of the first differing call in launch order.
+        index: usize,
+        /// This rank's call there (none: its plan is shorter).
+        mine: Option<CollectiveDesc>,
+        /// The first rank that differs.
+        other_rank: usize,
+        /// That rank's call there (parameters are not exchanged).
+        theirs: Option<CollectiveDesc>,
+    },
     /// The group was aborted by a rank's failure; this rank's collective did not run.
     #[error("rank {rank}: {what} aborted: {reason}")]
     Aborted {

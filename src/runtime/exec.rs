@@ -232,6 +232,8 @@ enum InFlight {
 pub struct Workspace {
     plan_hash: u64,
     buffers: Vec<HostBuffer>,
+    /// The ranks agreed on this plan (see [`agree`](super::agree)).
+    agreed: bool,
 }
 
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
@@ -256,7 +258,7 @@ pub fn execute_in(
     ws: &mut Workspace,
 ) -> Result<ExecReport, ExecError> {
     check_grads(plan, comm.rank(), grads)?;
-    let mut ex = Execution::new(plan, comm, ws)?;
+    let mut ex = Execution::new(plan, comm, ws, opts)?;
     let ready = vec![true; plan.slots.len()];
     ex.run(plan, comm, grads, &ready, hooks, opts, ws, true)?;
     ex.finish()
@@ -278,16 +280,23 @@ pub struct Execution {
 }
 
 impl Execution {
-    /// Checks `plan` against the communicator and prepares `ws` for it.
+    /// Checks `plan` against the communicator and prepares `ws` for it. Before a plan's first
+    /// run on `ws`, the ranks agree on its collective sequence ([`agree`](super::agree)).
     pub fn new(
         plan: &Plan,
         comm: &dyn Communicator,
         ws: &mut Workspace,
+        opts: ExecOptions,
     ) -> Result<Self, ExecError> {
         check_plan(plan, comm.rank(), comm.world())?;
         if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
             ws.plan_hash = plan.graph_hash;
             ws.buffers = vec![HostBuffer::default(); plan.collectives.len()];
+            ws.agreed = false;
+        }
+        if !ws.agreed {
+            super::agree::agree(plan, comm, opts.timeout)?;
+            ws.agreed = true;
         }
         Ok(Execution {
             plan_hash: plan.graph_hash,

@@ -1,6 +1,7 @@
 //! Running plans: host buffers and kernels, communicators, the executor, the plan cache, and the
 //! CubeCL launches of the bucket kernels.
 //!
+//! - [`agree`]: ranks compare a new plan's collective sequence before its first collective.
 //! - [`buffer`]: typed host tensors and the element arithmetic every host path shares.
 //! - [`host`]: host pack/unpack (for host-memory tensors, and the reference for the kernels).
 //! - [`comm`]: the [`Communicator`] trait, collective descriptors, errors, pending handles.
@@ -10,6 +11,7 @@
 //! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
 //! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
 
+pub mod agree;
 pub mod buffer;
 pub mod cache;
 pub mod comm;

@@ -1,0 +1,179 @@
+//! Plan agreement: before a new plan's first collective, the ranks exchange its collective
+//! sequence (per call: launch index, bucket, reduce op, dtype, element count) and compare. A
+//! rank whose sequence differs would otherwise launch a mismatched collective and hang, or
+//! reduce garbage; here every rank fails at once with [`CommError::PlanMismatch`], which names
+//! the first differing collective on each side, before anything is launched.
+//!
+//! The exchange is two all-reduces of the plan's own communicator (a sum over zero-filled
+//! buffers where each rank writes only its own segment is an all-gather): the sequence lengths,
+//! then the sequences, padded to the longest.
+
+use super::buffer::HostBuffer;
+use super::comm::{CollectiveDesc, CommError, Communicator};
+use crate::codegen::plan::Plan;
+use crate::graph::{DType, ReduceOp};
+
+/// Launch indices of the agreement's own all-reduces (far from any plan's).
+const AGREE_LEN: u32 = u32::MAX - 1_000_000;
+const AGREE_SEQ: u32 = AGREE_LEN + 1;
+
+/// Whether `d` is one of the agreement's own all-reduces.
+pub fn is_agreement(d: &CollectiveDesc) -> bool {
+    d.collective == AGREE_LEN || d.collective == AGREE_SEQ
+}
+
+/// Fields per call in the exchange.
+const FIELDS: usize = 5;
+
+/// The calls `plan` makes, in launch order (one per NCCL call: a bucket, or each unbucketed slot).
+pub fn plan_sequence(plan: &Plan) -> Vec<CollectiveDesc> {
+    let mut out = Vec::new();
+    for c in &plan.collectives {
+        if c.packed {
+            out.push(CollectiveDesc {
+                collective: c.id,
+                bucket: c.bucket,
+                op: c.op,
+                dtype: c.wire_dtype(),
+                count: c.layout.numel,
+                params: c
+                    .slots
+                    .iter()
+                    .map(|s| plan.slots[*s as usize].param.clone())
+                    .collect(),
+            });
+        } else {
+            for (s, m) in c.slots.iter().zip(&c.layout.members) {
+                out.push(CollectiveDesc {
+                    collective: c.id,
+                    bucket: c.bucket,
+                    op: c.op,
+                    dtype: DType::from_name(&m.dtype).unwrap_or(DType::F32),
+                    count: m.numel,
+                    params: vec![plan.slots[*s as usize].param.clone()],
+                });
+            }
+        }
+    }
+    out
+}
+
+fn dtype_code(d: DType) -> f64 {
+    match d {
+        DType::F32 => 1.0,
+        DType::F16 => 2.0,
+        DType::BF16 => 3.0,
+        DType::F64 => 4.0,
+        DType::I64 => 5.0,
+        DType::I32 => 6.0,
+    }
+}
+
+fn dtype_of(code: f64) -> DType {
+    match code as u32 {
+        2 => DType::F16,
+        3 => DType::BF16,
+        4 => DType::F64,
+        5 => DType::I64,
+        6 => DType::I32,
+        _ => DType::F32,
+    }
+}
+
+fn encode(d: &CollectiveDesc) -> [f64; FIELDS] {
+    [
+        f64::from(d.collective),
+        d.bucket.map_or(0.0, |b| f64::from(b) + 1.0),
+        match d.op {
+            ReduceOp::Sum => 1.0,
+            ReduceOp::Mean => 2.0,
+        },
+        dtype_code(d.dtype),
+        d.count as f64,
+    ]
+}
+
+fn decode(f: &[f64]) -> Option<CollectiveDesc> {
+    if f.iter().all(|x| *x == 0.0) {
+        return None;
+    }
+    Some(CollectiveDesc {
+        collective: f[0] as u32,
+        bucket: (f[1] > 0.0).then(|| (f[1] - 1.0) as u32),
+        op: if f[2] == 2.0 {
+            ReduceOp::Mean
+        } else {
+            ReduceOp::Sum
+        },
+        dtype: dtype_of(f[3]),
+        count: f[4] as u64,
+        params: Vec::new(),
+    })
+}
+
+fn exchange(
+    comm: &dyn Communicator,
+    collective: u32,
+    data: Vec<f64>,
+    timeout: std::time::Duration,
+) -> Result<Vec<f64>, CommError> {
+    let what = CollectiveDesc {
+        collective,
+        bucket: None,
+        op: ReduceOp::Sum,
+        dtype: DType::F64,
+        count: data.len() as u64,
+        params: vec!["(plan agreement)".to_string()],
+    };
+    let (buf, _) = comm
+        .all_reduce(HostBuffer::F64(data), what)?
+        .wait(timeout)?;
+    match buf {
+        HostBuffer::F64(v) => Ok(v),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Exchanges `plan`'s collective sequence with every rank of `comm` and checks they are equal.
+pub fn agree(
+    plan: &Plan,
+    comm: &dyn Communicator,
+    timeout: std::time::Duration,
+) -> Result<(), CommError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if world <= 1 {
+        return Ok(());
+    }
+    let mine = plan_sequence(plan);
+    let mut lens = vec![0.0; world];
+    lens[rank] = mine.len() as f64;
+    let lens = exchange(comm, AGREE_LEN, lens, timeout)?;
+    let longest = lens.iter().fold(0.0f64, |a, b| a.max(*b)) as usize;
+    let width = longest * FIELDS;
+    let mut all = vec![0.0; world * width];
+    for (i, d) in mine.iter().enumerate() {
+        all[rank * width + i * FIELDS..][..FIELDS].copy_from_slice(&encode(d));
+    }
+    let all = exchange(comm, AGREE_SEQ, all, timeout)?;
+    for other in (0..world).filter(|r| *r != rank) {
+        for i in 0..longest {
+            let theirs = decode(&all[other * width + i * FIELDS..][..FIELDS]);
+            let ours = mine.get(i);
+            let same = match (ours, &theirs) {
+                (Some(a), Some(b)) => encode(a) == encode(b),
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                return Err(CommError::PlanMismatch {
+                    rank,
+                    index: i,
+                    mine: ours.cloned(),
+                    other_rank: other,
+                    theirs,
+                });
+            }
+        }
+    }
+    Ok(())
+}
