@@ -158,6 +158,7 @@ fn train_data_parallel_inspect<M: Net>(
         },
         timeout: std::time::Duration::from_secs(30),
         trace: false,
+        check_finite: false,
     }
     .install::<NdArray>();
     Inner::start_communication_server(
@@ -329,5 +330,75 @@ fn tensor_all_reduce_sums_across_ranks_and_its_backward_all_reduces_the_gradient
     for (r, (y, gx)) in results.iter().enumerate() {
         assert_eq!(y, &vec![18.0, 36.0, 12.0], "rank {r}");
         assert_eq!(gx, &vec![12.0, 12.0, 12.0], "rank {r}");
+    }
+}
+
+#[test]
+fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(30),
+        check_finite: true,
+        ..CollectiveOptions::default()
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let init: Mlp = init_model();
+    let t0 = std::time::Instant::now();
+    let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
+                s.spawn(move || {
+                    let (mut x, y) = batch(0, 0, ROWS_PER_RANK, d);
+                    if d.rank == 2 {
+                        x = x.mul_scalar(f32::NAN);
+                    }
+                    let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+                    let _ = loss.backward();
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                })
+            })
+            .collect()
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "took {waited:?}"
+    );
+    for (r, o) in outcomes.iter().enumerate() {
+        let msg = o.as_ref().expect_err("every rank fails");
+        assert!(
+            msg.contains("param.") && msg.contains("NaN"),
+            "rank {r}: {msg}"
+        );
+        if r == 2 {
+            assert!(
+                msg.starts_with("collective-fusion: rank 2: the gradient of param."),
+                "{msg}"
+            );
+        } else {
+            assert!(
+                msg.contains("aborted") && msg.contains("rank 2"),
+                "rank {r}: {msg}"
+            );
+        }
     }
 }

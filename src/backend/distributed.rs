@@ -43,6 +43,9 @@ pub struct CollectiveOptions {
     pub timeout: Duration,
     /// Keep a trace of every rank's pack, all-reduce, wait and unpack spans ([`take_trace`]).
     pub trace: bool,
+    /// Check every gradient for NaN and infinity as it arrives; a bad one fails the step on
+    /// every rank with an error naming the parameter (off by default: it reads every element).
+    pub check_finite: bool,
 }
 
 impl Default for CollectiveOptions {
@@ -51,6 +54,7 @@ impl Default for CollectiveOptions {
             config: CompileConfig::from_env().unwrap_or_default(),
             timeout: crate::runtime::inprocess::DEFAULT_TIMEOUT,
             trace: false,
+            check_finite: false,
         }
     }
 }
@@ -215,6 +219,8 @@ impl<I: Backend> Session<I> {
     /// Fails the whole group with `msg`, then panics on this rank.
     fn fail(&self, rank: usize, msg: String) -> ! {
         self.comms[rank].abort(&msg);
+        let prefix = format!("rank {rank}: ");
+        let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
         panic!("collective-fusion: rank {rank}: {msg}");
     }
 
@@ -340,6 +346,18 @@ impl<I: Backend> Session<I> {
             Ok(h) => h,
             Err(e) => self.fail(rank, format!("{name}: {e}")),
         };
+        if self.options.check_finite
+            && let Some((at, v)) = buf
+                .to_f64()
+                .iter()
+                .enumerate()
+                .find(|(_, v)| !v.is_finite())
+        {
+            self.fail(
+                rank,
+                format!("the gradient of {name} ({ty}) has {v} at element {at}"),
+            );
+        }
         let i = st.submitted.len();
         st.index.insert(name.clone(), i);
         // The first gradient of a step starts following the previous step's plan.

@@ -22,6 +22,9 @@ pub fn is_agreement(d: &CollectiveDesc) -> bool {
     d.collective == AGREE_LEN || d.collective == AGREE_SEQ
 }
 
+/// What the agreement's exchanges carry as their parameter list (for messages).
+pub const AGREEMENT_LABEL: &str = "(plan agreement)";
+
 /// Fields per call in the exchange.
 const FIELDS: usize = 5;
 
@@ -123,7 +126,7 @@ fn exchange(
         op: ReduceOp::Sum,
         dtype: DType::F64,
         count: data.len() as u64,
-        params: vec!["(plan agreement)".to_string()],
+        params: vec![AGREEMENT_LABEL.to_string()],
     };
     let (buf, _) = comm
         .all_reduce(HostBuffer::F64(data), what)?

@@ -30,6 +30,17 @@ pub struct CollectiveDesc {
 
 impl fmt::Display for CollectiveDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self
+            .params
+            .first()
+            .is_some_and(|p| p == super::agree::AGREEMENT_LABEL)
+        {
+            return write!(
+                f,
+                "the plan agreement exchange ({}×{})",
+                self.dtype, self.count
+            );
+        }
         match self.bucket {
             Some(b) => write!(f, "all-reduce #{} (bucket b{b}", self.collective)?,
             None => write!(f, "all-reduce #{} (", self.collective)?,
