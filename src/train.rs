@@ -139,11 +139,11 @@ impl Net for ConvNet {
     }
 }
 
-/// Every float parameter's values, in visiting order.
-fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
+/// Every float parameter's values of `model`, in visiting order (to compare replicas).
+pub fn module_weights<Bk: burn_backend::Backend, M: Module<Bk>>(model: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
-    impl ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl<Bk: burn_backend::Backend> ModuleVisitor<Bk> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Bk, D>>) {
             self.0
                 .extend(param.val().into_data().to_vec::<f32>().unwrap_or_default());
         }
@@ -153,18 +153,34 @@ fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
     c.0
 }
 
-/// A deterministic synthetic batch: rows `[from, to)` of step `step`.
-fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let x: Vec<f32> = (from * INPUTS..to * INPUTS)
+fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
+    module_weights::<B, M>(model)
+}
+
+/// Rows `[from, to)` of step `step`'s deterministic synthetic regression batch: `inputs`
+/// features and `outputs` targets per row, values in `[-0.5, 0.5)`.
+pub fn synthetic_batch<Bk: burn_backend::Backend>(
+    step: usize,
+    rows: (usize, usize),
+    inputs: usize,
+    outputs: usize,
+    dev: &<Bk as burn_backend::BackendTypes>::Device,
+) -> (Tensor<Bk, 2>, Tensor<Bk, 2>) {
+    let (from, to) = rows;
+    let x: Vec<f32> = (from * inputs..to * inputs)
         .map(|i| (((i * 37 + step * 11) % 97) as f32 / 97.0) - 0.5)
         .collect();
-    let y: Vec<f32> = (from * OUTPUTS..to * OUTPUTS)
+    let y: Vec<f32> = (from * outputs..to * outputs)
         .map(|i| (((i * 53 + step * 7) % 89) as f32 / 89.0) - 0.5)
         .collect();
     (
-        Tensor::from_data(TensorData::new(x, [to - from, INPUTS]), dev),
-        Tensor::from_data(TensorData::new(y, [to - from, OUTPUTS]), dev),
+        Tensor::from_data(TensorData::new(x, [to - from, inputs]), dev),
+        Tensor::from_data(TensorData::new(y, [to - from, outputs]), dev),
     )
+}
+
+fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    synthetic_batch::<B>(step, (from, to), INPUTS, OUTPUTS, dev)
 }
 
 fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {

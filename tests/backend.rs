@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn_core::module::{AutodiffModule, Module};
 use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::conv::{Conv2d, Conv2dConfig};
@@ -18,6 +18,7 @@ use collective_fusion::backend::{
     sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+use collective_fusion::train::{module_weights, synthetic_batch};
 
 type Inner = Collective<NdArray>;
 type B = Autodiff<Inner>;
@@ -86,18 +87,8 @@ impl Net for ConvNet {
     }
 }
 
-/// Every float parameter's values, in visiting order.
 fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0
-                .extend(param.val().into_data().to_vec::<f32>().unwrap());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
+    module_weights::<B, M>(model)
 }
 
 fn init_model<M: Net>() -> M {
@@ -111,16 +102,7 @@ fn init_model<M: Net>() -> M {
 
 /// Rows `[from, to)` of step `step`'s global batch, deterministic.
 fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let x: Vec<f32> = (from * INPUTS..to * INPUTS)
-        .map(|i| (((i * 37 + step * 11) % 97) as f32 / 97.0) - 0.5)
-        .collect();
-    let y: Vec<f32> = (from * OUTPUTS..to * OUTPUTS)
-        .map(|i| (((i * 53 + step * 7) % 89) as f32 / 89.0) - 0.5)
-        .collect();
-    (
-        Tensor::from_data(TensorData::new(x, [to - from, INPUTS]), dev),
-        Tensor::from_data(TensorData::new(y, [to - from, OUTPUTS]), dev),
-    )
+    synthetic_batch::<B>(step, (from, to), INPUTS, OUTPUTS, dev)
 }
 
 fn train<M: Net>(mut model: M, rows: (usize, usize), dev: &Dev) -> M {

@@ -37,6 +37,22 @@ fn plan_for(model: &str, policy: BucketPolicy, cap: u64, reduce: ReduceOp, overl
     lower(&g).unwrap()
 }
 
+/// `plan` with every collective on a group of `n` ranks (to run it on fewer ranks).
+fn on_group_of(plan: &Plan, n: u32) -> Plan {
+    Plan {
+        collectives: plan
+            .collectives
+            .iter()
+            .cloned()
+            .map(|mut k| {
+                k.group_size = n;
+                k
+            })
+            .collect(),
+        ..plan.clone()
+    }
+}
+
 fn inputs(plan: &Plan, seed: u64) -> Vec<Vec<HostBuffer>> {
     (0..WORLD as usize)
         .map(|r| seeded_gradients(plan, r, seed))
@@ -177,18 +193,7 @@ fn collectives_launch_in_plan_order_on_every_rank() {
             let plan = &plan;
             s.spawn(move || {
                 let mut g = seeded_gradients(plan, c.rank(), 1);
-                let plan2 = Plan {
-                    collectives: plan
-                        .collectives
-                        .iter()
-                        .cloned()
-                        .map(|mut k| {
-                            k.group_size = 2;
-                            k
-                        })
-                        .collect(),
-                    ..plan.clone()
-                };
+                let plan2 = on_group_of(plan, 2);
                 execute(&plan2, c, &mut g, &mut NoHooks, ExecOptions::default()).unwrap();
             });
         }
@@ -289,18 +294,7 @@ fn a_gradient_of_the_wrong_shape_is_named() {
     let comms = InProcessGroup::ranks(1, Duration::from_secs(1));
     let mut g = seeded_gradients(&plan, 0, 1);
     g[3] = HostBuffer::F32(vec![0.0; 5]);
-    let plan1 = Plan {
-        collectives: plan
-            .collectives
-            .iter()
-            .cloned()
-            .map(|mut k| {
-                k.group_size = 1;
-                k
-            })
-            .collect(),
-        ..plan.clone()
-    };
+    let plan1 = on_group_of(&plan, 1);
     let err = execute(
         &plan1,
         &comms[0],
@@ -361,21 +355,7 @@ fn ranks_with_different_plans_fail_before_launching_anything() {
         plan_for("resnet50", Ddp, 25 * MIB, ReduceOp::Mean, true),
         plan_for("resnet50", Ddp, MIB, ReduceOp::Mean, true),
     ];
-    let plans: Vec<Plan> = plans
-        .into_iter()
-        .map(|p| Plan {
-            collectives: p
-                .collectives
-                .iter()
-                .cloned()
-                .map(|mut k| {
-                    k.group_size = 2;
-                    k
-                })
-                .collect(),
-            ..p
-        })
-        .collect();
+    let plans: Vec<Plan> = plans.iter().map(|p| on_group_of(p, 2)).collect();
     let comms: Vec<Recording<_>> = InProcessGroup::ranks(2, Duration::from_secs(30))
         .into_iter()
         .map(Recording::new)

@@ -113,12 +113,13 @@ fn offsets(layout: &BucketLayout, from: usize, to: usize) -> Vec<u32> {
     o
 }
 
-fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
+/// Calls `launch` once per group of members that fits one launch, with the group's offsets
+/// table, launch shape and member arrays.
+fn per_launch<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     layout: &BucketLayout,
     members: &[DeviceMember],
-    scale: f32,
-    out: &Handle,
+    mut launch: impl FnMut(CubeCount, CubeDim, SequenceArg<R, Array<F>>, ArrayArg<R>),
 ) {
     let per = members_per_launch(client);
     let mut from = 0;
@@ -133,19 +134,32 @@ fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
             // SAFETY: each handle holds `len` elements of `F` (checked against the layout).
             .map(|m| unsafe { ArrayArg::from_raw_parts(m.handle.clone(), m.len) })
             .collect();
+        // SAFETY: the table was just created with `offs.len()` elements.
+        let offs_arg = unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) };
+        launch(count, dim, seq, offs_arg);
+        from = to;
+    }
+}
+
+fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    layout: &BucketLayout,
+    members: &[DeviceMember],
+    scale: f32,
+    out: &Handle,
+) {
+    per_launch::<R, F>(client, layout, members, |count, dim, seq, offs| {
         bucket_pack::launch::<F, W, R>(
             client,
             count,
             dim,
             seq,
-            // SAFETY: the table was just created with `offs.len()` elements.
-            unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) },
+            offs,
             // SAFETY: `out` holds `layout.numel` elements of `W` (the caller made it).
             unsafe { ArrayArg::from_raw_parts(out.clone(), layout.numel as usize) },
             F::new(scale),
         );
-        from = to;
-    }
+    });
 }
 
 fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
@@ -154,31 +168,17 @@ fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
     buffer: &Handle,
     members: &[DeviceMember],
 ) {
-    let per = members_per_launch(client);
-    let mut from = 0;
-    while from < members.len() {
-        let to = (from + per).min(members.len());
-        let offs = offsets(layout, from, to);
-        let offs_handle = client.create_from_slice(u32::as_bytes(&offs));
-        let span: u64 = members[from..to].iter().map(|m| m.len as u64).sum();
-        let (count, dim) = launch_shape(span.max(1));
-        let seq: SequenceArg<R, Array<F>> = members[from..to]
-            .iter()
-            // SAFETY: each handle holds `len` elements of `F` (checked against the layout).
-            .map(|m| unsafe { ArrayArg::from_raw_parts(m.handle.clone(), m.len) })
-            .collect();
+    per_launch::<R, F>(client, layout, members, |count, dim, seq, offs| {
         bucket_unpack::launch::<W, F, R>(
             client,
             count,
             dim,
             // SAFETY: `buffer` holds `layout.numel` elements of `W`.
             unsafe { ArrayArg::from_raw_parts(buffer.clone(), layout.numel as usize) },
-            // SAFETY: the table was just created with `offs.len()` elements.
-            unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) },
+            offs,
             seq,
         );
-        from = to;
-    }
+    });
 }
 
 fn dtype_of(layout: &BucketLayout, name: &str) -> Result<DType, CubeError> {
