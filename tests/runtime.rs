@@ -407,3 +407,24 @@ fn ranks_with_different_plans_fail_before_launching_anything() {
         );
     }
 }
+
+#[test]
+fn zero_size_gradients_reduce_to_zero_size_gradients() {
+    use collective_fusion::graph::parse::parse;
+    let text = common::chain(&[
+        common::G("a", "f32[0]", "mean", "g0"),
+        common::G("b", "f32[5]", "mean", "g0"),
+        common::G("c", "f32[3,0]", "sum", "g0"),
+    ]);
+    for policy in [PerParam, Ddp] {
+        let mut g = parse(&text).unwrap();
+        compile(&mut g, &config(bucket(policy, MIB, 25 * MIB), true)).unwrap();
+        let plan = lower(&g).unwrap();
+        let ins: Vec<Vec<HostBuffer>> = (0..4).map(|r| seeded_gradients(&plan, r, 5)).collect();
+        let out = run_in_process(&plan, ins, ExecOptions::default()).unwrap();
+        for (r, (grads, _)) in out.iter().enumerate() {
+            let lens: Vec<usize> = grads.iter().map(HostBuffer::len).collect();
+            assert_eq!(lens, vec![0, 5, 0], "rank {r}, {policy:?}");
+        }
+    }
+}
