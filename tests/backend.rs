@@ -384,3 +384,65 @@ fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
         }
     }
 }
+
+#[test]
+fn a_rank_that_dies_mid_step_is_a_timeout_on_the_others_naming_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_millis(500),
+        ..CollectiveOptions::default()
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let init: Mlp = init_model();
+    let t0 = std::time::Instant::now();
+    let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
+                s.spawn(move || {
+                    let (x, y) = batch(0, 0, ROWS_PER_RANK, d);
+                    let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+                    if d.rank == 1 {
+                        panic!("rank 1 died in the middle of the step");
+                    }
+                    let _ = loss.backward();
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                })
+            })
+            .collect()
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(5),
+        "took {waited:?}"
+    );
+    for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
+        let msg = o.as_ref().expect_err("the other ranks fail too");
+        assert!(
+            msg.contains("never arrived") || msg.contains("aborted"),
+            "rank {r}: {msg}"
+        );
+        assert!(
+            msg.contains("[1]"),
+            "rank {r} names the missing rank: {msg}"
+        );
+    }
+}

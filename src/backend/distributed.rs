@@ -699,7 +699,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         };
         let reduced = s.comms[rank]
             .all_reduce(buf, what)
-            .and_then(|p| p.wait(s.options.timeout));
+            .and_then(|p| p.wait(crate::runtime::comm::wait_bound(s.options.timeout)));
         let out = match reduced {
             Ok((b, _)) => b,
             Err(e) => s.fail(rank, e.to_string()),

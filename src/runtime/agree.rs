@@ -130,7 +130,7 @@ fn exchange(
     };
     let (buf, _) = comm
         .all_reduce(HostBuffer::F64(data), what)?
-        .wait(timeout)?;
+        .wait(super::comm::wait_bound(timeout))?;
     match buf {
         HostBuffer::F64(v) => Ok(v),
         _ => Ok(Vec::new()),

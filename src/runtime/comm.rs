@@ -147,6 +147,13 @@ pub struct CommSpan {
 /// The outcome a communicator sends back for one collective.
 pub type CommResult = Result<(HostBuffer, CommSpan), CommError>;
 
+/// How long a caller waits for a pending collective whose communicator bounds each collective
+/// by `timeout` from its start: long enough that the communicator's own, more precise error
+/// (which ranks never arrived) comes first, with room for a collective queued ahead.
+pub fn wait_bound(timeout: Duration) -> Duration {
+    timeout.saturating_mul(2) + Duration::from_secs(1)
+}
+
 /// A collective in flight.
 pub struct PendingReduce {
     rank: usize,

@@ -499,13 +499,13 @@ impl Execution {
                 let c = &plan.collectives[*cid as usize];
                 match self.flight[c.id as usize].take() {
                     Some(InFlight::Bucket(p)) => {
-                        let (buf, s) = p.wait(opts.timeout)?;
+                        let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                         comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
                         self.packed[c.id as usize] = Some(buf);
                     }
                     Some(InFlight::Slots(calls)) => {
                         for (slot, p) in calls {
-                            let (buf, s) = p.wait(opts.timeout)?;
+                            let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                             comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
                             grads[slot as usize] = buf;
                         }
