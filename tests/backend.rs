@@ -446,3 +446,39 @@ fn a_rank_that_dies_mid_step_is_a_timeout_on_the_others_naming_it() {
         );
     }
 }
+
+#[test]
+fn a_registered_parameter_whose_gradient_never_arrives_is_named() {
+    use burn_backend::distributed::{DistributedParamId, DistributedParams, TensorRef};
+    use burn_backend::ops::FloatTensorOps;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(5),
+        ..CollectiveOptions::default()
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        std::slice::from_ref(&d),
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let params = |id: u64| DistributedParams {
+        param_id: DistributedParamId::from(id),
+    };
+    let outcome = std::panic::catch_unwind(|| {
+        let mut grad = Inner::float_from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &d);
+        Inner::register_sync_parameters(&d, vec![params(11), params(22)]);
+        Inner::submit_gradient_sync(TensorRef(&mut grad), params(11));
+        Inner::submit_sync_collective(&d);
+    });
+    Inner::close_communication_server(&d);
+    let err = outcome.expect_err("the sync fails");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("1 registered parameter(s) never arrived") && msg.contains("param.22"),
+        "{msg}"
+    );
+    assert!(!msg.contains("param.11"), "{msg}");
+}

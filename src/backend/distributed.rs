@@ -111,7 +111,8 @@ struct Live {
 struct RankState<I: Backend> {
     submitted: Vec<Submitted<I>>,
     index: HashMap<String, usize>,
-    registered: usize,
+    /// Parameters Burn registered for this step's sync (their gradients must all arrive).
+    registered: Vec<String>,
     /// The plan the previous step compiled to; the next step follows it while it can.
     expected: Option<Arc<Plan>>,
     /// Its optimized graph, printed.
@@ -417,6 +418,26 @@ impl<I: Backend> Session<I> {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
+        let missing: Vec<&str> = st
+            .registered
+            .iter()
+            .filter(|n| !st.index.contains_key(*n))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            let shown: Vec<&str> = missing.iter().take(8).copied().collect();
+            let msg = format!(
+                "the gradients of {} registered parameter(s) never arrived before the sync point: {}{}",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+            self.fail(rank, msg);
+        }
         if st.submitted.is_empty() {
             return;
         }
@@ -550,7 +571,7 @@ impl<I: Backend> Session<I> {
         }
         st.submitted.clear();
         st.index.clear();
-        st.registered = 0;
+        st.registered.clear();
         SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
@@ -616,7 +637,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                     Mutex::new(RankState {
                         submitted: Vec::new(),
                         index: HashMap::new(),
-                        registered: 0,
+                        registered: Vec::new(),
                         expected: None,
                         expected_graph: String::new(),
                         live: None,
@@ -642,7 +663,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let s = session::<I>("register_sync_parameters");
         let rank = device.rank as usize;
         if let Some(r) = s.ranks.get(rank) {
-            lock(r).registered = params.len();
+            lock(r).registered = params.iter().map(param_name).collect();
         }
     }
 
