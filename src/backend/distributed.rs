@@ -129,6 +129,8 @@ struct RankState<I: Backend> {
 }
 
 struct Session<I: Backend> {
+    /// A rank failed and aborted the group.
+    failed: std::sync::atomic::AtomicBool,
     /// Time zero of traces.
     epoch: Instant,
     trace: Mutex<Vec<TraceSpan>>,
@@ -219,6 +221,7 @@ fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
 impl<I: Backend> Session<I> {
     /// Fails the whole group with `msg`, then panics on this rank.
     fn fail(&self, rank: usize, msg: String) -> ! {
+        self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
         self.comms[rank].abort(&msg);
         let prefix = format!("rank {rank}: ");
         let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
@@ -627,6 +630,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             ReduceOperation::Mean => ReduceOp::Mean,
         };
         let session = Session::<I> {
+            failed: std::sync::atomic::AtomicBool::new(false),
             epoch: Instant::now(),
             trace: Mutex::new(Vec::new()),
             world,
@@ -656,6 +660,26 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     }
 
     fn close_communication_server(_device: &Self::Device) {
+        let Some(s) = lock(sessions())
+            .get(&TypeId::of::<I>())
+            .cloned()
+            .and_then(|a| a.downcast::<Session<I>>().ok())
+        else {
+            return;
+        };
+        // A rank may still be finishing its last step: its buckets were launched during backward
+        // and completed with the other ranks', so they returned and the server is being closed,
+        // while it has yet to reach its sync point. Let it (bounded by the timeout).
+        let deadline = Instant::now() + s.options.timeout;
+        while Instant::now() < deadline
+            && !s.failed.load(std::sync::atomic::Ordering::SeqCst)
+            && s.ranks.iter().any(|r| {
+                let st = lock(r);
+                !st.submitted.is_empty() || st.live.is_some()
+            })
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         lock(sessions()).remove(&TypeId::of::<I>());
     }
 
