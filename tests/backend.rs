@@ -315,6 +315,35 @@ fn tensor_all_reduce_sums_across_ranks_and_its_backward_all_reduces_the_gradient
     }
 }
 
+/// Runs `step` once on every rank's thread with its own copy of an MLP (marked distributed);
+/// returns each rank's outcome, a panic as its message.
+fn one_step_on_every_rank(
+    devices: &[Dev],
+    step: impl Fn(&Dev, Mlp) + Sync,
+) -> Vec<Result<(), String>> {
+    let init: Mlp = init_model();
+    std::thread::scope(|s| {
+        let step = &step;
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
+                s.spawn(move || step(d, model))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                })
+            })
+            .collect()
+    })
+}
+
 #[test]
 fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -331,33 +360,14 @@ fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    let init: Mlp = init_model();
     let t0 = std::time::Instant::now();
-    let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
-                s.spawn(move || {
-                    let (mut x, y) = batch(0, 0, ROWS_PER_RANK, d);
-                    if d.rank == 2 {
-                        x = x.mul_scalar(f32::NAN);
-                    }
-                    let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
-                    let _ = loss.backward();
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().map_err(|p| {
-                    p.downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default()
-                })
-            })
-            .collect()
+    let outcomes = one_step_on_every_rank(&devices, |d, model| {
+        let (mut x, y) = batch(0, 0, ROWS_PER_RANK, d);
+        if d.rank == 2 {
+            x = x.mul_scalar(f32::NAN);
+        }
+        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+        let _ = loss.backward();
     });
     let waited = t0.elapsed();
     Inner::close_communication_server(&devices[0]);
@@ -400,33 +410,14 @@ fn a_rank_that_dies_mid_step_is_a_timeout_on_the_others_naming_it() {
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    let init: Mlp = init_model();
     let t0 = std::time::Instant::now();
-    let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
-                s.spawn(move || {
-                    let (x, y) = batch(0, 0, ROWS_PER_RANK, d);
-                    let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
-                    if d.rank == 1 {
-                        panic!("rank 1 died in the middle of the step");
-                    }
-                    let _ = loss.backward();
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().map_err(|p| {
-                    p.downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default()
-                })
-            })
-            .collect()
+    let outcomes = one_step_on_every_rank(&devices, |d, model| {
+        let (x, y) = batch(0, 0, ROWS_PER_RANK, d);
+        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+        if d.rank == 1 {
+            panic!("rank 1 died in the middle of the step");
+        }
+        let _ = loss.backward();
     });
     let waited = t0.elapsed();
     Inner::close_communication_server(&devices[0]);
