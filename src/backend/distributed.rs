@@ -115,8 +115,8 @@ struct RankState<I: Backend> {
     registered: Vec<String>,
     /// The plan the previous step compiled to; the next step follows it while it can.
     expected: Option<Arc<Plan>>,
-    /// Its optimized graph, printed.
-    expected_graph: String,
+    /// Its segment graph as recorded (compiled again only when someone inspects it).
+    expected_segment: Option<Graph>,
     live: Option<Live>,
     cache: PlanCache,
     workspace: Workspace,
@@ -351,11 +351,7 @@ impl<I: Backend> Session<I> {
             Err(e) => self.fail(rank, format!("{name}: {e}")),
         };
         if self.options.check_finite
-            && let Some((at, v)) = buf
-                .to_f64()
-                .iter()
-                .enumerate()
-                .find(|(_, v)| !v.is_finite())
+            && let Some((at, v)) = buf.first_non_finite()
         {
             self.fail(
                 rank,
@@ -556,10 +552,7 @@ impl<I: Backend> Session<I> {
                 Ok(p) => st.expected = Some(p),
                 Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
             }
-            let mut optimized = g;
-            if crate::passes::compile(&mut optimized, &self.options.config).is_ok() {
-                st.expected_graph = crate::graph::print::print(&optimized);
-            }
+            st.expected_segment = Some(g);
         }
         // Write back in place, through the pointers Burn gave us; only now, so a failed step
         // leaves every gradient as it was.
@@ -608,7 +601,10 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
 pub fn expected_plan<I: Backend>(rank: usize) -> Option<(Arc<Plan>, String)> {
     let s = session::<I>("expected_plan");
     let st = s.state(rank, "expected_plan");
-    st.expected.clone().map(|p| (p, st.expected_graph.clone()))
+    let plan = st.expected.clone()?;
+    let mut optimized = st.expected_segment.clone()?;
+    crate::passes::compile(&mut optimized, &s.options.config).ok()?;
+    Some((plan, crate::graph::print::print(&optimized)))
 }
 
 impl<I: Backend> DistributedBackend for Collective<I> {
@@ -643,7 +639,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         index: HashMap::new(),
                         registered: Vec::new(),
                         expected: None,
-                        expected_graph: String::new(),
+                        expected_segment: None,
                         live: None,
                         cache: PlanCache::new(),
                         workspace: Workspace::default(),

@@ -196,6 +196,15 @@ impl HostBuffer {
         with_host_buffer!(self, v => v.iter().map(|x| x.to_f64()).collect())
     }
 
+    /// The first element that is NaN or infinite, with its index (without copying the buffer).
+    pub fn first_non_finite(&self) -> Option<(usize, f64)> {
+        with_host_buffer!(self, v => v
+            .iter()
+            .enumerate()
+            .map(|(i, x)| (i, x.to_f64()))
+            .find(|(_, x)| !x.is_finite()))
+    }
+
     /// Bit-exact equality (distinguishes -0.0 from 0.0 and compares NaN payloads).
     pub fn bits_eq(&self, other: &HostBuffer) -> bool {
         match (self, other) {

@@ -162,6 +162,14 @@ fn check_plan(plan: &Plan, rank: usize, world: usize) -> Result<(), ExecError> {
             "the comm stream calls collectives in order {calls:?}, the compute stream readies them in order {readies:?}"
         )));
     }
+    let mut waits = vec![0usize; plan.collectives.len()];
+    for s in &plan.compute {
+        if let Step::Wait(Event::Done(c)) = s
+            && let Some(n) = waits.get_mut(*c as usize)
+        {
+            *n += 1;
+        }
+    }
     for c in &plan.collectives {
         if c.group_size as usize != world {
             let (count, dtype) = (c.layout.numel, c.wire_dtype());
@@ -172,11 +180,7 @@ fn check_plan(plan: &Plan, rank: usize, world: usize) -> Result<(), ExecError> {
                 world,
             });
         }
-        let waits = plan
-            .compute
-            .iter()
-            .filter(|s| **s == Step::Wait(Event::Done(c.id)))
-            .count();
+        let waits = waits[c.id as usize];
         if waits != 1 {
             return Err(bad(format!(
                 "collective #{} is waited for {waits} times",
