@@ -14,7 +14,8 @@ use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, DeviceMember};
 use collective_fusion::runtime::{HostBuffer, InProcessGroup, host};
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
@@ -31,20 +32,25 @@ fn desc(count: usize) -> CollectiveDesc {
     }
 }
 
+/// The baseline of every group: a copy of `n` f32 between two buffers.
+fn memcpy_baseline(g: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    g.bench_function("memcpy", |b| {
+        b.iter(|| {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+        })
+    });
+}
+
 fn allreduce(c: &mut Criterion) {
     for bytes in SIZES {
         let n = bytes / 4;
         let mut g = c.benchmark_group(format!("allreduce/{}KiB", bytes >> 10));
         g.throughput(Throughput::Bytes(bytes as u64));
         g.measurement_time(Duration::from_secs(3)).sample_size(20);
-        let src = vec![1.0f32; n];
-        let mut dst = vec![0.0f32; n];
-        g.bench_function("memcpy", |b| {
-            b.iter(|| {
-                dst.copy_from_slice(black_box(&src));
-                black_box(&dst);
-            })
-        });
+        memcpy_baseline(&mut g, n);
         for world in [2usize, 4] {
             let comms = InProcessGroup::ranks(world, Duration::from_secs(60));
             let mut bufs: Vec<Option<HostBuffer>> = (0..world)
@@ -98,14 +104,7 @@ fn pack(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("pack/{}KiB", bytes >> 10));
         g.throughput(Throughput::Bytes(bytes as u64));
         g.measurement_time(Duration::from_secs(3)).sample_size(20);
-        let src = vec![1.0f32; n];
-        let mut dst = vec![0.0f32; n];
-        g.bench_function("memcpy", |b| {
-            b.iter(|| {
-                dst.copy_from_slice(black_box(&src));
-                black_box(&dst);
-            })
-        });
+        memcpy_baseline(&mut g, n);
         let members: Vec<HostBuffer> = (0..16)
             .map(|_| HostBuffer::F32(vec![1.5; n / 16]))
             .collect();

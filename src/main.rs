@@ -52,6 +52,16 @@ enum ProfilePolicy {
     Cost,
 }
 
+impl From<Policy> for BucketPolicy {
+    fn from(p: Policy) -> Self {
+        match p {
+            Policy::PerParam => BucketPolicy::PerParam,
+            Policy::Ddp => BucketPolicy::Ddp,
+            Policy::Cost => BucketPolicy::Cost,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum PrintWhen {
     All,
@@ -269,11 +279,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let profile = ModelProfile::load(&model)?;
             let mut config = CompileConfig::from_env()?;
             if let Some(p) = policy {
-                config.bucket.policy = match p {
-                    Policy::PerParam => BucketPolicy::PerParam,
-                    Policy::Ddp => BucketPolicy::Ddp,
-                    Policy::Cost => BucketPolicy::Cost,
-                };
+                config.bucket.policy = p.into();
             }
             if let Some(c) = bucket_cap {
                 config.bucket.cap_bytes = c;
@@ -454,11 +460,7 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut config = CompileConfig::from_env()?;
     if let Some(p) = a.policy {
-        config.bucket.policy = match p {
-            Policy::PerParam => BucketPolicy::PerParam,
-            Policy::Ddp => BucketPolicy::Ddp,
-            Policy::Cost => BucketPolicy::Cost,
-        };
+        config.bucket.policy = p.into();
     }
     if let Some(c) = a.bucket_cap {
         config.bucket.cap_bytes = c;
