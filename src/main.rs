@@ -481,7 +481,7 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             config: config.clone(),
             timeout: collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT,
             trace: a.trace.is_some() || a.svg.is_some(),
-            check_finite: false,
+            ..CollectiveOptions::default()
         },
     };
     let tty = std::io::stderr().is_terminal();

@@ -14,8 +14,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, expected_plan, mark_distributed,
-    sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, UnusedParameters, expected_plan,
+    last_zero_filled, mark_distributed, no_sync, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::train::{module_weights, synthetic_batch};
@@ -139,8 +139,7 @@ fn train_data_parallel_inspect<M: Net>(
             ..CompileConfig::default()
         },
         timeout: std::time::Duration::from_secs(30),
-        trace: false,
-        check_finite: false,
+        ..CollectiveOptions::default()
     }
     .install::<NdArray>();
     Inner::start_communication_server(
@@ -180,7 +179,8 @@ fn train_data_parallel_inspect<M: Net>(
             SyncStats {
                 eager_steps: STEPS as u64 - 1,
                 flushed_steps: 1,
-                compiled: 1
+                compiled: 1,
+                zero_filled: 0,
             },
             "rank {r}"
         );
@@ -472,4 +472,277 @@ fn a_registered_parameter_whose_gradient_never_arrives_is_named() {
         "{msg}"
     );
     assert!(!msg.contains("param.11"), "{msg}");
+}
+
+/// Runs `f` once on every rank's thread; returns each rank's outcome, a panic as its message.
+fn on_every_rank<T: Send>(devices: &[Dev], f: impl Fn(&Dev) -> T + Sync) -> Vec<Result<T, String>> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = devices.iter().map(|d| s.spawn(move || f(d))).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                })
+            })
+            .collect()
+    })
+}
+
+fn start_server(devices: &[Dev], options: CollectiveOptions, op: ReduceOperation) {
+    options.install::<NdArray>();
+    Inner::start_communication_server(devices, DistributedConfig { all_reduce_op: op });
+}
+
+/// One step of Burn's hooks on a rank: registers `registered`, submits `(id, values)` in order,
+/// syncs, and returns the gradients as written back.
+fn hook_step(d: &Dev, registered: &[u64], grads: &[(u64, Vec<f32>)]) -> Vec<Vec<f32>> {
+    use burn_backend::distributed::{DistributedParamId, DistributedParams, TensorRef};
+    use burn_backend::ops::FloatTensorOps;
+    let params = |id: u64| DistributedParams {
+        param_id: DistributedParamId::from(id),
+    };
+    Inner::register_sync_parameters(d, registered.iter().map(|id| params(*id)).collect());
+    let mut tensors: Vec<_> = grads
+        .iter()
+        .map(|(_, v)| Inner::float_from_data(TensorData::new(v.clone(), [v.len()]), d))
+        .collect();
+    for ((id, _), t) in grads.iter().zip(tensors.iter_mut()) {
+        Inner::submit_gradient_sync(TensorRef(t), params(*id));
+    }
+    Inner::submit_sync_collective(d);
+    tensors
+        .into_iter()
+        .map(|t| {
+            let data = cubecl::future::block_on(Inner::float_into_data(t)).unwrap();
+            data.to_vec::<f32>().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn zero_fill_reduces_a_parameter_some_ranks_lack_and_drops_one_no_rank_uses() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(30),
+            unused: UnusedParameters::ZeroFill,
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    // Per step, the ranks that have a gradient of parameter 2 (parameter 1: every rank;
+    // parameter 3: registered, never any gradient).
+    let has_p2: [&[u32]; 5] = [&[0, 1], &[0], &[], &[3], &[1, 3]];
+    let outcomes = on_every_rank(&devices, |d| {
+        let r = d.rank;
+        let mut seen = Vec::new();
+        for (step, ranks) in has_p2.iter().enumerate() {
+            let mut grads = vec![(1, vec![(r + 1) as f32; 3])];
+            if ranks.contains(&r) {
+                grads.push((2, vec![10.0 * (r + 1) as f32 + step as f32]));
+            }
+            let out = hook_step(d, &[1, 2, 3], &grads);
+            let slots = expected_plan::<NdArray>(r as usize)
+                .map(|(p, _)| p.slots.iter().map(|s| s.param.clone()).collect::<Vec<_>>())
+                .unwrap_or_default();
+            seen.push((out, last_zero_filled::<NdArray>(r as usize), slots));
+        }
+        (seen, sync_stats::<NdArray>(r as usize))
+    });
+    Inner::close_communication_server(&devices[0]);
+    for (r, o) in outcomes.into_iter().enumerate() {
+        let (seen, stats) = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        let mut zero_filled = 0;
+        for (step, (out, zeroed, next_slots)) in seen.into_iter().enumerate() {
+            let ranks = has_p2[step];
+            assert_eq!(out[0], vec![10.0; 3], "rank {r} step {step}: parameter 1");
+            let p2: f32 = ranks
+                .iter()
+                .map(|q| 10.0 * (q + 1) as f32 + step as f32)
+                .sum();
+            if ranks.contains(&(r as u32)) {
+                assert_eq!(out[1], vec![p2], "rank {r} step {step}: parameter 2");
+            }
+            // A rank without parameter 2's gradient zero-fills it (at step 2 every rank does);
+            // parameter 3, which no rank ever had a gradient of, is never filled.
+            let filled = !ranks.contains(&(r as u32));
+            assert_eq!(
+                zeroed,
+                if filled {
+                    vec!["param.2".to_string()]
+                } else {
+                    vec![]
+                },
+                "rank {r} step {step}"
+            );
+            zero_filled += u64::from(filled);
+            // Zero-filled on every rank at step 2: the next plan drops it; rank 3 brings it back.
+            let want: &[&str] = if step == 2 {
+                &["param.1"]
+            } else {
+                &["param.1", "param.2"]
+            };
+            assert_eq!(next_slots, want, "rank {r} plan after step {step}");
+        }
+        assert_eq!(stats.zero_filled, zero_filled, "rank {r}");
+    }
+}
+
+#[test]
+fn without_zero_fill_ranks_with_different_parameters_fail_together_naming_the_difference() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..2).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(30),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let t0 = std::time::Instant::now();
+    let outcomes = on_every_rank(&devices, |d| {
+        let mut grads = vec![(1, vec![1.0; 4])];
+        if d.rank == 0 {
+            grads.push((2, vec![1.0; 8]));
+        }
+        hook_step(d, &[], &grads)
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "took {waited:?}"
+    );
+    for (r, o) in outcomes.iter().enumerate() {
+        let msg = o.as_ref().expect_err("every rank fails");
+        assert!(
+            msg.contains("mismatch") || msg.contains("differ"),
+            "rank {r}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn no_sync_accumulates_micro_batches_and_the_next_backward_reduces_their_sum() {
+    const MICRO: usize = 3;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(30),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let init: Mlp = init_model();
+    let lr = 0.01;
+    let step = |mut model: Mlp, batches: &[(usize, usize)], d: &Dev, distributed: bool| {
+        let mut grads = None;
+        for (k, rows) in batches.iter().enumerate() {
+            if distributed {
+                // Burn's autodiff forgets that a parameter is distributed once a backward pass
+                // consumed it: mark the model again before each micro-batch.
+                model = mark_distributed::<B, Mlp>(model);
+            }
+            let (x, y) = batch(0, rows.0, rows.1, d);
+            let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Sum);
+            if k + 1 < batches.len() {
+                let _scope = no_sync::<NdArray>(d);
+                let _ = loss.backward();
+            } else {
+                grads = Some(GradientsParams::from_grads(loss.backward(), &model));
+            }
+        }
+        let mut optim = SgdConfig::new().init::<B, Mlp>();
+        weights(&optim.step(lr, model, grads.expect("one batch at least")))
+    };
+    let outcomes = on_every_rank(&devices, |d| {
+        let r = d.rank as usize;
+        let rows: Vec<(usize, usize)> = (0..MICRO)
+            .map(|k| {
+                let start = (k * WORLD as usize + r) * ROWS_PER_RANK;
+                (start, start + ROWS_PER_RANK)
+            })
+            .collect();
+        step(init.clone().fork(d), &rows, d, true)
+    });
+    Inner::close_communication_server(&devices[0]);
+    let ranks: Vec<Vec<f32>> = outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(r, o)| o.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect();
+    for (r, w) in ranks.iter().enumerate().skip(1) {
+        let differ: Vec<usize> = (0..w.len()).filter(|i| w[*i] != ranks[0][*i]).collect();
+        assert!(
+            differ.is_empty(),
+            "rank {r} diverged from rank 0 at {} of {} weights, first {:?}",
+            differ.len(),
+            w.len(),
+            differ.first()
+        );
+    }
+    // Reference: one rank, every micro-batch of every rank in one batch, one backward.
+    let all = (0, MICRO * WORLD as usize * ROWS_PER_RANK);
+    let reference = step(init_model::<Mlp>(), &[all], &device(0), false);
+    let initial = weights(&init_model::<Mlp>());
+    // The updates (gradient times lr) are the same sums over 48 rows added in another order:
+    // equal within 1e-5 relative, plus the rounding of the f32 weights they were applied to.
+    let mut moved = 0.0f64;
+    for (i, (a, b)) in ranks[0].iter().zip(&reference).enumerate() {
+        let w0 = f64::from(initial[i]);
+        let (a, b) = (f64::from(*a), f64::from(*b));
+        let tol = 4.0 * f64::from(f32::EPSILON) * a.abs().max(b.abs()) + 1e-5 * (b - w0).abs();
+        assert!((a - b).abs() <= tol, "weight {i}: {a} vs {b} (from {w0})");
+        moved += (b - w0).abs();
+    }
+    assert!(moved > 1e-3, "training did not move the weights");
+    // Without the scope's accumulation the last backward alone would be reduced: check that
+    // this differs, so the test can tell.
+    let last_only = step(
+        init_model::<Mlp>(),
+        &[(0, WORLD as usize * ROWS_PER_RANK)],
+        &device(0),
+        false,
+    );
+    assert_ne!(last_only, reference);
+}
+
+#[test]
+fn a_gradient_accumulated_under_no_sync_that_the_synced_pass_lacks_is_named() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    start_server(
+        std::slice::from_ref(&d),
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(5),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let outcome = std::panic::catch_unwind(|| {
+        {
+            let _scope = no_sync::<NdArray>(&d);
+            let kept = hook_step(&d, &[], &[(1, vec![1.0, 2.0]), (2, vec![3.0])]);
+            // Under the scope nothing is reduced: the gradients stay this pass's own.
+            assert_eq!(kept, vec![vec![1.0, 2.0], vec![3.0]]);
+        }
+        hook_step(&d, &[], &[(2, vec![4.0])])
+    });
+    Inner::close_communication_server(&d);
+    let err = outcome.expect_err("the sync fails");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("accumulated under no_sync") && msg.contains("param.1"),
+        "{msg}"
+    );
+    assert!(!msg.contains("param.2"), "{msg}");
 }

@@ -46,6 +46,27 @@ pub struct CollectiveOptions {
     /// Check every gradient for NaN and infinity as it arrives; a bad one fails the step on
     /// every rank with an error naming the parameter (off by default: it reads every element).
     pub check_finite: bool,
+    /// What a step does about a parameter whose gradient did not arrive on some rank.
+    pub unused: UnusedParameters,
+}
+
+/// What a step does about a parameter whose gradient did not arrive on a rank: a registered
+/// parameter that received no gradient, or one that some ranks use and others do not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnusedParameters {
+    /// Fail the step on every rank with an error naming the parameters (the default: an unused
+    /// parameter is usually a bug, and ranks that disagree on the parameters cannot agree on a
+    /// plan).
+    #[default]
+    Error,
+    /// DDP's `find_unused_parameters`: a rank without a parameter's gradient contributes zeros,
+    /// so the ranks that have it still reduce it with every rank's contribution. Every step
+    /// exchanges a small manifest (the gradients the previous step's plan does not know and the
+    /// ones this rank zero-filled): every rank then runs the same plans, which stay in the
+    /// next step's plan, and a parameter zero-filled on every rank leaves it. The reduced value
+    /// of a zero-filled parameter has no gradient to go to on that rank (a Burn backend cannot
+    /// create one), so its optimizer skips it there: see [`SyncStats::zero_filled`].
+    ZeroFill,
 }
 
 impl Default for CollectiveOptions {
@@ -55,6 +76,7 @@ impl Default for CollectiveOptions {
             timeout: crate::runtime::inprocess::DEFAULT_TIMEOUT,
             trace: false,
             check_finite: false,
+            unused: UnusedParameters::Error,
         }
     }
 }
@@ -83,6 +105,15 @@ pub fn gradient_syncs_total() -> u64 {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a rank tells the others at a zero-fill sync.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    /// Gradients the expected plan does not know: name, dtype, dimensions.
+    extras: Vec<(String, String, Vec<u64>)>,
+    /// Parameters of the expected plan this rank zero-filled.
+    zero: Vec<String>,
 }
 
 /// One gradient submitted this step.
@@ -123,6 +154,16 @@ struct RankState<I: Backend> {
     /// Workspace of the plans that reduce what a diverged step left over.
     leftover_workspace: Workspace,
     user_collectives: u32,
+    /// Under zero-fill, the (name, type) list the expected plan was compiled from, in order.
+    expected_entries: Vec<(String, TensorType)>,
+    /// Inside a [`no_sync`] scope: gradients accumulate here instead of being reduced.
+    no_sync: bool,
+    /// Gradients accumulated by backward passes under [`no_sync`], added to the next synced
+    /// backward's gradient of the same parameter.
+    accumulated: HashMap<String, (TensorType, HostBuffer)>,
+    /// Zero-filled gradients (all steps), and the names zero-filled in the last step.
+    zero_filled: u64,
+    last_zero_filled: Vec<String>,
     /// Steps whose buckets launched during backward / steps that ran everything at the sync.
     eager_steps: u64,
     flushed_steps: u64,
@@ -360,25 +401,47 @@ impl<I: Backend> Session<I> {
         }
         let i = st.submitted.len();
         st.index.insert(name.clone(), i);
+        let mut buf = buf;
+        if st.no_sync {
+            // Accumulate locally; the gradient Burn holds stays this backward's own.
+            match st.accumulated.get_mut(&name) {
+                Some((t, acc)) if *t == ty => {
+                    acc.accumulate(&buf);
+                }
+                Some((t, _)) => {
+                    let t = t.clone();
+                    self.fail(
+                        rank,
+                        format!(
+                            "the gradient of {name} is {ty}, but earlier backward passes under no_sync accumulated {t}"
+                        ),
+                    )
+                }
+                None => {
+                    st.accumulated.insert(name.clone(), (ty.clone(), buf));
+                }
+            }
+            return;
+        }
+        if let Some((t, mut acc)) = st.accumulated.remove(&name) {
+            if t != ty {
+                self.fail(
+                    rank,
+                    format!(
+                        "the gradient of {name} is {ty}, but the backward passes under no_sync accumulated {t}"
+                    ),
+                );
+            }
+            // The micro-batches in order: the accumulated ones, then this one.
+            acc.accumulate(&buf);
+            buf = acc;
+        }
         // The first gradient of a step starts following the previous step's plan.
         if st.live.is_none()
             && i == 0
             && let Some(plan) = st.expected.clone()
         {
-            match Execution::new(&plan, &self.comms[rank], &mut st.workspace, self.opts()) {
-                Ok(exec) => {
-                    let n = plan.slots.len();
-                    st.live = Some(Live {
-                        exec,
-                        grads: vec![HostBuffer::default(); n],
-                        ready: vec![false; n],
-                        source: vec![None; n],
-                        diverged: false,
-                        plan,
-                    });
-                }
-                Err(e) => self.fail(rank, e.to_string()),
-            }
+            st.live = Some(self.start_live(rank, st, plan));
         }
         let mut data = Some(buf);
         if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
@@ -413,10 +476,70 @@ impl<I: Backend> Session<I> {
         });
     }
 
+    /// Starts running `plan` (the expected plan) for this step.
+    fn start_live(&self, rank: usize, st: &mut RankState<I>, plan: Arc<Plan>) -> Live {
+        match Execution::new(&plan, &self.comms[rank], &mut st.workspace, self.opts()) {
+            Ok(exec) => {
+                let n = plan.slots.len();
+                Live {
+                    exec,
+                    grads: vec![HostBuffer::default(); n],
+                    ready: vec![false; n],
+                    source: vec![None; n],
+                    diverged: false,
+                    plan,
+                }
+            }
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+    }
+
     fn sync(&self, device: &CollectiveDevice<I::Device>) {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
+        if st.no_sync {
+            // A backward pass under no_sync: its gradients were accumulated, nothing to reduce.
+            st.submitted.clear();
+            st.index.clear();
+            st.registered.clear();
+            return;
+        }
+        if !st.accumulated.is_empty() {
+            let mut names: Vec<&str> = st.accumulated.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            let msg = format!(
+                "gradients accumulated under no_sync were not submitted by the backward pass that synchronizes them: {}",
+                names.join(", ")
+            );
+            self.fail(rank, msg);
+        }
+        let reduced = if self.options.unused == UnusedParameters::ZeroFill {
+            self.reduce_zero_fill(rank, st)
+        } else {
+            self.reduce_following(rank, st)
+        };
+        // Write back in place, through the pointers Burn gave us; only now, so a failed step
+        // leaves every gradient as it was.
+        for (sub, buf) in st.submitted.iter().zip(reduced) {
+            let Some(buf) = buf else { continue };
+            // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
+            // touches the gradient meanwhile.
+            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+            let data = from_host(buf, t.shape());
+            let dev = I::float_device(&t.inner);
+            t.inner = I::float_from_data(data, &dev);
+        }
+        st.submitted.clear();
+        st.index.clear();
+        st.registered.clear();
+        SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The default sync: every registered gradient must have arrived; the step follows the
+    /// previous step's plan as far as its gradients came in that plan's order, and reduces the
+    /// rest with a plan of its own. Returns the reduced gradients by submission index.
+    fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<HostBuffer>> {
         let missing: Vec<&str> = st
             .registered
             .iter()
@@ -438,7 +561,7 @@ impl<I: Backend> Session<I> {
             self.fail(rank, msg);
         }
         if st.submitted.is_empty() {
-            return;
+            return Vec::new();
         }
         let opts = self.opts();
         let comm = &self.comms[rank];
@@ -554,21 +677,211 @@ impl<I: Backend> Session<I> {
             }
             st.expected_segment = Some(g);
         }
-        // Write back in place, through the pointers Burn gave us; only now, so a failed step
-        // leaves every gradient as it was.
-        for (sub, buf) in st.submitted.iter().zip(reduced) {
-            let Some(buf) = buf else { continue };
-            // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
-            // touches the gradient meanwhile.
-            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
-            let data = from_host(buf, t.shape());
-            let dev = I::float_device(&t.inner);
-            t.inner = I::float_from_data(data, &dev);
+        reduced
+    }
+
+    /// The zero-fill sync ([`UnusedParameters::ZeroFill`]). Every rank runs the previous step's
+    /// plan to the end, zeros standing in for gradients that did not arrive here; then the
+    /// ranks exchange manifests (gradients that plan does not know, names they zero-filled) and
+    /// all run one plan for the union of the unknown ones, zero-filling likewise. The next
+    /// step's plan, the same on every rank: this plan's entries, less those zero-filled on every
+    /// rank, then the union.
+    fn reduce_zero_fill(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<HostBuffer>> {
+        let opts = self.opts();
+        let comm = &self.comms[rank];
+        let n = st.submitted.len();
+        let mut reduced: Vec<Option<HostBuffer>> = vec![None; n];
+        let mut zero: Vec<String> = Vec::new();
+        let zeros = |ty: &TensorType, name: &str| {
+            HostBuffer::zeros(ty.dtype, ty.numel() as usize).ok_or_else(|| {
+                format!("cannot zero-fill the gradient of {name}: {ty} is not a float type")
+            })
+        };
+        if let Some(plan) = st.expected.clone() {
+            let mut live = match st.live.take() {
+                Some(l) => l,
+                None => self.start_live(rank, st, plan.clone()),
+            };
+            let launched_early = live.ready.iter().any(|r| *r);
+            for (slot, s) in plan.slots.iter().enumerate() {
+                if live.ready[slot] {
+                    continue;
+                }
+                live.grads[slot] = match st.index.get(&s.param).copied() {
+                    Some(i) if st.submitted[i].ty == s.ty => {
+                        live.source[slot] = Some(i);
+                        st.submitted[i].data.take().unwrap_or_default()
+                    }
+                    Some(i) => self.fail(
+                        rank,
+                        format!(
+                            "the gradient of {} is {}, but it was {} in the previous step",
+                            s.param, st.submitted[i].ty, s.ty
+                        ),
+                    ),
+                    None => {
+                        zero.push(s.param.clone());
+                        zeros(&s.ty, &s.param).unwrap_or_else(|e| self.fail(rank, e))
+                    }
+                };
+                live.ready[slot] = true;
+            }
+            if let Err(e) = live.exec.run(
+                &plan,
+                comm,
+                &mut live.grads,
+                &live.ready,
+                &mut NoHooks,
+                opts,
+                &mut st.workspace,
+                true,
+            ) {
+                self.fail(rank, e.to_string());
+            }
+            match live.exec.finish() {
+                Ok(report) => self.record(rank, &report),
+                Err(e) => self.fail(rank, e.to_string()),
+            }
+            if launched_early {
+                st.eager_steps += 1;
+            }
+            for (slot, buf) in live.grads.into_iter().enumerate() {
+                if let Some(i) = live.source[slot] {
+                    reduced[i] = Some(buf);
+                }
+            }
         }
-        st.submitted.clear();
-        st.index.clear();
-        st.registered.clear();
-        SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // The manifests.
+        let extras: Vec<usize> = (0..n).filter(|i| reduced[*i].is_none()).collect();
+        let manifest = Manifest {
+            extras: extras
+                .iter()
+                .map(|i| {
+                    let s = &st.submitted[*i];
+                    (
+                        s.name.clone(),
+                        s.ty.dtype.name().to_string(),
+                        s.ty.shape.to_vec(),
+                    )
+                })
+                .collect(),
+            zero: zero.clone(),
+        };
+        let bytes = serde_json::to_vec(&manifest).unwrap_or_default();
+        let all = match crate::runtime::agree::all_gather_bytes(comm, &bytes, opts.timeout) {
+            Ok(a) => a,
+            Err(e) => self.fail(rank, format!("exchanging gradient manifests: {e}")),
+        };
+        let mut union: Vec<(String, TensorType)> = Vec::new();
+        let mut owner: HashMap<String, (usize, TensorType)> = HashMap::new();
+        let mut zero_count: HashMap<String, usize> = HashMap::new();
+        for (r, bytes) in all.iter().enumerate() {
+            let Manifest {
+                extras,
+                zero: zeroed,
+            } = match serde_json::from_slice(bytes) {
+                Ok(m) => m,
+                Err(e) => self.fail(rank, format!("the gradient manifest of rank {r}: {e}")),
+            };
+            for name in zeroed {
+                *zero_count.entry(name).or_default() += 1;
+            }
+            for (name, dtype, dims) in extras {
+                let Some(dtype) = DType::from_name(&dtype) else {
+                    self.fail(
+                        rank,
+                        format!("rank {r} sent the gradient of {name} with dtype {dtype}"),
+                    );
+                };
+                let ty = TensorType::new(dtype, &dims);
+                match owner.get(&name) {
+                    Some((r0, t0)) if *t0 != ty => self.fail(
+                        rank,
+                        format!("the gradient of {name} is {t0} on rank {r0} but {ty} on rank {r}"),
+                    ),
+                    Some(_) => {}
+                    None => {
+                        owner.insert(name.clone(), (r, ty.clone()));
+                        union.push((name, ty));
+                    }
+                }
+            }
+        }
+        if !union.is_empty() {
+            let entries: Vec<(&str, &TensorType)> =
+                union.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let g = self.segment(&entries);
+            let plan = match st.cache.get_or_compile(&g, &self.options.config) {
+                Ok(p) => p,
+                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+            };
+            let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
+            let mut source = Vec::with_capacity(plan.slots.len());
+            for s in &plan.slots {
+                match st.index.get(&s.param).copied() {
+                    Some(i) if reduced[i].is_none() => {
+                        grads.push(st.submitted[i].data.take().unwrap_or_default());
+                        source.push(Some(i));
+                    }
+                    _ => {
+                        zero.push(s.param.clone());
+                        grads.push(zeros(&s.ty, &s.param).unwrap_or_else(|e| self.fail(rank, e)));
+                        source.push(None);
+                    }
+                }
+            }
+            match execute_in(
+                &plan,
+                comm,
+                &mut grads,
+                &mut NoHooks,
+                opts,
+                &mut st.leftover_workspace,
+            ) {
+                Ok(report) => self.record(rank, &report),
+                Err(e) => self.fail(rank, e.to_string()),
+            }
+            for (buf, i) in grads.into_iter().zip(source) {
+                if let Some(i) = i {
+                    reduced[i] = Some(buf);
+                }
+            }
+            st.flushed_steps += 1;
+        }
+        let unused_everywhere: Vec<&String> = zero_count
+            .iter()
+            .filter(|(_, c)| **c == self.world)
+            .map(|(n, _)| n)
+            .collect();
+        if !union.is_empty() || !unused_everywhere.is_empty() {
+            let mut entries: Vec<(String, TensorType)> = st
+                .expected_entries
+                .iter()
+                .filter(|(n, _)| !unused_everywhere.contains(&n))
+                .cloned()
+                .collect();
+            entries.extend(union);
+            if entries.is_empty() {
+                st.expected = None;
+                st.expected_segment = None;
+            } else {
+                let refs: Vec<(&str, &TensorType)> =
+                    entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                let g = self.segment(&refs);
+                match st.cache.get_or_compile(&g, &self.options.config) {
+                    Ok(p) => st.expected = Some(p),
+                    Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+                }
+                st.expected_segment = Some(g);
+            }
+            st.expected_entries = entries;
+        }
+        if !zero.is_empty() {
+            tracing::debug!(rank, params = ?zero, "zero-filled gradients of unused parameters");
+        }
+        st.zero_filled += zero.len() as u64;
+        st.last_zero_filled = zero;
+        reduced
     }
 }
 
@@ -583,6 +896,10 @@ pub struct SyncStats {
     pub flushed_steps: u64,
     /// Plans compiled.
     pub compiled: u64,
+    /// Gradients this rank zero-filled under [`UnusedParameters::ZeroFill`] (all steps). Each
+    /// is a parameter the other ranks reduced and updated while this rank, which has no
+    /// gradient for it, did not.
+    pub zero_filled: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -593,6 +910,40 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         eager_steps: st.eager_steps,
         flushed_steps: st.flushed_steps,
         compiled: st.cache.misses(),
+        zero_filled: st.zero_filled,
+    }
+}
+
+/// The parameters `rank` zero-filled in its last step (see [`UnusedParameters::ZeroFill`]).
+pub fn last_zero_filled<I: Backend>(rank: usize) -> Vec<String> {
+    let s = session::<I>("last_zero_filled");
+    s.state(rank, "last_zero_filled").last_zero_filled.clone()
+}
+
+/// A gradient-accumulation scope of one rank (see [`no_sync`]); the scope ends when it drops.
+#[must_use = "the scope ends when the guard drops"]
+pub struct NoSync<I: Backend> {
+    rank: usize,
+    session: Arc<Session<I>>,
+}
+
+/// Starts a gradient-accumulation scope on `device`'s rank, like DDP's `no_sync()`: backward
+/// passes inside it do not communicate, their gradients accumulate locally (in the order of the
+/// passes), and the first backward pass after the scope adds the accumulated gradients to its
+/// own, reduces the sums across ranks and writes them back. So a training loop runs its
+/// micro-batches under the scope, drops their gradients, and steps the optimizer with the
+/// gradients of the last micro-batch's backward, run after the scope ended; those are the
+/// reduced sums over every rank's micro-batches.
+pub fn no_sync<I: Backend>(device: &CollectiveDevice<I::Device>) -> NoSync<I> {
+    let session = session::<I>("no_sync");
+    let rank = device.rank as usize;
+    session.state(rank, "no_sync").no_sync = true;
+    NoSync { rank, session }
+}
+
+impl<I: Backend> Drop for NoSync<I> {
+    fn drop(&mut self) {
+        lock(&self.session.ranks[self.rank]).no_sync = false;
     }
 }
 
@@ -645,6 +996,11 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         workspace: Workspace::default(),
                         leftover_workspace: Workspace::default(),
                         user_collectives: 0,
+                        expected_entries: Vec::new(),
+                        no_sync: false,
+                        accumulated: HashMap::new(),
+                        zero_filled: 0,
+                        last_zero_filled: Vec::new(),
                         eager_steps: 0,
                         flushed_steps: 0,
                     })

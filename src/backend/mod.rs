@@ -32,8 +32,8 @@ use burn_std::{DType, Shape};
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
-    CollectiveOptions, SyncStats, expected_plan, gradient_syncs_total, mark_distributed,
-    sync_stats, take_trace, trace_span,
+    CollectiveOptions, NoSync, SyncStats, UnusedParameters, expected_plan, gradient_syncs_total,
+    last_zero_filled, mark_distributed, no_sync, sync_stats, take_trace, trace_span,
 };
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.

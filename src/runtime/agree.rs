@@ -16,10 +16,13 @@ use crate::graph::{DType, ReduceOp};
 /// Launch indices of the agreement's own all-reduces (far from any plan's).
 const AGREE_LEN: u32 = u32::MAX - 1_000_000;
 const AGREE_SEQ: u32 = AGREE_LEN + 1;
+/// Launch indices of [`all_gather_bytes`]'s two all-reduces.
+const GATHER_LEN: u32 = AGREE_LEN + 2;
+const GATHER_BYTES: u32 = AGREE_LEN + 3;
 
-/// Whether `d` is one of the agreement's own all-reduces.
+/// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s) own all-reduces.
 pub fn is_agreement(d: &CollectiveDesc) -> bool {
-    d.collective == AGREE_LEN || d.collective == AGREE_SEQ
+    (AGREE_LEN..=GATHER_BYTES).contains(&d.collective)
 }
 
 /// What the agreement's exchanges carry as their parameter list (for messages).
@@ -135,6 +138,37 @@ fn exchange(
         HostBuffer::F64(v) => Ok(v),
         _ => Ok(Vec::new()),
     }
+}
+
+/// Gathers a small byte string from every rank of `comm` (rank order), with the same two
+/// all-reduces as the plan agreement: the lengths, then the bytes, one per element. For
+/// metadata only (a step's parameter manifest), not for tensors.
+pub fn all_gather_bytes(
+    comm: &dyn Communicator,
+    mine: &[u8],
+    timeout: std::time::Duration,
+) -> Result<Vec<Vec<u8>>, CommError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if world <= 1 {
+        return Ok(vec![mine.to_vec()]);
+    }
+    let mut lens = vec![0.0; world];
+    lens[rank] = mine.len() as f64;
+    let lens = exchange(comm, GATHER_LEN, lens, timeout)?;
+    let width = lens.iter().fold(0.0f64, |a, b| a.max(*b)) as usize;
+    let mut all = vec![0.0; world * width];
+    for (d, b) in all[rank * width..].iter_mut().zip(mine) {
+        *d = f64::from(*b);
+    }
+    let all = exchange(comm, GATHER_BYTES, all, timeout)?;
+    Ok((0..world)
+        .map(|r| {
+            all[r * width..][..lens[r] as usize]
+                .iter()
+                .map(|x| *x as u8)
+                .collect()
+        })
+        .collect())
 }
 
 /// Exchanges `plan`'s collective sequence with every rank of `comm` and checks they are equal.

@@ -171,6 +171,29 @@ impl HostBuffer {
         Some(b)
     }
 
+    /// `self[i] += other[i]` for every element; `false` (and nothing changed) when the dtypes or
+    /// lengths differ.
+    pub fn accumulate(&mut self, other: &HostBuffer) -> bool {
+        if self.dtype() != other.dtype() || self.len() != other.len() {
+            return false;
+        }
+        fn add<E: Element>(a: &mut HostBuffer, b: &HostBuffer) {
+            if let (Some(a), Some(b)) = (E::slice_mut(a), E::slice(b)) {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x = x.add(*y);
+                }
+            }
+        }
+        match other.dtype() {
+            DType::F32 => add::<f32>(self, other),
+            DType::F64 => add::<f64>(self, other),
+            DType::F16 => add::<f16>(self, other),
+            DType::BF16 => add::<bf16>(self, other),
+            DType::I32 | DType::I64 => return false,
+        }
+        true
+    }
+
     /// Its dtype.
     pub fn dtype(&self) -> DType {
         match self {
