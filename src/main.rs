@@ -179,6 +179,15 @@ enum Command {
         #[arg(long)]
         lowered: bool,
     },
+    /// Join a multi-process rendezvous from the launcher's environment (RANK, WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT; CF_RENDEZVOUS_TIMEOUT_MS) and print the 128-byte id rank 0
+    /// shared, as a real job shares NCCL's: checks that every rank reaches rank 0 before a long
+    /// job starts.
+    Rendezvous {
+        /// Give up after this many milliseconds (default: CF_RENDEZVOUS_TIMEOUT_MS, else 60000).
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+    },
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -259,6 +268,38 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             trace,
             svg,
         }),
+        Command::Rendezvous { timeout_ms } => {
+            use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous};
+            let mut cfg = RendezvousConfig::from_env(std::time::Duration::from_secs(60))?;
+            if let Some(ms) = timeout_ms {
+                cfg.timeout = std::time::Duration::from_millis(ms);
+            }
+            let t0 = std::time::Instant::now();
+            let id = rendezvous(&cfg, || {
+                // A random id, as ncclGetUniqueId makes one (the CPU check has no NCCL).
+                let seed = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0)
+                    ^ u64::from(std::process::id()) << 32;
+                let mut rng = collective_fusion::runtime::synthetic::SplitMix64(seed);
+                (0..16).flat_map(|_| rng.next_u64().to_le_bytes()).collect()
+            })?;
+            let hex: String = id.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            let digest = id.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+            });
+            println!(
+                "rank {} of {}: joined {}:{} in {} ms; id {hex}… ({} bytes, fnv {digest:016x})",
+                cfg.rank,
+                cfg.world,
+                cfg.addr,
+                cfg.port,
+                t0.elapsed().as_millis(),
+                id.len()
+            );
+            Ok(())
+        }
         Command::Plan {
             model,
             policy,

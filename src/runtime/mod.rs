@@ -10,6 +10,7 @@
 //! - [`exec`]: runs a plan on a rank (compute stream here, comm stream on the communicator).
 //! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
 //! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
+//! - [`rendezvous`]: multi-process start-up: rank 0 shares bytes (the NCCL id) over TCP.
 
 pub mod agree;
 pub mod buffer;
@@ -20,6 +21,7 @@ pub mod exec;
 pub mod host;
 pub mod inprocess;
 pub mod recording;
+pub mod rendezvous;
 pub mod synthetic;
 
 pub use buffer::{Element, HostBuffer};

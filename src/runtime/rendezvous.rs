@@ -1,0 +1,426 @@
+//! Multi-process rendezvous: rank 0 shares a few bytes (NCCL's 128-byte unique id) with every
+//! other rank over TCP, at the address the usual environment names (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun and most launchers set them).
+//!
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT` and waits until every other rank has said hello
+//! (its rank and the world size it was started with), then answers each with the payload. A
+//! peer retries its connection until rank 0 is up. Everything is bounded by one deadline: a rank
+//! that never shows up is an error on rank 0 naming it, and rank 0 tells the ranks that did
+//! show up, so they fail with the same error rather than wait; a rank 0 that never shows up is
+//! an error on each peer naming the address it tried. Hellos are checked: a wrong world size,
+//! a rank out of range or a rank started twice fail the rendezvous with their own error.
+//!
+//! Wire format (little endian): hello = `b"CFRV"`, version `u8`, rank `u32`, world `u32`;
+//! answer = status `u8` (0: ok, 1: error), length `u32`, that many bytes (payload, or message).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 4] = b"CFRV";
+const VERSION: u8 = 1;
+/// Largest payload accepted (a guard against a stray connection's garbage).
+const MAX_PAYLOAD: u32 = 1 << 20;
+
+/// Where and as whom this process joins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RendezvousConfig {
+    /// This process's rank.
+    pub rank: usize,
+    /// Ranks in all.
+    pub world: usize,
+    /// Rank on this node (which GPU to use).
+    pub local_rank: usize,
+    /// Rank 0's host.
+    pub addr: String,
+    /// Rank 0's port.
+    pub port: u16,
+    /// Bound on the whole rendezvous.
+    pub timeout: Duration,
+}
+
+/// Why a rendezvous failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RendezvousError {
+    /// An environment variable is missing or malformed.
+    #[error("rendezvous: environment variable {var} {why}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The configuration contradicts itself.
+    #[error("rendezvous: {0}")]
+    Config(String),
+    /// Rank 0 waited for ranks that never said hello.
+    #[error(
+        "rendezvous: rank(s) {missing:?} of {world} never joined at {addr} within {waited:?} (joined: {joined:?})"
+    )]
+    Missing {
+        /// Ranks that did not join.
+        missing: Vec<usize>,
+        /// Ranks that did, rank 0 included.
+        joined: Vec<usize>,
+        /// World size.
+        world: usize,
+        /// Rank 0's address.
+        addr: String,
+        /// How long rank 0 waited.
+        waited: Duration,
+    },
+    /// A peer could not reach rank 0.
+    #[error("rendezvous: rank {rank} could not reach rank 0 at {addr} within {waited:?}: {last}")]
+    Unreachable {
+        /// This rank.
+        rank: usize,
+        /// Rank 0's address.
+        addr: String,
+        /// How long it tried.
+        waited: Duration,
+        /// The last connection error.
+        last: String,
+    },
+    /// A hello or an answer was not what the protocol says.
+    #[error("rendezvous: {0}")]
+    Protocol(String),
+    /// Rank 0 refused the rendezvous and said why (the ranks that joined all see this).
+    #[error("rendezvous: rank 0 reports: {0}")]
+    Remote(String),
+    /// An I/O error other than the ones above.
+    #[error("rendezvous: {what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+fn env_var(var: &'static str) -> Result<String, RendezvousError> {
+    std::env::var(var).map_err(|_| RendezvousError::Env {
+        var,
+        why: "is not set".into(),
+    })
+}
+
+fn env_num<T: std::str::FromStr>(var: &'static str) -> Result<T, RendezvousError> {
+    let v = env_var(var)?;
+    v.trim().parse().map_err(|_| RendezvousError::Env {
+        var,
+        why: format!("is {v:?}, not a number of the expected range"),
+    })
+}
+
+impl RendezvousConfig {
+    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` (default: the
+    /// rank); the timeout is `CF_RENDEZVOUS_TIMEOUT_MS` or `default_timeout`.
+    pub fn from_env(default_timeout: Duration) -> Result<Self, RendezvousError> {
+        let rank: usize = env_num("RANK")?;
+        let local_rank = match std::env::var("LOCAL_RANK") {
+            Ok(_) => env_num("LOCAL_RANK")?,
+            Err(_) => rank,
+        };
+        let timeout = match std::env::var("CF_RENDEZVOUS_TIMEOUT_MS") {
+            Ok(_) => Duration::from_millis(env_num("CF_RENDEZVOUS_TIMEOUT_MS")?),
+            Err(_) => default_timeout,
+        };
+        let cfg = RendezvousConfig {
+            rank,
+            world: env_num("WORLD_SIZE")?,
+            local_rank,
+            addr: env_var("MASTER_ADDR")?,
+            port: env_num("MASTER_PORT")?,
+            timeout,
+        };
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> Result<(), RendezvousError> {
+        if self.world == 0 || self.rank >= self.world {
+            return Err(RendezvousError::Config(format!(
+                "rank {} is not in a world of {} rank(s)",
+                self.rank, self.world
+            )));
+        }
+        Ok(())
+    }
+
+    fn target(&self) -> String {
+        format!("{}:{}", self.addr, self.port)
+    }
+
+    fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
+        let addrs: Vec<SocketAddr> = self
+            .target()
+            .to_socket_addrs()
+            .map_err(|e| RendezvousError::Io {
+                what: format!("resolving MASTER_ADDR {}", self.target()),
+                source: e,
+            })?
+            .collect();
+        if addrs.is_empty() {
+            return Err(RendezvousError::Config(format!(
+                "MASTER_ADDR {} resolves to no address",
+                self.target()
+            )));
+        }
+        Ok(addrs)
+    }
+}
+
+/// Joins the rendezvous `cfg` describes. Rank 0 calls `payload` once and shares its bytes;
+/// every rank returns them.
+pub fn rendezvous(
+    cfg: &RendezvousConfig,
+    payload: impl FnOnce() -> Vec<u8>,
+) -> Result<Vec<u8>, RendezvousError> {
+    cfg.check()?;
+    if cfg.rank == 0 {
+        serve(cfg, payload())
+    } else {
+        join(cfg)
+    }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError {
+    let what = what.into();
+    move |source| RendezvousError::Io { what, source }
+}
+
+fn answer(stream: &mut TcpStream, ok: bool, bytes: &[u8]) -> std::io::Result<()> {
+    let mut msg = Vec::with_capacity(5 + bytes.len());
+    msg.push(u8::from(!ok));
+    msg.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    msg.extend_from_slice(bytes);
+    stream.write_all(&msg)?;
+    stream.flush()
+}
+
+/// Rank 0: accept every peer's hello, then answer all.
+fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, RendezvousError> {
+    let start = Instant::now();
+    let deadline = start + cfg.timeout;
+    let addrs = cfg.resolve()?;
+    let listener = TcpListener::bind(&addrs[..]).map_err(io(format!(
+        "rank 0 listening on {} (MASTER_ADDR:MASTER_PORT)",
+        cfg.target()
+    )))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(io("configuring the listener"))?;
+    let mut peers: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
+    let mut joined = 1;
+    let fail_all = |peers: &mut Vec<Option<TcpStream>>, err: RendezvousError| {
+        let msg = err.to_string();
+        for s in peers.iter_mut().flatten() {
+            let _ = answer(s, false, msg.as_bytes());
+        }
+        Err(err)
+    };
+    while joined < cfg.world {
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<usize> = (1..cfg.world).filter(|r| peers[*r].is_none()).collect();
+            let joined = (0..cfg.world)
+                .filter(|r| *r == 0 || peers[*r].is_some())
+                .collect();
+            let err = RendezvousError::Missing {
+                missing,
+                joined,
+                world: cfg.world,
+                addr: cfg.target(),
+                waited: now - start,
+            };
+            return fail_all(&mut peers, err);
+        }
+        let mut stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return fail_all(&mut peers, io("accepting a peer")(e)),
+        };
+        let hello = stream
+            .set_nonblocking(false)
+            .and_then(|_| stream.set_read_timeout(Some(deadline.saturating_duration_since(now))))
+            .and_then(|_| {
+                let mut h = [0u8; 13];
+                stream.read_exact(&mut h).map(|_| h)
+            });
+        let Ok(h) = hello else {
+            // A stray or dead connection: not a rank; keep waiting for the real ones.
+            continue;
+        };
+        if &h[..4] != MAGIC || h[4] != VERSION {
+            let _ = answer(
+                &mut stream,
+                false,
+                b"not a collective-fusion rendezvous hello",
+            );
+            continue;
+        }
+        let rank = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as usize;
+        let world = u32::from_le_bytes([h[9], h[10], h[11], h[12]]) as usize;
+        let bad = if world != cfg.world {
+            Some(format!(
+                "rank {rank} was started with WORLD_SIZE={world}, rank 0 with WORLD_SIZE={}",
+                cfg.world
+            ))
+        } else if rank == 0 || rank >= cfg.world {
+            Some(format!(
+                "a peer says it is rank {rank}, which is not a peer rank of a world of {}",
+                cfg.world
+            ))
+        } else if peers[rank].is_some() {
+            Some(format!(
+                "rank {rank} joined twice (two processes with RANK={rank})"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = bad {
+            let _ = answer(&mut stream, false, why.as_bytes());
+            return fail_all(&mut peers, RendezvousError::Protocol(why));
+        }
+        peers[rank] = Some(stream);
+        joined += 1;
+    }
+    for (r, s) in peers.iter_mut().enumerate() {
+        if let Some(s) = s {
+            answer(s, true, &payload).map_err(io(format!("answering rank {r}")))?;
+        }
+    }
+    Ok(payload)
+}
+
+/// A peer: connect (retrying until rank 0 listens), say hello, read the answer.
+fn join(cfg: &RendezvousConfig) -> Result<Vec<u8>, RendezvousError> {
+    let start = Instant::now();
+    let deadline = start + cfg.timeout;
+    let addrs = cfg.resolve()?;
+    let mut last = String::from("no attempt");
+    let mut stream = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(RendezvousError::Unreachable {
+                rank: cfg.rank,
+                addr: cfg.target(),
+                waited: start.elapsed(),
+                last,
+            });
+        }
+        match TcpStream::connect_timeout(&addrs[0], left.min(Duration::from_secs(1))) {
+            Ok(s) => break s,
+            Err(e) => {
+                last = e.to_string();
+                std::thread::sleep(Duration::from_millis(20).min(left));
+            }
+        }
+    };
+    let mut hello = Vec::with_capacity(13);
+    hello.extend_from_slice(MAGIC);
+    hello.push(VERSION);
+    hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
+    hello.extend_from_slice(&(cfg.world as u32).to_le_bytes());
+    stream
+        .write_all(&hello)
+        .map_err(io(format!("rank {} saying hello to rank 0", cfg.rank)))?;
+    // Rank 0 answers once every rank joined, or when its deadline passed; allow it a moment
+    // past ours to say which.
+    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+    stream
+        .set_read_timeout(Some(left))
+        .map_err(io("configuring the connection"))?;
+    let mut head = [0u8; 5];
+    stream.read_exact(&mut head).map_err(|e| match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => RendezvousError::Protocol(format!(
+            "rank {} joined rank 0 at {} but got no answer within {:?}",
+            cfg.rank,
+            cfg.target(),
+            start.elapsed()
+        )),
+        _ => io(format!("rank {} reading rank 0's answer", cfg.rank))(e),
+    })?;
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]);
+    if len > MAX_PAYLOAD {
+        return Err(RendezvousError::Protocol(format!(
+            "rank 0 announced {len} bytes, more than {MAX_PAYLOAD}"
+        )));
+    }
+    let mut body = vec![0u8; len as usize];
+    stream
+        .read_exact(&mut body)
+        .map_err(io(format!("rank {} reading rank 0's answer", cfg.rank)))?;
+    match head[0] {
+        0 => Ok(body),
+        _ => Err(RendezvousError::Remote(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or(29500)
+    }
+
+    fn cfg(rank: usize, world: usize, port: u16, ms: u64) -> RendezvousConfig {
+        RendezvousConfig {
+            rank,
+            world,
+            local_rank: rank,
+            addr: "127.0.0.1".into(),
+            port,
+            timeout: Duration::from_millis(ms),
+        }
+    }
+
+    #[test]
+    fn threads_share_rank_zeros_bytes() {
+        let port = free_port();
+        let out: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|r| s.spawn(move || rendezvous(&cfg(r, 4, port, 10_000), || vec![7u8; 128])))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for o in out {
+            assert_eq!(o.unwrap(), vec![7u8; 128]);
+        }
+    }
+
+    #[test]
+    fn a_wrong_world_size_fails_both_sides() {
+        let port = free_port();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(move || rendezvous(&cfg(0, 2, port, 5_000), || vec![1]));
+            let b = s.spawn(move || rendezvous(&cfg(1, 3, port, 5_000), Vec::new));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let a = a.unwrap_err().to_string();
+        let b = b.unwrap_err().to_string();
+        assert!(
+            a.contains("WORLD_SIZE=3") && a.contains("WORLD_SIZE=2"),
+            "{a}"
+        );
+        assert!(b.contains("WORLD_SIZE=3"), "{b}");
+    }
+
+    #[test]
+    fn a_rank_outside_the_world_is_refused_before_connecting() {
+        let e = rendezvous(&cfg(3, 2, 1, 100), Vec::new).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 3 is not in a world of 2"),
+            "{e}"
+        );
+    }
+}
