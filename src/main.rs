@@ -276,7 +276,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             let t0 = std::time::Instant::now();
             let id = rendezvous(&cfg, || {
-                // A random id, as ncclGetUniqueId makes one (the CPU check has no NCCL).
+                // NCCL's own id where NCCL is there; else a random one of the same size.
+                #[cfg(feature = "cuda")]
+                if let Ok(id) = collective_fusion::runtime::nccl::unique_id() {
+                    return id;
+                }
                 let seed = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_nanos() as u64)

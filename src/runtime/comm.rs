@@ -62,7 +62,14 @@ impl fmt::Display for CollectiveDesc {
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum CommError {
     /// Not every rank arrived within the timeout.
-    #[error("rank {rank}: {what} timed out after {waited:?}; ranks {missing:?} never arrived")]
+    #[error(
+        "rank {rank}: {what} timed out after {waited:?}; {}",
+        if missing.is_empty() {
+            "the transport does not say which rank is late".to_string()
+        } else {
+            format!("ranks {missing:?} never arrived")
+        }
+    )]
     Timeout {
         /// The rank reporting.
         rank: usize,

@@ -10,6 +10,7 @@
 //! - [`exec`]: runs a plan on a rank (compute stream here, comm stream on the communicator).
 //! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
 //! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
+//! - `nccl` (feature `cuda`): the NCCL communicator, libraries loaded at run time.
 //! - [`rendezvous`]: multi-process start-up: rank 0 shares bytes (the NCCL id) over TCP.
 
 pub mod agree;
@@ -20,6 +21,8 @@ pub mod cube;
 pub mod exec;
 pub mod host;
 pub mod inprocess;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod recording;
 pub mod rendezvous;
 pub mod synthetic;
