@@ -746,3 +746,145 @@ fn a_gradient_accumulated_under_no_sync_that_the_synced_pass_lacks_is_named() {
     );
     assert!(!msg.contains("param.2"), "{msg}");
 }
+
+/// [`hook_step`] that survives the step failing: the step's outcome, and every gradient as the
+/// caller's tensors hold it afterwards.
+fn hook_step_outcome(d: &Dev, grads: &[(u64, Vec<f32>)]) -> (Result<(), String>, Vec<Vec<f32>>) {
+    use burn_backend::distributed::{DistributedParamId, DistributedParams, TensorRef};
+    use burn_backend::ops::FloatTensorOps;
+    let params = |id: u64| DistributedParams {
+        param_id: DistributedParamId::from(id),
+    };
+    let mut tensors: Vec<_> = grads
+        .iter()
+        .map(|(_, v)| Inner::float_from_data(TensorData::new(v.clone(), [v.len()]), d))
+        .collect();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for ((id, _), t) in grads.iter().zip(tensors.iter_mut()) {
+            Inner::submit_gradient_sync(TensorRef(t), params(*id));
+        }
+        Inner::submit_sync_collective(d);
+    }))
+    .map_err(|p| {
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default()
+    });
+    let values = tensors
+        .into_iter()
+        .map(|t| {
+            let data = cubecl::future::block_on(Inner::float_into_data(t)).unwrap();
+            data.to_vec::<f32>().unwrap()
+        })
+        .collect();
+    (outcome, values)
+}
+
+#[test]
+fn a_step_that_fails_after_some_buckets_were_reduced_leaves_every_gradient_as_it_was() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..2).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            config: CompileConfig {
+                bucket: BucketConfig {
+                    policy: BucketPolicy::PerParam,
+                    cap_bytes: 1024,
+                    first_bucket_bytes: 256,
+                },
+                ..CompileConfig::default()
+            },
+            timeout: std::time::Duration::from_secs(10),
+            check_finite: true,
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let t0 = std::time::Instant::now();
+    let outcomes = on_every_rank(&devices, |d| {
+        let r = d.rank as f32;
+        let good = vec![(1, vec![1.0 + r; 4]), (2, vec![10.0 + r; 4])];
+        // Step 1 compiles the plan; step 2 follows it, reducing parameter 1 during "backward"
+        // before rank 1's parameter 2 turns out to be NaN.
+        let (first, _) = hook_step_outcome(d, &good);
+        first.expect("the first step succeeds");
+        let mut second = good.clone();
+        if d.rank == 1 {
+            second[1].1[2] = f32::NAN;
+        }
+        hook_step_outcome(d, &second)
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(5),
+        "took {waited:?}"
+    );
+    let (outcome0, values0) = outcomes[0].as_ref().expect("rank 0 returns");
+    let msg = outcome0.as_ref().expect_err("rank 0 fails too");
+    assert!(msg.contains("aborted") && msg.contains("param.2"), "{msg}");
+    // Parameter 1's all-reduce was launched during "backward" on both ranks (and usually done:
+    // 1 + 2 = 3 would show), yet nothing was written back: both hold what rank 0 submitted.
+    assert_eq!(values0, &vec![vec![1.0; 4], vec![10.0; 4]]);
+    let (outcome1, values1) = outcomes[1].as_ref().expect("rank 1 returns");
+    assert!(outcome1.is_err());
+    assert_eq!(values1[0], vec![2.0; 4]);
+}
+
+#[test]
+fn a_gradient_submitted_twice_in_a_step_is_named() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    start_server(
+        std::slice::from_ref(&d),
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(5),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let (outcome, values) = hook_step_outcome(&d, &[(7, vec![1.0]), (7, vec![2.0])]);
+    Inner::close_communication_server(&d);
+    let msg = outcome.expect_err("the step fails");
+    assert!(
+        msg.contains("the gradient of param.7 was submitted twice in one step"),
+        "{msg}"
+    );
+    assert_eq!(values, vec![vec![1.0], vec![2.0]]);
+}
+
+#[test]
+fn a_parameter_whose_shape_differs_across_ranks_fails_every_rank_before_reducing() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..2).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(10),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    let t0 = std::time::Instant::now();
+    let outcomes = on_every_rank(&devices, |d| {
+        let n = if d.rank == 0 { 4 } else { 6 };
+        hook_step_outcome(d, &[(3, vec![1.0; n])])
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(5),
+        "took {waited:?}"
+    );
+    for (r, o) in outcomes.iter().enumerate() {
+        let (outcome, values) = o.as_ref().expect("returns");
+        let msg = outcome.as_ref().expect_err("every rank fails");
+        assert!(
+            msg.contains("plans differ") && msg.contains("f32×4") && msg.contains("f32×6"),
+            "rank {r}: {msg}"
+        );
+        assert_eq!(values[0], vec![1.0; if r == 0 { 4 } else { 6 }]);
+    }
+}

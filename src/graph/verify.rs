@@ -69,6 +69,28 @@ struct Checker<'a> {
     g: &'a Graph,
     num: Vec<u32>,
     out: Vec<Violation>,
+    /// Nodes whose results reach a sync point through data edges (`None`: the graph has none).
+    live: Option<HashSet<NodeId>>,
+}
+
+/// The nodes a sync point reads, directly or through other nodes (`None` without a sync point).
+fn reaching_sync(g: &Graph) -> Option<HashSet<NodeId>> {
+    let mut stack: Vec<NodeId> = g
+        .node_ids()
+        .filter(|id| matches!(g.op(*id), Op::Sync))
+        .collect();
+    if stack.is_empty() {
+        return None;
+    }
+    let mut live: HashSet<NodeId> = stack.iter().copied().collect();
+    while let Some(n) = stack.pop() {
+        for v in g.operands(n) {
+            if live.insert(v.node) {
+                stack.push(v.node);
+            }
+        }
+    }
+    Some(live)
 }
 
 impl Checker<'_> {
@@ -95,6 +117,7 @@ pub fn verify(graph: &Graph, opts: &VerifyOptions) -> Result<(), VerifyError> {
         g: graph,
         num,
         out: Vec::new(),
+        live: reaching_sync(graph),
     };
     if let Some(n) = cyclic {
         c.report(n, "graph has a cycle through or behind this node");
@@ -447,13 +470,23 @@ fn check_dropped(c: &mut Checker<'_>, id: NodeId) {
     if !reduced {
         return;
     }
-    let used: HashSet<u32> = g.uses(id).iter().map(|u| u.2).collect();
+    // A result only counts as used when its reader reaches the sync point: a reduced gradient
+    // read only by dead compute is never written back either (and dead-code removal would
+    // leave it unread).
+    let used: HashSet<u32> = g
+        .uses(id)
+        .iter()
+        .filter(|u| c.live.as_ref().is_none_or(|l| l.contains(&u.0)))
+        .map(|u| u.2)
+        .collect();
     let n = g.node(id).results.len() as u32;
     let dropped: Vec<u32> = (0..n).filter(|r| !used.contains(r)).collect();
     if !dropped.is_empty() {
         c.report(
             id,
-            format!("reduced result(s) {dropped:?} are never used, so never written back"),
+            format!(
+                "reduced result(s) {dropped:?} never reach the sync point, so are never written back"
+            ),
         );
     }
 }
