@@ -888,3 +888,36 @@ fn a_parameter_whose_shape_differs_across_ranks_fails_every_rank_before_reducing
         assert_eq!(values[0], vec![1.0; if r == 0 { 4 } else { 6 }]);
     }
 }
+
+#[test]
+fn a_gradient_submitted_after_the_last_sync_point_is_named_when_the_server_closes() {
+    use burn_backend::distributed::{DistributedParamId, DistributedParams, TensorRef};
+    use burn_backend::ops::FloatTensorOps;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    start_server(
+        std::slice::from_ref(&d),
+        CollectiveOptions {
+            timeout: std::time::Duration::from_millis(200),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Sum,
+    );
+    hook_step(&d, &[], &[(1, vec![1.0])]);
+    let mut late = Inner::float_from_data(TensorData::new(vec![5.0f32], [1]), &d);
+    Inner::submit_gradient_sync(
+        TensorRef(&mut late),
+        DistributedParams {
+            param_id: DistributedParamId::from(9),
+        },
+    );
+    let t0 = std::time::Instant::now();
+    let err = std::panic::catch_unwind(|| Inner::close_communication_server(&d))
+        .expect_err("closing reports the lost gradient");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("after the last sync point") && msg.contains("rank 0: param.9"),
+        "{msg}"
+    );
+}

@@ -1033,6 +1033,30 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             std::thread::sleep(Duration::from_millis(1));
         }
         lock(sessions()).remove(&TypeId::of::<I>());
+        if s.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        // Gradients submitted after a rank's last sync point were never reduced: say so rather
+        // than drop them silently.
+        let late: Vec<String> = s
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(r, st)| {
+                let st = lock(st);
+                let names: Vec<&str> = st.submitted.iter().map(|x| x.name.as_str()).collect();
+                (!names.is_empty()).then(|| format!("rank {r}: {}", names.join(", ")))
+            })
+            .collect();
+        if !late.is_empty() {
+            for (r, c) in s.comms.iter().enumerate() {
+                c.abort(&format!("rank {r}: communication server closed"));
+            }
+            panic!(
+                "collective-fusion: close_communication_server: gradients were submitted after the last sync point and never reduced ({})",
+                late.join("; ")
+            );
+        }
     }
 
     fn register_sync_parameters(device: &Self::Device, params: Vec<DistributedParams>) {
