@@ -200,11 +200,24 @@ fn verifier_checks_start_done_pairing_and_unpack_types() {
     assert!(v.contains("in the type it was packed from"), "{v}");
 }
 
-/// Found by the `graph_text` fuzz target: a reduced gradient read only by a compute nobody
-/// reads was accepted, and dead-code removal then left it unread. It is lost either way, so
-/// the verifier now rejects the input.
+/// Found by the `graph_text` fuzz target (twice: with and without a sync point): a reduced
+/// gradient read only by a compute nobody reads was accepted, and dead-code removal then left
+/// it unread. It is lost either way, so the verifier now rejects the input.
 #[test]
 fn a_reduced_gradient_read_only_by_dead_compute_is_rejected() {
+    let without_sync = r#"graph "dep" {
+  group g0 size=4
+  %0 = input "loss.grad" : f32[16]
+  %1 = gradient "a" (%0) : f32[16]
+  %2 = all_reduce reduce=mean group=g0 bucket=0 (%1) : f32[16]
+  %3 = compute "uses_a" kind=elementwise flops=16 (%2) : f32[16]
+}
+"#;
+    let v = violations(without_sync, None);
+    assert!(
+        v.contains("reduced result(s) [0] are never used (or only by dead code)"),
+        "{v}"
+    );
     let text = r#"graph "dep" {
   group g0 size=4
   %0 = input "loss.grad" : f32[16]
@@ -216,7 +229,7 @@ fn a_reduced_gradient_read_only_by_dead_compute_is_rejected() {
 "#;
     let v = violations(text, None);
     assert!(
-        v.contains("reduced result(s) [0] never reach the sync point")
+        v.contains("reduced result(s) [0] are never used (or only by dead code)")
             && v.contains("%2 = all_reduce"),
         "{v}"
     );

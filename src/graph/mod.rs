@@ -292,6 +292,16 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether the node only computes its results (no communication, no effect on the step):
+    /// dead-code removal drops such a node when nobody reads it, and the verifier does not count
+    /// a read by a dead one.
+    pub fn is_pure(&self) -> bool {
+        matches!(
+            self,
+            Op::Compute { .. } | Op::Parameter { .. } | Op::Input { .. } | Op::BucketPack { .. }
+        )
+    }
+
     /// The keyword the text form uses for this op.
     pub fn keyword(&self) -> &'static str {
         match self {

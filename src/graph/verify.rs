@@ -69,28 +69,23 @@ struct Checker<'a> {
     g: &'a Graph,
     num: Vec<u32>,
     out: Vec<Violation>,
-    /// Nodes whose results reach a sync point through data edges (`None`: the graph has none).
-    live: Option<HashSet<NodeId>>,
+    /// Nodes dead-code removal keeps.
+    live: HashSet<NodeId>,
 }
 
-/// The nodes a sync point reads, directly or through other nodes (`None` without a sync point).
-fn reaching_sync(g: &Graph) -> Option<HashSet<NodeId>> {
-    let mut stack: Vec<NodeId> = g
-        .node_ids()
-        .filter(|id| matches!(g.op(*id), Op::Sync))
-        .collect();
-    if stack.is_empty() {
-        return None;
-    }
+/// The nodes dead-code removal keeps: every node that is not pure (see [`Op::is_pure`]), and
+/// everything such a node reads or waits for, directly or not.
+fn surviving(g: &Graph) -> HashSet<NodeId> {
+    let mut stack: Vec<NodeId> = g.node_ids().filter(|id| !g.op(*id).is_pure()).collect();
     let mut live: HashSet<NodeId> = stack.iter().copied().collect();
     while let Some(n) = stack.pop() {
-        for v in g.operands(n) {
-            if live.insert(v.node) {
-                stack.push(v.node);
+        for p in g.predecessors(n) {
+            if live.insert(p) {
+                stack.push(p);
             }
         }
     }
-    Some(live)
+    live
 }
 
 impl Checker<'_> {
@@ -117,7 +112,7 @@ pub fn verify(graph: &Graph, opts: &VerifyOptions) -> Result<(), VerifyError> {
         g: graph,
         num,
         out: Vec::new(),
-        live: reaching_sync(graph),
+        live: surviving(graph),
     };
     if let Some(n) = cyclic {
         c.report(n, "graph has a cycle through or behind this node");
@@ -470,13 +465,12 @@ fn check_dropped(c: &mut Checker<'_>, id: NodeId) {
     if !reduced {
         return;
     }
-    // A result only counts as used when its reader reaches the sync point: a reduced gradient
-    // read only by dead compute is never written back either (and dead-code removal would
-    // leave it unread).
+    // A result only counts as used when its reader is live: a reduced gradient read only by
+    // dead compute is never written back either (and dead-code removal would leave it unread).
     let used: HashSet<u32> = g
         .uses(id)
         .iter()
-        .filter(|u| c.live.as_ref().is_none_or(|l| l.contains(&u.0)))
+        .filter(|u| c.live.contains(&u.0))
         .map(|u| u.2)
         .collect();
     let n = g.node(id).results.len() as u32;
@@ -485,7 +479,7 @@ fn check_dropped(c: &mut Checker<'_>, id: NodeId) {
         c.report(
             id,
             format!(
-                "reduced result(s) {dropped:?} never reach the sync point, so are never written back"
+                "reduced result(s) {dropped:?} are never used (or only by dead code), so never written back"
             ),
         );
     }

@@ -18,7 +18,7 @@
 //! becomes the empty graph.
 
 use super::{Pass, PassError};
-use crate::graph::{Graph, Op};
+use crate::graph::Graph;
 
 /// The pass. See the module doc.
 pub struct Cleanup;
@@ -34,14 +34,7 @@ impl Pass for Cleanup {
         })?;
         let mut changed = false;
         for &id in order.iter().rev() {
-            let pure = matches!(
-                graph.op(id),
-                Op::Compute { .. }
-                    | Op::Parameter { .. }
-                    | Op::Input { .. }
-                    | Op::BucketPack { .. }
-            );
-            if pure && graph.successors(id).is_empty() {
+            if graph.op(id).is_pure() && graph.successors(id).is_empty() {
                 graph.remove_node(id);
                 changed = true;
             }
