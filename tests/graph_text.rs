@@ -234,3 +234,20 @@ fn a_reduced_gradient_read_only_by_dead_compute_is_rejected() {
         "{v}"
     );
 }
+
+/// Found by the `graph_text` fuzz target: the verifier indexed the first operand of an
+/// `all_reduce_done` that had none (`;` starts a comment, so the operands were commented out).
+#[test]
+fn an_all_reduce_done_without_operands_is_a_violation_not_a_panic() {
+    let text = r#"graph "b" {
+  group g0 size=4
+  %0 = input "loss.grad" : f32[8]
+  %1 = gradient "w" (%0) : f32[16]
+  %2 = all_reduce_start reduce=mean group=g0 bucket=0 (%1) : f32[16]
+  %3 = all_reduce_done; bucket=0 (%2) : f32[16]
+  %4 = sync (%2)
+}
+"#;
+    let v = violations(text, None);
+    assert!(v.contains("all_reduce_done needs at least one operand"), "{v}");
+}

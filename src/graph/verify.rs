@@ -255,13 +255,15 @@ fn check_signature(c: &mut Checker<'_>, id: NodeId) {
                 node.results.as_slice() == ins.as_slice(),
                 "all_reduce_done returns the types it reads",
             );
-            let start = ops[0].node;
-            let from_one_start = matches!(g.op(start), Op::AllReduceStart { .. })
-                && ops
-                    .iter()
-                    .enumerate()
-                    .all(|(i, v)| v.node == start && v.result == i as u32)
-                && ops.len() == g.node(start).results.len();
+            let start = ops.first().map(|v| v.node);
+            let from_one_start = start.is_some_and(|start| {
+                matches!(g.op(start), Op::AllReduceStart { .. })
+                    && ops
+                        .iter()
+                        .enumerate()
+                        .all(|(i, v)| v.node == start && v.result == i as u32)
+                    && ops.len() == g.node(start).results.len()
+            });
             want(
                 from_one_start,
                 "all_reduce_done must read every result of one all_reduce_start, in order",
