@@ -12,5 +12,6 @@ for f in tests/snapshots/*.snap; do
 done
 for t in graph_text pipeline; do
   echo "== $t, ${secs}s"
-  cargo +nightly fuzz run -s none -O "$t" -- -max_total_time="$secs" -rss_limit_mb=4096 2>&1 | tail -12
+  cargo +nightly fuzz run -s none -O "$t" -- -max_total_time="$secs" -rss_limit_mb=4096 2>&1 \
+    | grep -E "INITED|DONE|^Done|panicked|SUMMARY|Test unit written" | tail -8
 done

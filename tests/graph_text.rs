@@ -249,5 +249,8 @@ fn an_all_reduce_done_without_operands_is_a_violation_not_a_panic() {
 }
 "#;
     let v = violations(text, None);
-    assert!(v.contains("all_reduce_done needs at least one operand"), "{v}");
+    assert!(
+        v.contains("all_reduce_done needs at least one operand"),
+        "{v}"
+    );
 }

@@ -18,12 +18,16 @@
 //! - `per-param`: one bucket per gradient (Burn's behaviour today).
 //! - `ddp`: PyTorch DDP's rule. Per key, limits `[first_bucket_bytes, cap, cap, ...]`; walking in
 //!   ready order a bucket closes as soon as its size reaches the current limit.
-//! - `cost`: dynamic programming over bucket boundaries that minimises the predicted finish time of
-//!   the last all-reduce, given when each gradient becomes ready (the compute before it and the
-//!   packing of the gradients before it, under the cost model) and a serial communication stream: `f(j) = min_s max(ready(j), f(s-1)) +
-//!   allreduce(bytes(s..=j))`; ties go to fewer buckets. Its feasible buckets are those `ddp` could
-//!   form (under the cap but for the closing tensor) holding at most [`MAX_COST_BUCKET_TENSORS`]
-//!   tensors, so on realistic models it is never predicted worse than `ddp`.
+//! - `cost`: dynamic programming over bucket boundaries under the cost model. Each gradient's
+//!   ready time comes from the compute before it; a bucket of several tensors is packed on the
+//!   compute stream when its last member is ready (delaying what follows) and unpacked at the
+//!   sync point, a single tensor is reduced in place; the communication stream is serial:
+//!   `f(j) = min_s max(ready(j) + packs so far, f(s-1)) + allreduce(bytes(s..=j))`. The program
+//!   runs twice (judging a prefix by when the step would end, and by when its last all-reduce
+//!   finishes), and the policy keeps the best, by the predicted end of the step ([`step_end`]),
+//!   of those two, DDP's partition and one bucket per tensor (ties go to fewer buckets), so it is
+//!   never predicted worse than `ddp`. Its feasible buckets are those `ddp` could form (under the
+//!   cap but for the closing tensor) holding at most [`MAX_COST_BUCKET_TENSORS`] tensors.
 //!
 //! Before → after (`ddp`, first bucket 1 KiB):
 //! ```text
@@ -168,21 +172,13 @@ pub fn plan_buckets(
                 ddp_partition(&sizes, &lo, config.first_bucket_bytes, config.cap_bytes)
             }
             BucketPolicy::Cost => {
-                // Packs run on the compute stream before each launch: a tensor is ready to go
-                // once the compute before it and the packing of everything up to it are done.
-                let mut packed = 0u64;
-                let ready: Vec<f64> = cands
-                    .iter()
-                    .map(|c| {
-                        packed += c.bytes;
-                        c.ready_time + cost.copy_secs(packed)
-                    })
-                    .collect();
+                let ready: Vec<f64> = cands.iter().map(|c| c.ready_time).collect();
                 let ranks = graph.group_size(key.group).unwrap_or(1);
                 cost_partition(
                     &sizes,
                     &ready,
                     &lo,
+                    config.first_bucket_bytes,
                     config.cap_bytes,
                     |b| cost.all_reduce_secs(b, ranks),
                     |b| cost.copy_secs(b),
@@ -254,22 +250,114 @@ pub fn ddp_partition(sizes: &[u64], lo: &[usize], first: u64, cap: u64) -> Vec<R
     out
 }
 
-/// The cost policy's dynamic program (see the module doc). `ready[i]` is when tensor `i` is
-/// ready, `allreduce(bytes)` the predicted time of one all-reduce, and `tail(bytes)` the work
-/// left after the last one finishes (its unpack), which counts for the last bucket only.
+/// The cost policy (see the module doc): the best, under [`step_end`], of its dynamic program
+/// judged two ways (by when the step would end; by when the last all-reduce finishes), DDP's
+/// partition with limits `first` and `cap`, and one bucket per tensor. `ready[i]` is when tensor
+/// `i` is ready if no pack ran before it, `allreduce(bytes)` the predicted time of one
+/// all-reduce, `copy(bytes)` that of a pack or an unpack.
+#[allow(clippy::too_many_arguments)]
 pub fn cost_partition(
+    sizes: &[u64],
+    ready: &[f64],
+    lo: &[usize],
+    first: u64,
+    cap: u64,
+    allreduce: impl Fn(u64) -> f64,
+    copy: impl Fn(u64) -> f64,
+) -> Vec<Range<usize>> {
+    let candidates = [
+        dp_partition(sizes, ready, lo, cap, &allreduce, &copy, true),
+        dp_partition(sizes, ready, lo, cap, &allreduce, &copy, false),
+        ddp_partition(sizes, lo, first, cap),
+        (0..sizes.len()).map(|i| i..i + 1).collect(),
+    ];
+    let mut best: Option<(f64, usize, Vec<Range<usize>>)> = None;
+    for c in candidates {
+        let end = step_end(sizes, ready, &c, &allreduce, &copy);
+        let better = match &best {
+            None => true,
+            Some((e, n, _)) => {
+                let eps = 1e-12 + 1e-9 * e.abs();
+                end < e - eps || ((end - e).abs() <= eps && c.len() < *n)
+            }
+        };
+        if better {
+            best = Some((end, c.len(), c));
+        }
+    }
+    best.map(|b| b.2).unwrap_or_default()
+}
+
+/// When a step with buckets `parts` ends, as the schedule runs it: each bucket of several
+/// tensors is packed on the compute stream once its last member is ready (delaying everything
+/// after it) and launched on a serial communication stream; at the sync point the compute stream
+/// waits for each bucket in launch order and unpacks the packed ones.
+pub fn step_end(
+    sizes: &[u64],
+    ready: &[f64],
+    parts: &[Range<usize>],
+    allreduce: impl Fn(u64) -> f64,
+    copy: impl Fn(u64) -> f64,
+) -> f64 {
+    let mut delay = 0.0;
+    let mut link = 0.0f64;
+    let mut done: Vec<(f64, f64)> = Vec::with_capacity(parts.len());
+    for r in parts {
+        let Some(j) = r.end.checked_sub(1) else {
+            continue;
+        };
+        let bytes: u64 = sizes[r.clone()].iter().sum();
+        let unpack = if r.len() > 1 { copy(bytes) } else { 0.0 };
+        delay += unpack;
+        link = (ready[j] + delay).max(link) + allreduce(bytes);
+        done.push((link, unpack));
+    }
+    let mut t = ready.last().copied().unwrap_or(0.0) + delay;
+    for (finish, unpack) in done {
+        t = t.max(finish) + unpack;
+    }
+    t
+}
+
+/// The cost policy's dynamic program over bucket boundaries; `by_end` judges a prefix by when
+/// a step made of it would end, else by when its last all-reduce finishes.
+fn dp_partition(
     sizes: &[u64],
     ready: &[f64],
     lo: &[usize],
     cap: u64,
     allreduce: impl Fn(u64) -> f64,
-    tail: impl Fn(u64) -> f64,
+    copy: impl Fn(u64) -> f64,
+    by_end: bool,
 ) -> Vec<Range<usize>> {
+    #[derive(Clone, Copy)]
+    struct Best {
+        /// When the last all-reduce of the prefix finishes.
+        finish: f64,
+        /// Compute-stream delay the prefix's packs add.
+        delay: f64,
+        /// Compute-stream time of the prefix's unpacks (at the sync point).
+        unpacks: f64,
+        /// When a step made of this prefix would end.
+        end: f64,
+        buckets: usize,
+        /// Start of the prefix's last bucket.
+        start: usize,
+    }
     let n = sizes.len();
-    // best[j] = (finish, buckets, start of last bucket) covering 0..j.
-    let mut best: Vec<(f64, usize, usize)> = vec![(0.0, 0, 0); n + 1];
+    let mut best = vec![
+        Best {
+            finish: 0.0,
+            delay: 0.0,
+            unpacks: 0.0,
+            end: 0.0,
+            buckets: 0,
+            start: 0,
+        };
+        n + 1
+    ];
     for j in 0..n {
-        let mut cand: Option<(f64, usize, usize)> = None;
+        let mut cand: Option<Best> = None;
         let mut before_last = 0u64;
         let mut max_lo = lo[j];
         let mut s = j;
@@ -278,21 +366,38 @@ pub fn cost_partition(
                 break;
             }
             let bytes = before_last + sizes[j];
-            let (prev_finish, prev_count, _) = best[s];
-            let mut finish = ready[j].max(prev_finish) + allreduce(bytes);
-            if j + 1 == n {
-                finish += tail(bytes);
-            }
-            let count = prev_count + 1;
+            let prev = best[s];
+            let packed = s < j;
+            let copy_secs = if packed { copy(bytes) } else { 0.0 };
+            let delay = prev.delay + copy_secs;
+            let unpacks = prev.unpacks + copy_secs;
+            let finish = (ready[j] + delay).max(prev.finish) + allreduce(bytes);
+            let end = (finish + copy_secs).max(ready[j] + delay + unpacks);
+            let c = Best {
+                finish,
+                delay,
+                unpacks,
+                end,
+                buckets: prev.buckets + 1,
+                start: s,
+            };
             let better = match cand {
                 None => true,
-                Some((f, c, _)) => {
-                    let eps = 1e-12 + 1e-9 * f.abs();
-                    finish < f - eps || ((finish - f).abs() <= eps && count < c)
+                Some(b) => {
+                    let eps = 1e-12 + 1e-9 * b.end.abs();
+                    if by_end && (c.end - b.end).abs() > eps {
+                        c.end < b.end
+                    } else if (c.finish - b.finish).abs() > eps {
+                        c.finish < b.finish
+                    } else if (c.delay - b.delay).abs() > eps {
+                        c.delay < b.delay
+                    } else {
+                        c.buckets < b.buckets
+                    }
                 }
             };
             if better {
-                cand = Some((finish, count, s));
+                cand = Some(c);
             }
             if s == 0 || j - s + 1 >= MAX_COST_BUCKET_TENSORS {
                 break;
@@ -309,7 +414,7 @@ pub fn cost_partition(
     let mut out = Vec::new();
     let mut j = n;
     while j > 0 {
-        let s = best[j].2;
+        let s = best[j].start;
         out.push(s..j);
         j = s;
     }
@@ -384,6 +489,7 @@ mod tests {
             &[0.0, 0.0, 0.0],
             &[0; 3],
             100,
+            100,
             |b| 1.0 + b as f64 * 1e-3,
             |_| 0.0,
         );
@@ -398,6 +504,7 @@ mod tests {
             &[0.0, 10.0],
             &[0; 2],
             1000,
+            1000,
             |b| 0.1 + b as f64 * 0.05,
             |_| 0.0,
         );
@@ -405,8 +512,57 @@ mod tests {
     }
 
     #[test]
+    fn cost_is_never_predicted_worse_than_ddp_or_per_param() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..200 {
+            let n = (next() % 40 + 1) as usize;
+            let sizes: Vec<u64> = (0..n).map(|_| next() % 5000 + 1).collect();
+            let mut t = 0.0;
+            let ready: Vec<f64> = (0..n)
+                .map(|_| {
+                    t += (next() % 100) as f64 * 1e-3;
+                    t
+                })
+                .collect();
+            let lo = vec![0; n];
+            let ar = |b: u64| 0.02 + b as f64 * 2e-5;
+            let cp = |b: u64| b as f64 * 4e-6;
+            let cost = cost_partition(&sizes, &ready, &lo, 2000, 8000, ar, cp);
+            let end = step_end(&sizes, &ready, &cost, ar, cp);
+            for other in [
+                ddp_partition(&sizes, &lo, 2000, 8000),
+                (0..n).map(|i| i..i + 1).collect(),
+            ] {
+                assert!(end <= step_end(&sizes, &ready, &other, ar, cp) + 1e-12);
+            }
+            // A partition of 0..n in order.
+            assert_eq!(cost.first().map(|r| r.start), Some(0));
+            assert!(cost.windows(2).all(|w| w[0].end == w[1].start));
+            assert_eq!(cost.last().map(|r| r.end), Some(n));
+        }
+    }
+
+    #[test]
+    fn step_end_counts_packs_unpacks_and_the_serial_link() {
+        // Two tensors ready at 0 and 1; all-reduce 1 + bytes; copy = bytes / 10.
+        let ar = |b: u64| 1.0 + b as f64;
+        let cp = |b: u64| b as f64 / 10.0;
+        // Separately: launch at 0 (done 3), at 1 (done max(1, 3) + 3 = 6); no copies.
+        assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], ar, cp), 6.0);
+        // Together: pack 0.4 at 1, launch 1.4, done 6.4, unpack 0.4.
+        let together = step_end(&[2, 2], &[0.0, 1.0], &[0..2], ar, cp);
+        assert!((together - 6.8).abs() < 1e-12, "{together}");
+    }
+
+    #[test]
     fn cost_respects_cap_and_floors() {
-        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, |_| 1.0, |_| 0.0);
+        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, 6, |_| 1.0, |_| 0.0);
         assert!(r.iter().all(|x| x.start >= 1 || x.end <= 1), "{r:?}");
     }
 }
