@@ -556,7 +556,7 @@ mod tests {
         // Separately: launch at 0 (done 3), at 1 (done max(1, 3) + 3 = 6); no copies.
         assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], ar, cp), 6.0);
         // Together: pack 0.4 at 1, launch 1.4, done 6.4, unpack 0.4.
-        let together = step_end(&[2, 2], &[0.0, 1.0], &[0..2], ar, cp);
+        let together = step_end(&[2, 2], &[0.0, 1.0], &[Range { start: 0, end: 2 }], ar, cp);
         assert!((together - 6.8).abs() < 1e-12, "{together}");
     }
 
