@@ -1,11 +1,14 @@
-//! GPU tests: the NCCL communicator (feature `cuda`). They are compiled always and, on a machine
+//! GPU tests: the CubeCL bucket kernels on CubeCL's CUDA runtime against the host path, their
+//! bandwidth against the device's copy bandwidth, and the NCCL communicator (feature `cuda`). They are compiled always and, on a machine
 //! without a GPU, libcuda or libnccl (or without the feature), each says so on stderr and
 //! passes; `CF_REQUIRE_GPU=1` (what `scripts/gpu-check.sh` sets) turns that skip into a failure.
 
+mod common;
+
 /// Whether to run; prints why not.
 #[allow(dead_code)]
-fn gpu_or_skip(test: &str, gpus: usize) -> bool {
-    let why = gpu_missing(gpus);
+fn gpu_or_skip(test: &str, gpus: usize, nccl: bool) -> bool {
+    let why = gpu_missing(gpus, nccl);
     match why {
         None => true,
         Some(why) => {
@@ -19,14 +22,14 @@ fn gpu_or_skip(test: &str, gpus: usize) -> bool {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_missing(_gpus: usize) -> Option<String> {
+fn gpu_missing(_gpus: usize, _nccl: bool) -> Option<String> {
     Some("built without the `cuda` feature".into())
 }
 
 #[cfg(feature = "cuda")]
-fn gpu_missing(gpus: usize) -> Option<String> {
+fn gpu_missing(gpus: usize, nccl: bool) -> Option<String> {
     use collective_fusion::runtime::nccl::{device_count, nccl_available};
-    if !nccl_available() {
+    if nccl && !nccl_available() {
         return Some("libcuda or libnccl cannot be loaded".into());
     }
     let n = device_count();
@@ -36,7 +39,111 @@ fn gpu_missing(gpus: usize) -> Option<String> {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn gpu_tests_need_the_cuda_feature() {
-    gpu_or_skip("gpu tests", 1);
+    gpu_or_skip("gpu tests", 1, false);
+}
+
+#[cfg(feature = "cuda")]
+mod kernels {
+    use std::time::Instant;
+
+    use collective_fusion::codegen::layout::BucketLayout;
+    use collective_fusion::graph::DType;
+    use collective_fusion::runtime::HostBuffer;
+    use collective_fusion::runtime::cube::{self, DeviceMember};
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::*;
+
+    use super::common::cube::{check_cast, check_f32_bitwise, layout, upload};
+    use super::gpu_or_skip;
+
+    fn client() -> Option<ComputeClient<CudaRuntime>> {
+        gpu_or_skip("cubecl cuda kernels", 1, false)
+            .then(|| CudaRuntime::client(&CudaDevice::new(0)))
+    }
+
+    #[test]
+    fn pack_and_unpack_f32_on_cuda_match_the_host_path_bitwise() {
+        if let Some(c) = client() {
+            check_f32_bitwise(&c);
+        }
+    }
+
+    #[test]
+    fn casts_to_f16_and_bf16_on_cuda_are_within_their_rounding() {
+        if let Some(c) = client() {
+            check_cast(&c, DType::F16, 10);
+            check_cast(&c, DType::BF16, 7);
+        }
+    }
+
+    fn sync(c: &ComputeClient<CudaRuntime>) {
+        cubecl::future::block_on(c.sync()).expect("device sync");
+    }
+
+    /// Seconds per call of `f`, the median of `reps` timed calls after a warm-up.
+    fn time(c: &ComputeClient<CudaRuntime>, reps: usize, mut f: impl FnMut()) -> f64 {
+        f();
+        sync(c);
+        let mut t: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                sync(c);
+                t0.elapsed().as_secs_f64()
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[reps / 2]
+    }
+
+    /// Not a pass/fail test: prints the pack and unpack kernels' bandwidth against a
+    /// device-to-device copy of the same bytes (cudarc's `cuMemcpyDtoD`), measured side by side.
+    #[test]
+    fn bench_pack_bandwidth_against_the_device_copy() {
+        let Some(c) = client() else {
+            return;
+        };
+        let ctx = cudarc::driver::CudaContext::new(0).expect("CUDA context");
+        let stream = ctx.default_stream();
+        println!("bytes        members  pack GB/s  unpack GB/s  copy GB/s  pack/copy");
+        for (members, each) in [(16u64, 1u64 << 18), (64, 1 << 20), (32, 1 << 23)] {
+            let sizes = vec![each; members as usize];
+            let l: BucketLayout = layout(&sizes, DType::F32, DType::F32, Some(8));
+            let bytes = l.bytes as usize;
+            let dev: Vec<DeviceMember> = sizes
+                .iter()
+                .map(|n| upload(&c, &HostBuffer::zeros(DType::F32, *n as usize).unwrap()))
+                .collect();
+            let mut flat = None;
+            let pack = time(&c, 9, || {
+                flat = Some(cube::pack(&c, &l, &dev, Some(8)).expect("pack"));
+            });
+            let flat = flat.expect("packed");
+            let unpack = time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
+            let src = stream.alloc_zeros::<u8>(bytes).expect("alloc");
+            let mut dst = stream.alloc_zeros::<u8>(bytes).expect("alloc");
+            let mut copy_t: Vec<f64> = (0..9)
+                .map(|_| {
+                    stream.synchronize().unwrap();
+                    let t0 = Instant::now();
+                    stream.memcpy_dtod(&src, &mut dst).expect("copy");
+                    stream.synchronize().unwrap();
+                    t0.elapsed().as_secs_f64()
+                })
+                .collect();
+            copy_t.sort_by(f64::total_cmp);
+            let copy = copy_t[4];
+            // Read + write, as bandwidth tools count a copy.
+            let gbs = |t: f64| 2.0 * bytes as f64 / t / 1e9;
+            println!(
+                "{bytes:>11}  {members:>7}  {:>9.1}  {:>11.1}  {:>9.1}  {:>9.2}",
+                gbs(pack),
+                gbs(unpack),
+                gbs(copy),
+                copy / pack
+            );
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -94,7 +201,7 @@ mod nccl {
 
     #[test]
     fn a_single_rank_all_reduce_through_the_rendezvous_returns_its_input() {
-        if !gpu_or_skip("nccl single rank", 1) {
+        if !gpu_or_skip("nccl single rank", 1, true) {
             return;
         }
         let comm = single_rank();
@@ -150,7 +257,7 @@ mod nccl {
 
     #[test]
     fn a_gpt2_plan_over_nccl_equals_the_in_process_run_bitwise() {
-        if !gpu_or_skip("nccl gpt2 plan", 1) {
+        if !gpu_or_skip("nccl gpt2 plan", 1, true) {
             return;
         }
         let plan = gpt2_plan();
@@ -183,7 +290,7 @@ mod nccl {
 
     #[test]
     fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
-        if !gpu_or_skip("nccl init timeout", 1) {
+        if !gpu_or_skip("nccl init timeout", 1, true) {
             return;
         }
         let id = unique_id().unwrap();
