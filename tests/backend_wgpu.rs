@@ -1,0 +1,134 @@
+//! `Collective<B>` over one of Burn's CubeCL backends: `Autodiff<Collective<Wgpu>>` trains an MLP
+//! data-parallel on 2 ranks (threads sharing the wgpu device; Mesa's software Vulkan driver in
+//! CI) and ends where one rank trained on the concatenated batch ends.
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::{AutodiffModule, Module};
+use burn_core::tensor::Tensor;
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use burn_wgpu::{Wgpu, WgpuDevice};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, sync_stats,
+};
+use collective_fusion::train::{module_weights, synthetic_batch};
+
+type Inner = Collective<Wgpu>;
+type B = Autodiff<Inner>;
+type Dev = CollectiveDevice<WgpuDevice>;
+
+const WORLD: u32 = 2;
+const ROWS: usize = 4;
+const STEPS: usize = 3;
+const INPUTS: usize = 12;
+const OUTPUTS: usize = 3;
+
+/// Whether a wgpu adapter exists; without one, says so, unless `CF_REQUIRE_WGPU` is set (CI).
+fn adapter() -> bool {
+    use cubecl::Runtime;
+    let got = std::panic::catch_unwind(|| {
+        cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice)
+    });
+    match got {
+        Ok(_) => true,
+        Err(_) if std::env::var_os("CF_REQUIRE_WGPU").is_none() => {
+            eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1)");
+            false
+        }
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+type Mlp = Vec<Linear<B>>;
+
+fn init(d: &Dev) -> Mlp {
+    <B as burn_backend::Backend>::seed(d, 7);
+    let m: Mlp = [INPUTS, 16, OUTPUTS]
+        .windows(2)
+        .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+        .collect();
+    let _ = module_weights::<B, Mlp>(&m);
+    m
+}
+
+fn forward(m: &Mlp, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    let h = burn_core::tensor::activation::relu(m[0].forward(x));
+    m[1].forward(h)
+}
+
+fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
+    let mut optim = SgdConfig::new().init::<B, Mlp>();
+    for step in 0..STEPS {
+        if distributed {
+            m = mark_distributed::<B, Mlp>(m);
+        }
+        let (x, y) = synthetic_batch::<B>(step, rows, INPUTS, OUTPUTS, d);
+        let loss = MseLoss::new().forward(forward(&m, x), y, Reduction::Mean);
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        m = optim.step(0.05, m, grads);
+    }
+    module_weights::<B, Mlp>(&m)
+}
+
+#[test]
+fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+    if !adapter() {
+        return;
+    }
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<Wgpu>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let start = init(&devices[0]);
+    let ranks: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let m = start.clone().fork(d);
+                s.spawn(move || {
+                    let r = d.rank as usize;
+                    train(m, (r * ROWS, (r + 1) * ROWS), d, true)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = sync_stats::<Wgpu>(0);
+    Inner::close_communication_server(&devices[0]);
+    assert_eq!(
+        stats.eager_steps + stats.flushed_steps,
+        STEPS as u64,
+        "{stats:?}"
+    );
+    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    let reference = train(
+        init(&devices[0]),
+        (0, WORLD as usize * ROWS),
+        &devices[0],
+        false,
+    );
+    let initial = module_weights::<B, Mlp>(&init(&devices[0]));
+    let mut moved = 0.0f64;
+    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
+        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
+        // Two half-batch means averaged vs one mean, on a GPU backend: f32 rounding apart.
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
+            "weight {i}: {a} vs {b}"
+        );
+        moved += (b - w0).abs();
+    }
+    assert!(moved > 1e-3, "training did not move the weights");
+}
