@@ -4,7 +4,7 @@
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::module::{AutodiffModule, Module};
+use burn_core::module::Module;
 use burn_core::tensor::Tensor;
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};

@@ -306,3 +306,84 @@ mod nccl {
         assert!(t0.elapsed() < Duration::from_secs(10));
     }
 }
+
+/// `Autodiff<Collective<Cuda>>`: a short training step on the GPU, against the same step on
+/// `Autodiff<Collective<NdArray>>` (one rank each; the gradient sync runs through the compiler).
+#[cfg(feature = "cuda")]
+mod training {
+    use burn_autodiff::Autodiff;
+    use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+    use burn_core::tensor::Tensor;
+    use burn_cuda::{Cuda, CudaDevice};
+    use burn_ndarray::{NdArray, NdArrayDevice};
+    use burn_nn::loss::{MseLoss, Reduction};
+    use burn_nn::{Linear, LinearConfig};
+    use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+    use collective_fusion::backend::{Collective, CollectiveDevice, mark_distributed, sync_stats};
+    use collective_fusion::train::{module_weights, synthetic_batch};
+
+    use super::gpu_or_skip;
+
+    fn steps<I: burn_backend::Backend>(dev: I::Device, init: Vec<Vec<f32>>) -> Vec<f32> {
+        type Bk<I> = Autodiff<Collective<I>>;
+        let d = CollectiveDevice::new(dev, 0);
+        Collective::<I>::start_communication_server(
+            std::slice::from_ref(&d),
+            DistributedConfig {
+                all_reduce_op: ReduceOperation::Mean,
+            },
+        );
+        let mut m: Vec<Linear<Bk<I>>> = [32usize, 64, 8]
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&d))
+            .collect();
+        // The same starting weights on both backends.
+        for (l, w) in m.iter_mut().zip(init.chunks(2)) {
+            let (o, i) = (l.weight.dims()[1], l.weight.dims()[0]);
+            l.weight = l.weight.clone().map(|_| {
+                Tensor::from_data(burn_core::tensor::TensorData::new(w[0].clone(), [i, o]), &d)
+            });
+            if let Some(b) = &l.bias {
+                l.bias = Some(b.clone().map(|_| {
+                    Tensor::from_data(burn_core::tensor::TensorData::new(w[1].clone(), [o]), &d)
+                }));
+            }
+        }
+        let mut optim = SgdConfig::new().init::<Bk<I>, Vec<Linear<Bk<I>>>>();
+        for step in 0..3 {
+            m = mark_distributed::<Bk<I>, _>(m);
+            let (x, y) = synthetic_batch::<Bk<I>>(step, (0, 16), 32, 8, &d);
+            let h = burn_core::tensor::activation::relu(m[0].forward(x));
+            let loss = MseLoss::new().forward(m[1].forward(h), y, Reduction::Mean);
+            let grads = GradientsParams::from_grads(loss.backward(), &m);
+            m = optim.step(0.05, m, grads);
+        }
+        let stats = sync_stats::<I>(0);
+        Collective::<I>::close_communication_server(&d);
+        assert_eq!(stats.eager_steps + stats.flushed_steps, 3, "{stats:?}");
+        module_weights::<Bk<I>, _>(&m)
+    }
+
+    #[test]
+    fn a_collective_cuda_training_step_matches_ndarray() {
+        if !gpu_or_skip("Collective<Cuda> training", 1, false) {
+            return;
+        }
+        let mut rng = collective_fusion::runtime::synthetic::SplitMix64(3);
+        let mut w = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (rng.next_u64() % 2001) as f32 / 10_000.0 - 0.1)
+                .collect()
+        };
+        let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
+        let gpu = steps::<Cuda>(CudaDevice::default(), init.clone());
+        let cpu = steps::<NdArray>(NdArrayDevice::Cpu, init);
+        assert_eq!(gpu.len(), cpu.len());
+        for (i, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1e-2),
+                "weight {i}: cuda {a} vs ndarray {b}"
+            );
+        }
+    }
+}
