@@ -498,29 +498,22 @@ fn start_server(devices: &[Dev], options: CollectiveOptions, op: ReduceOperation
 }
 
 /// One step of Burn's hooks on a rank: registers `registered`, submits `(id, values)` in order,
-/// syncs, and returns the gradients as written back.
+/// syncs, and returns the gradients as written back (a failed step panics with its message).
 fn hook_step(d: &Dev, registered: &[u64], grads: &[(u64, Vec<f32>)]) -> Vec<Vec<f32>> {
-    use burn_backend::distributed::{DistributedParamId, DistributedParams, TensorRef};
-    use burn_backend::ops::FloatTensorOps;
-    let params = |id: u64| DistributedParams {
-        param_id: DistributedParamId::from(id),
-    };
-    Inner::register_sync_parameters(d, registered.iter().map(|id| params(*id)).collect());
-    let mut tensors: Vec<_> = grads
-        .iter()
-        .map(|(_, v)| Inner::float_from_data(TensorData::new(v.clone(), [v.len()]), d))
-        .collect();
-    for ((id, _), t) in grads.iter().zip(tensors.iter_mut()) {
-        Inner::submit_gradient_sync(TensorRef(t), params(*id));
+    use burn_backend::distributed::{DistributedParamId, DistributedParams};
+    Inner::register_sync_parameters(
+        d,
+        registered
+            .iter()
+            .map(|id| DistributedParams {
+                param_id: DistributedParamId::from(*id),
+            })
+            .collect(),
+    );
+    match hook_step_outcome(d, grads) {
+        (Ok(()), values) => values,
+        (Err(msg), _) => std::panic::panic_any(msg),
     }
-    Inner::submit_sync_collective(d);
-    tensors
-        .into_iter()
-        .map(|t| {
-            let data = cubecl::future::block_on(Inner::float_into_data(t)).unwrap();
-            data.to_vec::<f32>().unwrap()
-        })
-        .collect()
 }
 
 #[test]

@@ -494,6 +494,33 @@ impl<I: Backend> Session<I> {
         }
     }
 
+    /// Runs the rest of a live execution, waiting for its collectives, and records its spans;
+    /// returns the slot-indexed reduced gradients and their submission indices.
+    fn complete_live(
+        &self,
+        rank: usize,
+        mut live: Live,
+        ws: &mut Workspace,
+    ) -> (Vec<HostBuffer>, Vec<Option<usize>>) {
+        if let Err(e) = live.exec.run(
+            &live.plan,
+            &self.comms[rank],
+            &mut live.grads,
+            &live.ready,
+            &mut NoHooks,
+            self.opts(),
+            ws,
+            true,
+        ) {
+            self.fail(rank, e.to_string());
+        }
+        match live.exec.finish() {
+            Ok(report) => self.record(rank, &report),
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+        (live.grads, live.source)
+    }
+
     fn sync(&self, device: &CollectiveDevice<I::Device>) {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
@@ -572,25 +599,10 @@ impl<I: Backend> Session<I> {
                 && live.ready.iter().all(|r| *r)
                 && live.plan.slots.len() == st.submitted.len();
             if complete {
-                if let Err(e) = live.exec.run(
-                    &live.plan,
-                    comm,
-                    &mut live.grads,
-                    &live.ready,
-                    &mut NoHooks,
-                    opts,
-                    &mut st.workspace,
-                    true,
-                ) {
-                    self.fail(rank, e.to_string());
-                }
-                match live.exec.finish() {
-                    Ok(report) => self.record(rank, &report),
-                    Err(e) => self.fail(rank, e.to_string()),
-                }
+                let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
                 st.eager_steps += 1;
-                for (slot, buf) in live.grads.into_iter().enumerate() {
-                    if let Some(i) = live.source[slot] {
+                for (slot, buf) in grads.into_iter().enumerate() {
+                    if let Some(i) = source[slot] {
                         reduced[i] = Some(buf);
                     }
                 }
@@ -726,27 +738,12 @@ impl<I: Backend> Session<I> {
                 };
                 live.ready[slot] = true;
             }
-            if let Err(e) = live.exec.run(
-                &plan,
-                comm,
-                &mut live.grads,
-                &live.ready,
-                &mut NoHooks,
-                opts,
-                &mut st.workspace,
-                true,
-            ) {
-                self.fail(rank, e.to_string());
-            }
-            match live.exec.finish() {
-                Ok(report) => self.record(rank, &report),
-                Err(e) => self.fail(rank, e.to_string()),
-            }
+            let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
             if launched_early {
                 st.eager_steps += 1;
             }
-            for (slot, buf) in live.grads.into_iter().enumerate() {
-                if let Some(i) = live.source[slot] {
+            for (slot, buf) in grads.into_iter().enumerate() {
+                if let Some(i) = source[slot] {
                     reduced[i] = Some(buf);
                 }
             }
