@@ -177,7 +177,7 @@ pub struct StepTimes {
     /// Busy time of the communication stream.
     pub comm: f64,
     /// Time the compute stream waited for communication: `total - compute - copies`.
-    pub exposed_comm: f64,
+    pub waits: f64,
     /// Number of collectives launched.
     pub collectives: usize,
     /// Duration of the last collective to finish.
@@ -185,12 +185,20 @@ pub struct StepTimes {
 }
 
 impl StepTimes {
-    /// Share of communication time hidden behind compute, in percent (100 when there is none).
+    /// Exposed communication: what communication adds to the step, `total - compute`, the
+    /// compute stream's waits plus the bucket copies, which exist only for communication. It is
+    /// the quantity the lower bound bounds, so the two compare directly.
+    pub fn exposed(&self) -> f64 {
+        (self.total - self.compute).max(0.0)
+    }
+
+    /// Share of communication time hidden behind compute, in percent (100 when there is none):
+    /// `1 - waits / comm`.
     pub fn overlap_pct(&self) -> f64 {
         if self.comm <= 0.0 {
             100.0
         } else {
-            (100.0 * (1.0 - self.exposed_comm / self.comm)).clamp(0.0, 100.0)
+            (100.0 * (1.0 - self.waits / self.comm)).clamp(0.0, 100.0)
         }
     }
 }
@@ -363,6 +371,6 @@ fn simulate_inner(
         }
     }
     st.total = t_compute;
-    st.exposed_comm = (st.total - st.compute - st.copies).max(0.0);
+    st.waits = (st.total - st.compute - st.copies).max(0.0);
     Ok(st)
 }

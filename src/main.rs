@@ -445,18 +445,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             writeln!(out)?;
             writeln!(
                 out,
-                "predicted step: {:.3} ms (compute {:.3} ms, comm {:.3} ms, exposed comm {:.3} ms, overlap {:.0}%)",
+                "predicted step: {:.3} ms (compute {:.3} ms, comm {:.3} ms, exposed comm {:.3} ms, waits {:.3} ms, overlap {:.0}%)",
                 after.total * 1e3,
                 after.compute * 1e3,
                 after.comm * 1e3,
-                after.exposed_comm * 1e3,
+                after.exposed() * 1e3,
+                after.waits * 1e3,
                 after.overlap_pct()
             )?;
             writeln!(
                 out,
                 "per-parameter sync:  {:.3} ms (exposed comm {:.3} ms, {} collectives)",
                 baseline.total * 1e3,
-                baseline.exposed_comm * 1e3,
+                baseline.exposed() * 1e3,
                 baseline.collectives
             )?;
             let total: f64 = report

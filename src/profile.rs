@@ -236,46 +236,46 @@ impl fmt::Display for Comparison {
         writeln!(f)?;
         writeln!(
             f,
-            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>9} {:>13} {:>11} {:>7}",
+            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>10} {:>8} {:>11} {:>7}",
             "policy",
             "colls",
             "compute",
             "copies",
             "comm",
-            "exposed",
+            "waits",
             "overlap",
+            "exposed",
             "vs ddp",
-            "step−compute",
             "step",
             "÷bound"
         )?;
-        let ddp_exposed = self.row(BucketPolicy::Ddp).map(|r| r.times.exposed_comm);
+        let ddp_exposed = self.row(BucketPolicy::Ddp).map(|r| r.times.exposed());
         for r in &self.rows {
             let t = &r.times;
             let mark = if r.policy == self.selected { "*" } else { " " };
             let vs = match ddp_exposed {
-                Some(d) if d > 0.0 => format!("{:+.0}%", 100.0 * (t.exposed_comm / d - 1.0)),
+                Some(d) if d > 0.0 => format!("{:+.0}%", 100.0 * (t.exposed() / d - 1.0)),
                 _ => "-".to_string(),
             };
             writeln!(
                 f,
-                "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>7.0}% {:>9} {:>13} {:>11} {:>7.3}",
+                "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>7.0}% {:>10} {:>8} {:>11} {:>7.3}",
                 format!("{}{mark}", r.policy.name()),
                 r.collectives,
                 ms(t.compute),
                 ms(t.copies),
                 ms(t.comm),
-                ms(t.exposed_comm),
+                ms(t.waits),
                 t.overlap_pct(),
+                ms(t.exposed()),
                 vs,
-                ms(t.total - t.compute),
                 ms(t.total),
                 t.total / self.bound.step,
             )?;
         }
         writeln!(
             f,
-            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>9} {:>13} {:>11} {:>7.3}",
+            "{:<11} {:>6} {:>11} {:>10} {:>10} {:>10} {:>8} {:>10} {:>8} {:>11} {:>7.3}",
             "bound",
             "-",
             ms(self.bound.compute),
@@ -283,15 +283,19 @@ impl fmt::Display for Comparison {
             "-",
             "-",
             "-",
-            "-",
             ms(self.bound.exposed),
+            "-",
             ms(self.bound.step),
             1.0,
         )?;
         writeln!(f)?;
         writeln!(
             f,
-            "exposed = time the compute stream waits for communication; step−compute adds pack/unpack copies"
+            "waits = time the compute stream waits for communication; overlap = 1 − waits/comm"
+        )?;
+        writeln!(
+            f,
+            "exposed = step − compute = waits + pack/unpack copies: what communication adds to the step"
         )?;
         writeln!(
             f,
