@@ -428,3 +428,68 @@ fn zero_size_gradients_reduce_to_zero_size_gradients() {
         }
     }
 }
+
+/// Every element of every rank's result is `((x0 + x1) + x2) + …` in rank order (each term
+/// divided by the group size first for a mean), for every group size: those the communicator
+/// reduces in one fused pass (up to 8) and larger ones, every dtype, a count that is not a
+/// multiple of the reduction block and splits unevenly over the ranks.
+#[test]
+fn the_in_process_all_reduce_adds_in_rank_order_for_every_group_size() {
+    // Element `i` is read from every rank's input and output.
+    #[allow(clippy::needless_range_loop)]
+    fn check<E: Element>(world: usize, op: ReduceOp, make: fn(Vec<E>) -> HostBuffer) {
+        const COUNT: usize = 5003;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (world as u64) << 8;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            E::from_f64(((state >> 40) as f64 / (1u64 << 24) as f64 - 0.5) * 8.0)
+        };
+        let inputs: Vec<Vec<E>> = (0..world)
+            .map(|_| (0..COUNT).map(|_| next()).collect())
+            .collect();
+        let comms = InProcessGroup::ranks(world, Duration::from_secs(30));
+        let what = CollectiveDesc {
+            collective: 0,
+            bucket: Some(0),
+            op,
+            dtype: E::DTYPE,
+            count: COUNT as u64,
+            params: Vec::new(),
+        };
+        let pending: Vec<_> = comms
+            .iter()
+            .zip(&inputs)
+            .map(|(c, x)| c.all_reduce(make(x.clone()), what.clone()).unwrap())
+            .collect();
+        let outs: Vec<HostBuffer> = pending
+            .into_iter()
+            .map(|p| p.wait(Duration::from_secs(30)).unwrap().0)
+            .collect();
+        let term = |x: E| match op {
+            ReduceOp::Sum => x,
+            ReduceOp::Mean => x.scale_div(world as u32),
+        };
+        for i in 0..COUNT {
+            let want = (1..world).fold(term(inputs[0][i]), |a, r| a.add(term(inputs[r][i])));
+            for (rank, out) in outs.iter().enumerate() {
+                let got = E::slice(out).unwrap()[i];
+                assert!(
+                    got == want || (got != got && want != want),
+                    "{} ranks, {op:?}, {}: rank {rank} element {i} is {got:?}, want {want:?}",
+                    world,
+                    E::DTYPE,
+                );
+            }
+        }
+    }
+    for world in [1, 2, 3, 4, 5, 8, 9, 12] {
+        for op in [ReduceOp::Sum, ReduceOp::Mean] {
+            check::<f32>(world, op, HostBuffer::F32);
+            check::<f64>(world, op, HostBuffer::F64);
+            check::<half::f16>(world, op, HostBuffer::F16);
+            check::<half::bf16>(world, op, HostBuffer::BF16);
+        }
+    }
+}

@@ -218,12 +218,10 @@ impl Shared {
         // own chunk: no other thread reads or writes it during this collective.
         unsafe {
             match buf {
-                HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op, self.world),
-                HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op, self.world),
-                HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op, self.world),
-                HostBuffer::BF16(_) => {
-                    reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op, self.world)
-                }
+                HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op),
+                HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op),
+                HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op),
+                HostBuffer::BF16(_) => reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op),
             }
         }
 
@@ -268,18 +266,87 @@ fn with_buf_ptr(buf: &mut HostBuffer) -> RawBuf {
 /// Reduces elements `[lo, hi)` across all buffers, in rank order, and writes the result into
 /// every buffer.
 ///
+/// Groups of up to [`MAX_FUSED`] ranks take one fused pass per element (read every rank's value,
+/// add in rank order, store the sum to every rank), with the group size a constant so the loop
+/// vectorizes; it moves each byte once, twice as fast as accumulating a block and copying it out.
+/// Larger groups accumulate block by block.
+///
 /// # Safety
-/// Every pointer addresses at least `hi` elements of `E`, and no other thread accesses
-/// `[lo, hi)` of any of them during the call.
-unsafe fn reduce_chunk<E: Element>(
+/// Every pointer addresses at least `hi` elements of `E`, the pointers are distinct, and no other
+/// thread accesses `[lo, hi)` of any of them during the call.
+unsafe fn reduce_chunk<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: ReduceOp) {
+    macro_rules! fused {
+        ($($w:literal)*) => {
+            match ptrs.len() {
+                // SAFETY: the caller's contract.
+                $($w => unsafe { reduce_fused::<E, $w>(ptrs, lo, hi, op) },)*
+                // SAFETY: the caller's contract.
+                _ => unsafe { reduce_blocked::<E>(ptrs, lo, hi, op) },
+            }
+        };
+    }
+    fused!(1 2 3 4 5 6 7 8)
+}
+
+/// Largest group reduced by [`reduce_fused`].
+const MAX_FUSED: usize = 8;
+
+/// [`reduce_chunk`] for exactly `W` ranks.
+///
+/// # Safety
+/// As [`reduce_chunk`], and `ptrs.len() == W`.
+unsafe fn reduce_fused<E: Element, const W: usize>(
     ptrs: &[RawBuf],
     lo: usize,
     hi: usize,
     op: ReduceOp,
-    world: usize,
 ) {
+    debug_assert!(W <= MAX_FUSED && ptrs.len() == W);
+    let div = W as u32;
+    let mut start = lo;
+    while start < hi {
+        let n = BLOCK.min(hi - start);
+        // SAFETY: in bounds, and the W buffers are distinct and exclusively ours on this range
+        // (the caller's contract), so the W mutable slices do not alias.
+        let mut s: [&mut [E]; W] = std::array::from_fn(|r| unsafe {
+            std::slice::from_raw_parts_mut(ptrs[r].0.cast::<E>().add(start), n)
+        });
+        match op {
+            ReduceOp::Sum => {
+                for i in 0..n {
+                    let mut a = s[0][i];
+                    for x in &s[1..] {
+                        a = a.add(x[i]);
+                    }
+                    for x in s.iter_mut() {
+                        x[i] = a;
+                    }
+                }
+            }
+            ReduceOp::Mean => {
+                for i in 0..n {
+                    let mut a = s[0][i].scale_div(div);
+                    for x in &s[1..] {
+                        a = a.add(x[i].scale_div(div));
+                    }
+                    for x in s.iter_mut() {
+                        x[i] = a;
+                    }
+                }
+            }
+        }
+        start += n;
+    }
+}
+
+/// [`reduce_chunk`] for any number of ranks: a block is accumulated in rank order, then copied
+/// to every rank.
+///
+/// # Safety
+/// As [`reduce_chunk`].
+unsafe fn reduce_blocked<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: ReduceOp) {
     let mut acc = [E::ZERO; BLOCK];
-    let div = world as u32;
+    let div = ptrs.len() as u32;
     let mut start = lo;
     while start < hi {
         let n = BLOCK.min(hi - start);
