@@ -2,9 +2,11 @@
 //!
 //! Each rank has a communication thread (its stream) that runs the rank's collectives in the
 //! order they were enqueued. A collective is a rendezvous: every rank posts its buffer; once all
-//! are there, rank `r` reduces the `r`-th chunk of the elements across all ranks' buffers and
-//! writes the result into every buffer, so the work is spread over the ranks' threads and each
-//! element crosses memory about as often as in a copy. Every element is reduced in rank order
+//! are there, the ranks' threads claim chunks of the elements one at a time, reduce each chunk
+//! across all ranks' buffers in one pass and write the result into every buffer. The work is
+//! spread over whichever threads are running (more ranks than cores do not wait on the OS to
+//! schedule each rank's share), and each element is read and written once per rank. Every
+//! element is reduced in rank order
 //! (`((x0 + x1) + x2) + …`, each contribution divided by the group size first for a mean), so the
 //! result does not depend on timing, chunking or which thread reduced it.
 //!
@@ -13,6 +15,7 @@
 //! at once instead of hanging. Once every rank has arrived nothing external is awaited: the rest
 //! is memory arithmetic on buffers the ranks hold.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
@@ -27,6 +30,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Elements reduced per block (fits L1 with the accumulator).
 const BLOCK: usize = 2048;
+
+/// Elements a rank claims at a time.
+const CHUNK: usize = 16 * 1024;
 
 /// How long a rank spins before it sleeps on a barrier.
 const SPIN: Duration = Duration::from_micros(50);
@@ -58,6 +64,9 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// The next unclaimed chunk of the collective now reducing; reset when the last rank
+    /// departs, under the lock every rank takes before it claims.
+    next_chunk: AtomicUsize,
 }
 
 impl Shared {
@@ -211,17 +220,28 @@ impl Shared {
         drop(st);
 
         let count = what.count as usize;
-        let lo = count * rank / self.world;
-        let hi = count * (rank + 1) / self.world;
-        // SAFETY: every rank's buffer has `count` elements of `what.dtype` (checked above), its
-        // owner is blocked in this call until all ranks depart, and `[lo, hi)` is this rank's
-        // own chunk: no other thread reads or writes it during this collective.
-        unsafe {
-            match buf {
-                HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op),
-                HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op),
-                HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op),
-                HostBuffer::BF16(_) => reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op),
+        let chunks = count.div_ceil(CHUNK);
+        // Chunks are claimed, not assigned: whichever ranks' threads are running do the work,
+        // so a rank whose thread the OS has not scheduled yet (more ranks than cores) does not
+        // hold the others up.
+        loop {
+            let c = self.next_chunk.fetch_add(1, Ordering::Relaxed);
+            if c >= chunks {
+                break;
+            }
+            let lo = c * CHUNK;
+            let hi = count.min(lo + CHUNK);
+            // SAFETY: every rank's buffer has `count` elements of `what.dtype` (checked above),
+            // its owner is blocked in this call until all ranks depart, and chunk `c` was
+            // claimed by this thread alone: no other thread reads or writes `[lo, hi)` during
+            // this collective.
+            unsafe {
+                match buf {
+                    HostBuffer::F32(_) => reduce_chunk::<f32>(&ptrs, lo, hi, what.op),
+                    HostBuffer::F64(_) => reduce_chunk::<f64>(&ptrs, lo, hi, what.op),
+                    HostBuffer::F16(_) => reduce_chunk::<half::f16>(&ptrs, lo, hi, what.op),
+                    HostBuffer::BF16(_) => reduce_chunk::<half::bf16>(&ptrs, lo, hi, what.op),
+                }
             }
         }
 
@@ -244,6 +264,7 @@ impl Shared {
             st.finished = 0;
             st.departed = 0;
             st.posted.iter_mut().for_each(|p| *p = None);
+            self.next_chunk.store(0, Ordering::Relaxed);
             st.round += 1;
             self.cv.notify_all();
         }
@@ -406,6 +427,7 @@ impl InProcessGroup {
                 aborted: None,
             }),
             cv: Condvar::new(),
+            next_chunk: AtomicUsize::new(0),
         });
         (0..world)
             .map(|rank| {
