@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Generates src/backend/ops.rs: `Collective<I>`'s implementation of every required method of
-Burn's op traits, each unwrapping the rank-carrying tensors and devices, calling the inner
-backend `I`, and wrapping the results with the rank of the first tensor or device argument.
+Burn's op traits. An op of the `LAZY` table records a node (`lazy.rs`) with its shape and dtype
+rule and returns at once; the inner backend runs it when the value is needed. Every other op
+runs eagerly: it forces its inputs, calls the inner backend `I`, and wraps the results with the
+rank of the first tensor or device argument.
 
 Usage: scripts/gen_backend_ops.py BURN_BACKEND_SRC > src/backend/ops.rs && cargo fmt
 where BURN_BACKEND_SRC is the `src` folder of the burn-backend crate the project depends on
@@ -23,6 +25,54 @@ SPECIAL_RET = {
     "MaxPool2dBackward<B>": "wrap_max_pool2d_backward",
     "DeformConv2dBackward<B>": "wrap_deform_conv2d_backward",
 }
+
+
+def same(t):
+    return (f"{t}.shape_hint()", f"{t}.dtype_hint()")
+
+
+def bcast(a, b, dtype=True):
+    return (f"rules::broadcast({a}.shape_hint(), {b}.shape_hint())", f"{a}.dtype_hint()" if dtype else "None")
+
+
+UNARY = """recip exp log log1p sqrt abs cos sin tan cosh sinh tanh acos acosh asin asinh atan atanh
+round floor ceil trunc erf""".split()
+SCALAR = "add_scalar sub_scalar mul_scalar div_scalar remainder_scalar".split()
+BINARY = "add sub mul div remainder powf atan2".split()
+COMPARE = "equal greater greater_equal lower lower_equal".split()
+
+# op -> (shape expression, dtype expression) over the op's argument names.
+LAZY = {}
+for op in UNARY:
+    LAZY[f"float_{op}"] = same("tensor")
+for op in SCALAR:
+    LAZY[f"float_{op}"] = same("lhs")
+for op in BINARY:
+    LAZY[f"float_{op}"] = bcast("lhs", "rhs")
+for op in COMPARE:
+    LAZY[f"float_{op}"] = bcast("lhs", "rhs", dtype=False)
+    LAZY[f"float_{op}_elem"] = ("lhs.shape_hint()", "None")
+LAZY.update({
+    "float_powf_scalar_impl": same("tensor"),
+    "float_cumsum": same("tensor"),
+    "float_cumprod": same("tensor"),
+    "float_mask_fill": same("tensor"),
+    "float_mask_where": ("rules::broadcast3(tensor.shape_hint(), mask.shape_hint(), value.shape_hint())", "tensor.dtype_hint()"),
+    "float_matmul": ("rules::matmul(lhs.shape_hint(), rhs.shape_hint())", "lhs.dtype_hint()"),
+    "float_swap_dims": ("rules::swap(tensor.shape_hint(), dim1, dim2)", "tensor.dtype_hint()"),
+    "float_permute": ("rules::permute(tensor.shape_hint(), axes)", "tensor.dtype_hint()"),
+    "float_reshape": ("Some(shape.clone())", "tensor.dtype_hint()"),
+    "float_expand": ("Some(shape.clone())", "tensor.dtype_hint()"),
+    "float_sum": ("rules::scalar()", "tensor.dtype_hint()"),
+    "float_sum_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
+    "float_mean_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
+    "float_cast": ("tensor.shape_hint()", "None"),
+    "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
+    "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
+    "conv2d": ("rules::conv(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
+})
+# Borrowed arguments a recorded closure keeps as an owned copy.
+OWNED = {"&[usize]": "to_vec()"}
 
 
 def split_args(args):
@@ -60,15 +110,15 @@ def convert_arg(name, ty):
     t = ty.replace(" ", "")
     for k in TENSORS:
         if t == f"{k}<B>":
-            return f"{name}.inner", f"{name}.rank"
+            return f"{name}.into_inner()", f"{name}.rank"
         if t == f"&{k}<B>":
-            return f"&{name}.inner", f"{name}.rank"
+            return f"&{name}.inner()", f"{name}.rank"
         if t == f"Option<{k}<B>>":
-            return f"{name}.map(|t| t.inner)", None
+            return f"{name}.map(|t| t.into_inner())", None
     if t == "&Device<B>":
         return f"&{name}.inner", f"{name}.rank"
     if t == "QuantizationParametersPrimitive<B>":
-        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.inner }}", f"{name}.scales.rank"
+        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.into_inner() }}", f"{name}.scales.rank"
     if "<B>" in t:
         raise SystemExit(f"unhandled argument type {ty}")
     return name, None
@@ -110,6 +160,7 @@ def main():
         "use burn_backend::tensor::Device;",
         "",
         "use super::{Collective, CollectiveDevice, CTensor, wrap_max_pool2d_with_indices, wrap_max_pool2d_backward, wrap_deform_conv2d_backward};",
+        "use super::lazy::rules;",
         "",
     ]
     for path, trait in TRAITS:
@@ -135,13 +186,29 @@ def main():
                     raise SystemExit(f"{trait}::{name}: no rank source")
                 body.append(f"let rank = {rank};")
             inner = f"I::{name}({', '.join(call)})"
-            body.append(convert_ret(ret, inner))
+            if name in LAZY:
+                shape, dtype = LAZY.pop(name)
+                body.append(f"let node_shape = {shape};")
+                body.append(f"let node_dtype = {dtype};")
+                for a in args:
+                    n, ty = [x.strip() for x in a.split(":", 1)]
+                    t = ty.replace(" ", "")
+                    if t.startswith("&") and t not in ("&Device<B>",):
+                        if t not in OWNED:
+                            raise SystemExit(f"{trait}::{name}: cannot record argument {a}")
+                        body.append(f"let {n} = {n}.{OWNED[t]};")
+                        inner = inner.replace(f"({n})", f"(&{n})").replace(f", {n})", f", &{n})").replace(f", {n},", f", &{n},").replace(f"({n},", f"(&{n},")
+                body.append(f'CTensor::lazy(rank, "{name}", node_shape, node_dtype, move || {inner})')
+            else:
+                body.append(convert_ret(ret, inner))
             out.append(f"    fn {name}{gen}({', '.join(params)}){sig_ret} {{")
             for b in body:
                 out.append(f"        {b}")
             out.append("    }")
         out.append("}")
         out.append("")
+    if LAZY:
+        raise SystemExit(f"lazy ops not found in the traits: {sorted(LAZY)}")
     print("\n".join(out))
 
 

@@ -16,7 +16,8 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, lazy_stats,
+    mark_distributed, sync_stats,
     take_trace, trace_span,
 };
 use crate::trace::TraceSpan;
@@ -81,6 +82,8 @@ pub struct RunReport {
     pub bytes: u64,
     /// Every rank's sync statistics.
     pub stats: Vec<SyncStats>,
+    /// Every rank's lazy-recording counters over the run.
+    pub lazy: Vec<LazyStats>,
     /// The trace (empty unless `collective.trace`).
     pub trace: Vec<TraceSpan>,
     /// Whether every rank ended with the same weights.
@@ -188,6 +191,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
         .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
         .collect();
     opts.collective.clone().install::<NdArray>();
+    let lazy_before: Vec<LazyStats> = (0..opts.world).map(lazy_stats).collect();
     Inner::start_communication_server(
         &devices,
         DistributedConfig {
@@ -244,6 +248,20 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
     let stats = (0..opts.world as usize)
         .map(sync_stats::<NdArray>)
         .collect();
+    let lazy = (0..opts.world)
+        .map(|r| {
+            let (now, before) = (lazy_stats(r), lazy_before[r as usize]);
+            LazyStats {
+                recorded: now.recorded - before.recorded,
+                executed: now.executed - before.executed,
+                skipped: now.skipped - before.skipped,
+                forced_by_value: now.forced_by_value - before.forced_by_value,
+                forced_by_metadata: now.forced_by_metadata - before.forced_by_metadata,
+                forced_by_sync: now.forced_by_sync - before.forced_by_sync,
+                forced_by_bound: now.forced_by_bound - before.forced_by_bound,
+            }
+        })
+        .collect();
     let trace = take_trace::<NdArray>();
     Inner::close_communication_server(&devices[0]);
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
@@ -252,6 +270,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
         params,
         bytes: params as u64 * 4,
         stats,
+        lazy,
         trace,
         ranks_agree,
     }

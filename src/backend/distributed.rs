@@ -383,7 +383,7 @@ impl<I: Backend> Session<I> {
                 format!("the gradient of {name} was submitted twice in one step"),
             );
         }
-        let data = match cubecl::future::block_on(I::float_into_data(t.inner.clone())) {
+        let data = match cubecl::future::block_on(I::float_into_data(t.inner())) {
             Ok(d) => d,
             Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
         };
@@ -554,8 +554,8 @@ impl<I: Backend> Session<I> {
             // touches the gradient meanwhile.
             let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
             let data = from_host(buf, t.shape());
-            let dev = I::float_device(&t.inner);
-            t.inner = I::float_from_data(data, &dev);
+            let dev = I::float_device(&t.inner());
+            t.set(I::float_from_data(data, &dev));
         }
         st.submitted.clear();
         st.index.clear();
@@ -1090,7 +1090,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             );
         }
         let shape = tensor.shape();
-        let data = match cubecl::future::block_on(I::float_into_data(tensor.inner.clone())) {
+        let data = match cubecl::future::block_on(I::float_into_data(tensor.inner())) {
             Ok(d) => d,
             Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
         };
@@ -1122,7 +1122,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             Ok((b, _)) => b,
             Err(e) => s.fail(rank, e.to_string()),
         };
-        let dev = I::float_device(&tensor.inner);
+        let dev = I::float_device(&tensor.inner());
         let t = I::float_from_data(from_host(out, shape), &dev);
         CollectiveTensor::new(CTensor::new(t, tensor.rank))
     }

@@ -19,22 +19,23 @@
 
 mod api;
 mod distributed;
+mod lazy;
 mod ops;
 
 use std::fmt;
 
 use burn_backend::ops::{ActivationOps, TransactionOps};
 use burn_backend::ops::{DeformConv2dBackward, MaxPool2dBackward, MaxPool2dWithIndices};
-use burn_backend::{
-    Backend, BackendTypes, DTypeUsageSet, DeviceId, DeviceOps, QTensorPrimitive, TensorMetadata,
-};
-use burn_std::{DType, Shape};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, BackendTypes, DTypeUsageSet, DeviceId, DeviceOps, Scalar};
+use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
     CollectiveOptions, NoSync, SyncStats, UnusedParameters, expected_plan, gradient_syncs_total,
     last_zero_filled, mark_distributed, no_sync, sync_stats, take_trace, trace_span,
 };
+pub use lazy::{CTensor, LazyStats, lazy_stats};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]
@@ -91,46 +92,6 @@ impl<D: DeviceOps> burn_backend::Device for CollectiveDevice<D> {
 
 impl<D: DeviceOps> DeviceOps for CollectiveDevice<D> {}
 
-/// A tensor of `Collective<I>`: the inner backend's tensor and the rank it lives on.
-#[derive(Clone, Debug)]
-pub struct CTensor<P> {
-    /// The inner backend's tensor.
-    pub inner: P,
-    /// Its rank.
-    pub rank: u32,
-}
-
-impl<P> CTensor<P> {
-    /// Wraps `inner` on `rank`.
-    pub fn new(inner: P, rank: u32) -> Self {
-        CTensor { inner, rank }
-    }
-}
-
-impl<P: TensorMetadata> TensorMetadata for CTensor<P> {
-    fn dtype(&self) -> DType {
-        self.inner.dtype()
-    }
-    fn shape(&self) -> Shape {
-        self.inner.shape()
-    }
-}
-
-impl<P: QTensorPrimitive> QTensorPrimitive for CTensor<P> {
-    fn scheme(&self) -> &burn_backend::quantization::QuantScheme {
-        self.inner.scheme()
-    }
-    fn acc_precision(&self) -> burn_std::quantization::QuantAcc {
-        self.inner.acc_precision()
-    }
-    fn propagation(&self) -> burn_backend::quantization::QuantPropagation {
-        self.inner.propagation()
-    }
-    fn default_scheme() -> burn_backend::quantization::QuantScheme {
-        P::default_scheme()
-    }
-}
-
 impl<I: Backend> BackendTypes for Collective<I> {
     type Device = CollectiveDevice<I::Device>;
     type FloatTensorPrimitive = CTensor<I::FloatTensorPrimitive>;
@@ -152,6 +113,7 @@ impl<I: Backend> Backend for Collective<I> {
     }
 
     fn sync(device: &Self::Device) -> Result<(), burn_backend::ExecutionError> {
+        lazy::flush(device.rank);
         I::sync(&device.inner)
     }
 
@@ -168,7 +130,34 @@ impl<I: Backend> Backend for Collective<I> {
     }
 }
 
-impl<I: Backend> ActivationOps<Self> for Collective<I> {}
+/// Activations record one node that calls the inner backend's own activation (Burn's default
+/// implementations would build them from comparisons and masks).
+macro_rules! lazy_activation {
+    ($name:ident($($t:ident),+ $(; $a:ident: $aty:ty)?) shape of $first:ident) => {
+        fn $name($($t: FloatTensor<Self>,)+ $($a: $aty)?) -> FloatTensor<Self> {
+            let rank = $first.rank;
+            let shape = $first.shape_hint();
+            let dtype = $first.dtype_hint();
+            CTensor::lazy(rank, stringify!($name), shape, dtype, move || {
+                I::$name($($t.into_inner(),)+ $($a)?)
+            })
+        }
+    };
+}
+
+impl<I: Backend> ActivationOps<Self> for Collective<I> {
+    lazy_activation!(relu(tensor) shape of tensor);
+    lazy_activation!(relu_backward(output, grad) shape of output);
+    lazy_activation!(leaky_relu(tensor; negative_slope: Scalar) shape of tensor);
+    lazy_activation!(gelu(tensor) shape of tensor);
+    lazy_activation!(gelu_backward(x, grad) shape of x);
+    lazy_activation!(sigmoid(tensor) shape of tensor);
+    lazy_activation!(sigmoid_backward(output, grad) shape of output);
+    lazy_activation!(log_sigmoid(tensor) shape of tensor);
+    lazy_activation!(log_sigmoid_backward(x, grad) shape of x);
+    lazy_activation!(softmax(tensor; dim: usize) shape of tensor);
+    lazy_activation!(log_softmax(tensor; dim: usize) shape of tensor);
+}
 impl<I: Backend> TransactionOps<Self> for Collective<I> {}
 
 pub(crate) fn wrap_max_pool2d_with_indices<I: Backend>(

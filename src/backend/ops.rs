@@ -12,6 +12,7 @@ use burn_backend::tensor::*;
 use burn_backend::*;
 use burn_std::Slice;
 
+use super::lazy::rules;
 use super::{
     CTensor, Collective, CollectiveDevice, wrap_deform_conv2d_backward, wrap_max_pool2d_backward,
     wrap_max_pool2d_with_indices,
@@ -37,19 +38,19 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::float_into_data(tensor.inner)
+        I::float_into_data(tensor.into_inner())
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::float_device(&tensor.inner), rank)
+        CollectiveDevice::new(I::float_device(&tensor.inner()), rank)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_to_device(tensor.inner, &device.inner), rank)
+        CTensor::new(I::float_to_device(tensor.into_inner(), &device.inner), rank)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_into_int(tensor.inner, out_dtype), rank)
+        CTensor::new(I::float_into_int(tensor.into_inner(), out_dtype), rank)
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
@@ -57,47 +58,111 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_add(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_add", node_shape, node_dtype, move || {
+            I::float_add(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_add_scalar(lhs.inner, rhs), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_add_scalar",
+            node_shape,
+            node_dtype,
+            move || I::float_add_scalar(lhs.into_inner(), rhs),
+        )
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_sub(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_sub", node_shape, node_dtype, move || {
+            I::float_sub(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_sub_scalar(lhs.inner, rhs), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_sub_scalar",
+            node_shape,
+            node_dtype,
+            move || I::float_sub_scalar(lhs.into_inner(), rhs),
+        )
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_mul(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_mul", node_shape, node_dtype, move || {
+            I::float_mul(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_mul_scalar(lhs.inner, rhs), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_mul_scalar",
+            node_shape,
+            node_dtype,
+            move || I::float_mul_scalar(lhs.into_inner(), rhs),
+        )
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_div(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_div", node_shape, node_dtype, move || {
+            I::float_div(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_div_scalar(lhs.inner, rhs), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_div_scalar",
+            node_shape,
+            node_dtype,
+            move || I::float_div_scalar(lhs.into_inner(), rhs),
+        )
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_remainder(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_remainder", node_shape, node_dtype, move || {
+            I::float_remainder(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_remainder_scalar(lhs.inner, rhs), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_remainder_scalar",
+            node_shape,
+            node_dtype,
+            move || I::float_remainder_scalar(lhs.into_inner(), rhs),
+        )
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_matmul(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::matmul(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_matmul", node_shape, node_dtype, move || {
+            I::float_matmul(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_cross(
         lhs: FloatTensor<Self>,
@@ -105,27 +170,47 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         dim: usize,
     ) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_cross(lhs.inner, rhs.inner, dim), rank)
+        CTensor::new(
+            I::float_cross(lhs.into_inner(), rhs.into_inner(), dim),
+            rank,
+        )
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_recip(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_recip", node_shape, node_dtype, move || {
+            I::float_recip(tensor.into_inner())
+        })
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_swap_dims(tensor.inner, dim1, dim2), rank)
+        let node_shape = rules::swap(tensor.shape_hint(), dim1, dim2);
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_swap_dims", node_shape, node_dtype, move || {
+            I::float_swap_dims(tensor.into_inner(), dim1, dim2)
+        })
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_permute(tensor.inner, axes), rank)
+        let node_shape = rules::permute(tensor.shape_hint(), axes);
+        let node_dtype = tensor.dtype_hint();
+        let axes = axes.to_vec();
+        CTensor::lazy(rank, "float_permute", node_shape, node_dtype, move || {
+            I::float_permute(tensor.into_inner(), &axes)
+        })
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_flip(tensor.inner, axes), rank)
+        CTensor::new(I::float_flip(tensor.into_inner(), axes), rank)
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_reshape(tensor.inner, shape), rank)
+        let node_shape = Some(shape.clone());
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_reshape", node_shape, node_dtype, move || {
+            I::float_reshape(tensor.into_inner(), shape)
+        })
     }
     fn float_gather(
         dim: usize,
@@ -133,7 +218,10 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_gather(dim, tensor.inner, indices.inner), rank)
+        CTensor::new(
+            I::float_gather(dim, tensor.into_inner(), indices.into_inner()),
+            rank,
+        )
     }
     fn float_scatter_add(
         dim: usize,
@@ -143,7 +231,12 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_scatter_add(dim, tensor.inner, indices.inner, value.inner),
+            I::float_scatter_add(
+                dim,
+                tensor.into_inner(),
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
@@ -153,7 +246,10 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_select(tensor.inner, dim, indices.inner), rank)
+        CTensor::new(
+            I::float_select(tensor.into_inner(), dim, indices.into_inner()),
+            rank,
+        )
     }
     fn float_select_add(
         tensor: FloatTensor<Self>,
@@ -163,13 +259,18 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_select_add(tensor.inner, dim, indices.inner, value.inner),
+            I::float_select_add(
+                tensor.into_inner(),
+                dim,
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_slice(tensor.inner, slices), rank)
+        CTensor::new(I::float_slice(tensor.into_inner(), slices), rank)
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,
@@ -178,7 +279,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_slice_assign(tensor.inner, slices, value.inner),
+            I::float_slice_assign(tensor.into_inner(), slices, value.into_inner()),
             rank,
         )
     }
@@ -188,9 +289,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_mask_where(tensor.inner, mask.inner, value.inner),
+        let node_shape =
+            rules::broadcast3(tensor.shape_hint(), mask.shape_hint(), value.shape_hint());
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(
             rank,
+            "float_mask_where",
+            node_shape,
+            node_dtype,
+            move || I::float_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
         )
     }
     fn float_mask_fill(
@@ -199,7 +306,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_mask_fill(tensor.inner, mask.inner, value), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_mask_fill", node_shape, node_dtype, move || {
+            I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value)
+        })
     }
     fn float_equal(
         lhs: FloatTensor<Self>,
@@ -207,7 +318,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_equal(lhs.inner, rhs.inner, out_dtype), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_equal", node_shape, node_dtype, move || {
+            I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype)
+        })
     }
     fn float_equal_elem(
         lhs: FloatTensor<Self>,
@@ -215,7 +330,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_equal_elem",
+            node_shape,
+            node_dtype,
+            move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype),
+        )
     }
     fn float_greater(
         lhs: FloatTensor<Self>,
@@ -223,7 +346,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_greater(lhs.inner, rhs.inner, out_dtype), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_greater", node_shape, node_dtype, move || {
+            I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype)
+        })
     }
     fn float_greater_elem(
         lhs: FloatTensor<Self>,
@@ -231,7 +358,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_greater_elem(lhs.inner, rhs, out_dtype), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_greater_elem",
+            node_shape,
+            node_dtype,
+            move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype),
+        )
     }
     fn float_greater_equal(
         lhs: FloatTensor<Self>,
@@ -239,9 +374,14 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::float_greater_equal(lhs.inner, rhs.inner, out_dtype),
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = None;
+        CTensor::lazy(
             rank,
+            "float_greater_equal",
+            node_shape,
+            node_dtype,
+            move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
     fn float_greater_equal_elem(
@@ -250,7 +390,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_greater_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_greater_equal_elem",
+            node_shape,
+            node_dtype,
+            move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype),
+        )
     }
     fn float_lower(
         lhs: FloatTensor<Self>,
@@ -258,7 +406,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_lower(lhs.inner, rhs.inner, out_dtype), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_lower", node_shape, node_dtype, move || {
+            I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype)
+        })
     }
     fn float_lower_elem(
         lhs: FloatTensor<Self>,
@@ -266,7 +418,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_lower_elem(lhs.inner, rhs, out_dtype), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_lower_elem",
+            node_shape,
+            node_dtype,
+            move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype),
+        )
     }
     fn float_lower_equal(
         lhs: FloatTensor<Self>,
@@ -274,7 +434,15 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_lower_equal(lhs.inner, rhs.inner, out_dtype), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_lower_equal",
+            node_shape,
+            node_dtype,
+            move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+        )
     }
     fn float_lower_equal_elem(
         lhs: FloatTensor<Self>,
@@ -282,143 +450,283 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_lower_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        let node_shape = lhs.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(
+            rank,
+            "float_lower_equal_elem",
+            node_shape,
+            node_dtype,
+            move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype),
+        )
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_sum(tensor.inner), rank)
+        let node_shape = rules::scalar();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_sum", node_shape, node_dtype, move || {
+            I::float_sum(tensor.into_inner())
+        })
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_sum_dim(tensor.inner, dim), rank)
+        let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_sum_dim", node_shape, node_dtype, move || {
+            I::float_sum_dim(tensor.into_inner(), dim)
+        })
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_mean_dim(tensor.inner, dim), rank)
+        let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_mean_dim", node_shape, node_dtype, move || {
+            I::float_mean_dim(tensor.into_inner(), dim)
+        })
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cumsum(tensor.inner, dim), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_cumsum", node_shape, node_dtype, move || {
+            I::float_cumsum(tensor.into_inner(), dim)
+        })
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cumprod(tensor.inner, dim), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_cumprod", node_shape, node_dtype, move || {
+            I::float_cumprod(tensor.into_inner(), dim)
+        })
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cummin(tensor.inner, dim), rank)
+        CTensor::new(I::float_cummin(tensor.into_inner(), dim), rank)
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cummax(tensor.inner, dim), rank)
+        CTensor::new(I::float_cummax(tensor.into_inner(), dim), rank)
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cast(tensor.inner, dtype), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_cast", node_shape, node_dtype, move || {
+            I::float_cast(tensor.into_inner(), dtype)
+        })
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_exp(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_exp", node_shape, node_dtype, move || {
+            I::float_exp(tensor.into_inner())
+        })
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_log(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_log", node_shape, node_dtype, move || {
+            I::float_log(tensor.into_inner())
+        })
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_log1p(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_log1p", node_shape, node_dtype, move || {
+            I::float_log1p(tensor.into_inner())
+        })
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_powf(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_powf", node_shape, node_dtype, move || {
+            I::float_powf(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_powf_scalar_impl(tensor.inner, value), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(
+            rank,
+            "float_powf_scalar_impl",
+            node_shape,
+            node_dtype,
+            move || I::float_powf_scalar_impl(tensor.into_inner(), value),
+        )
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_sqrt(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_sqrt", node_shape, node_dtype, move || {
+            I::float_sqrt(tensor.into_inner())
+        })
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_abs(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_abs", node_shape, node_dtype, move || {
+            I::float_abs(tensor.into_inner())
+        })
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cos(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_cos", node_shape, node_dtype, move || {
+            I::float_cos(tensor.into_inner())
+        })
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_sin(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_sin", node_shape, node_dtype, move || {
+            I::float_sin(tensor.into_inner())
+        })
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_tan(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_tan", node_shape, node_dtype, move || {
+            I::float_tan(tensor.into_inner())
+        })
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cosh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_cosh", node_shape, node_dtype, move || {
+            I::float_cosh(tensor.into_inner())
+        })
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_sinh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_sinh", node_shape, node_dtype, move || {
+            I::float_sinh(tensor.into_inner())
+        })
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_tanh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_tanh", node_shape, node_dtype, move || {
+            I::float_tanh(tensor.into_inner())
+        })
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_acos(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_acos", node_shape, node_dtype, move || {
+            I::float_acos(tensor.into_inner())
+        })
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_acosh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_acosh", node_shape, node_dtype, move || {
+            I::float_acosh(tensor.into_inner())
+        })
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_asin(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_asin", node_shape, node_dtype, move || {
+            I::float_asin(tensor.into_inner())
+        })
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_asinh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_asinh", node_shape, node_dtype, move || {
+            I::float_asinh(tensor.into_inner())
+        })
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_atan(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_atan", node_shape, node_dtype, move || {
+            I::float_atan(tensor.into_inner())
+        })
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_atanh(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_atanh", node_shape, node_dtype, move || {
+            I::float_atanh(tensor.into_inner())
+        })
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::float_atan2(lhs.inner, rhs.inner), rank)
+        let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
+        let node_dtype = lhs.dtype_hint();
+        CTensor::lazy(rank, "float_atan2", node_shape, node_dtype, move || {
+            I::float_atan2(lhs.into_inner(), rhs.into_inner())
+        })
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_round(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_round", node_shape, node_dtype, move || {
+            I::float_round(tensor.into_inner())
+        })
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_floor(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_floor", node_shape, node_dtype, move || {
+            I::float_floor(tensor.into_inner())
+        })
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_ceil(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_ceil", node_shape, node_dtype, move || {
+            I::float_ceil(tensor.into_inner())
+        })
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_trunc(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_trunc", node_shape, node_dtype, move || {
+            I::float_trunc(tensor.into_inner())
+        })
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_erf(tensor.inner), rank)
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_erf", node_shape, node_dtype, move || {
+            I::float_erf(tensor.into_inner())
+        })
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_argmax(tensor.inner, dim, out_dtype), rank)
+        let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_argmax", node_shape, node_dtype, move || {
+            I::float_argmax(tensor.into_inner(), dim, out_dtype)
+        })
     }
     fn float_argtopk(
         tensor: FloatTensor<Self>,
@@ -427,15 +735,26 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_argtopk(tensor.inner, dim, k, out_dtype), rank)
+        CTensor::new(
+            I::float_argtopk(tensor.into_inner(), dim, k, out_dtype),
+            rank,
+        )
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_argmin(tensor.inner, dim, out_dtype), rank)
+        let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
+        let node_dtype = None;
+        CTensor::lazy(rank, "float_argmin", node_shape, node_dtype, move || {
+            I::float_argmin(tensor.into_inner(), dim, out_dtype)
+        })
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_expand(tensor.inner, shape), rank)
+        let node_shape = Some(shape.clone());
+        let node_dtype = tensor.dtype_hint();
+        CTensor::lazy(rank, "float_expand", node_shape, node_dtype, move || {
+            I::float_expand(tensor.into_inner(), shape)
+        })
     }
     fn float_unfold(
         tensor: FloatTensor<Self>,
@@ -444,7 +763,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_unfold(tensor.inner, dim, size, step), rank)
+        CTensor::new(I::float_unfold(tensor.into_inner(), dim, size, step), rank)
     }
 }
 
@@ -456,7 +775,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::int_into_data(tensor.inner)
+        I::int_into_data(tensor.into_inner())
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
@@ -464,19 +783,19 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::int_device(&tensor.inner), rank)
+        CollectiveDevice::new(I::int_device(&tensor.inner()), rank)
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_to_device(tensor.inner, &device.inner), rank)
+        CTensor::new(I::int_to_device(tensor.into_inner(), &device.inner), rank)
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_reshape(tensor.inner, shape), rank)
+        CTensor::new(I::int_reshape(tensor.into_inner(), shape), rank)
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_slice(tensor.inner, slices), rank)
+        CTensor::new(I::int_slice(tensor.into_inner(), slices), rank)
     }
     fn int_slice_assign(
         tensor: IntTensor<Self>,
@@ -484,11 +803,14 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_slice_assign(tensor.inner, slices, value.inner), rank)
+        CTensor::new(
+            I::int_slice_assign(tensor.into_inner(), slices, value.into_inner()),
+            rank,
+        )
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_into_float(tensor.inner, out_dtype), rank)
+        CTensor::new(I::int_into_float(tensor.into_inner(), out_dtype), rank)
     }
     fn int_mask_where(
         tensor: IntTensor<Self>,
@@ -497,7 +819,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_mask_where(tensor.inner, mask.inner, value.inner),
+            I::int_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
             rank,
         )
     }
@@ -507,7 +829,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_mask_fill(tensor.inner, mask.inner, value), rank)
+        CTensor::new(
+            I::int_mask_fill(tensor.into_inner(), mask.into_inner(), value),
+            rank,
+        )
     }
     fn int_gather(
         dim: usize,
@@ -515,7 +840,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_gather(dim, tensor.inner, indices.inner), rank)
+        CTensor::new(
+            I::int_gather(dim, tensor.into_inner(), indices.into_inner()),
+            rank,
+        )
     }
     fn int_scatter_add(
         dim: usize,
@@ -525,7 +853,12 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_scatter_add(dim, tensor.inner, indices.inner, value.inner),
+            I::int_scatter_add(
+                dim,
+                tensor.into_inner(),
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
@@ -535,7 +868,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_select(tensor.inner, dim, indices.inner), rank)
+        CTensor::new(
+            I::int_select(tensor.into_inner(), dim, indices.into_inner()),
+            rank,
+        )
     }
     fn int_select_add(
         tensor: IntTensor<Self>,
@@ -545,7 +881,12 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_select_add(tensor.inner, dim, indices.inner, value.inner),
+            I::int_select_add(
+                tensor.into_inner(),
+                dim,
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
@@ -555,11 +896,14 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_equal(lhs.inner, rhs.inner, out_dtype), rank)
+        CTensor::new(
+            I::int_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            rank,
+        )
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        CTensor::new(I::int_equal_elem(lhs.into_inner(), rhs, out_dtype), rank)
     }
     fn int_greater(
         lhs: IntTensor<Self>,
@@ -567,7 +911,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_greater(lhs.inner, rhs.inner, out_dtype), rank)
+        CTensor::new(
+            I::int_greater(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            rank,
+        )
     }
     fn int_greater_elem(
         lhs: IntTensor<Self>,
@@ -575,7 +922,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_greater_elem(lhs.inner, rhs, out_dtype), rank)
+        CTensor::new(I::int_greater_elem(lhs.into_inner(), rhs, out_dtype), rank)
     }
     fn int_greater_equal(
         lhs: IntTensor<Self>,
@@ -583,7 +930,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_greater_equal(lhs.inner, rhs.inner, out_dtype), rank)
+        CTensor::new(
+            I::int_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            rank,
+        )
     }
     fn int_greater_equal_elem(
         lhs: IntTensor<Self>,
@@ -591,7 +941,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_greater_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        CTensor::new(
+            I::int_greater_equal_elem(lhs.into_inner(), rhs, out_dtype),
+            rank,
+        )
     }
     fn int_lower(
         lhs: IntTensor<Self>,
@@ -599,11 +952,14 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_lower(lhs.inner, rhs.inner, out_dtype), rank)
+        CTensor::new(
+            I::int_lower(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            rank,
+        )
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_lower_elem(lhs.inner, rhs, out_dtype), rank)
+        CTensor::new(I::int_lower_elem(lhs.into_inner(), rhs, out_dtype), rank)
     }
     fn int_lower_equal(
         lhs: IntTensor<Self>,
@@ -611,7 +967,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_lower_equal(lhs.inner, rhs.inner, out_dtype), rank)
+        CTensor::new(
+            I::int_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            rank,
+        )
     }
     fn int_lower_equal_elem(
         lhs: IntTensor<Self>,
@@ -619,115 +978,118 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_lower_equal_elem(lhs.inner, rhs, out_dtype), rank)
+        CTensor::new(
+            I::int_lower_equal_elem(lhs.into_inner(), rhs, out_dtype),
+            rank,
+        )
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_add(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_add(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_add_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::int_add_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_sub(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_sub(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_sub_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::int_sub_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_mul(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_mul(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_mul_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::int_mul_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_div(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_div(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_div_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::int_div_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_remainder(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_remainder(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_remainder_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::int_remainder_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_matmul(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::int_matmul(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_sum(tensor.inner), rank)
+        CTensor::new(I::int_sum(tensor.into_inner()), rank)
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_sum_dim(tensor.inner, dim), rank)
+        CTensor::new(I::int_sum_dim(tensor.into_inner(), dim), rank)
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_prod(tensor.inner), rank)
+        CTensor::new(I::int_prod(tensor.into_inner()), rank)
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_prod_dim(tensor.inner, dim), rank)
+        CTensor::new(I::int_prod_dim(tensor.into_inner(), dim), rank)
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_mean_dim(tensor.inner, dim), rank)
+        CTensor::new(I::int_mean_dim(tensor.into_inner(), dim), rank)
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cumsum(tensor.inner, dim), rank)
+        CTensor::new(I::int_cumsum(tensor.into_inner(), dim), rank)
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cumprod(tensor.inner, dim), rank)
+        CTensor::new(I::int_cumprod(tensor.into_inner(), dim), rank)
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cummin(tensor.inner, dim), rank)
+        CTensor::new(I::int_cummin(tensor.into_inner(), dim), rank)
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cummax(tensor.inner, dim), rank)
+        CTensor::new(I::int_cummax(tensor.into_inner(), dim), rank)
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argmax(tensor.inner, dim), rank)
+        CTensor::new(I::int_argmax(tensor.into_inner(), dim), rank)
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argtopk(tensor.inner, dim, k), rank)
+        CTensor::new(I::int_argtopk(tensor.into_inner(), dim, k), rank)
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argmin(tensor.inner, dim), rank)
+        CTensor::new(I::int_argmin(tensor.into_inner(), dim), rank)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_abs(tensor.inner), rank)
+        CTensor::new(I::int_abs(tensor.into_inner()), rank)
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_swap_dims(tensor.inner, dim1, dim2), rank)
+        CTensor::new(I::int_swap_dims(tensor.into_inner(), dim1, dim2), rank)
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_permute(tensor.inner, axes), rank)
+        CTensor::new(I::int_permute(tensor.into_inner(), axes), rank)
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_flip(tensor.inner, axes), rank)
+        CTensor::new(I::int_flip(tensor.into_inner(), axes), rank)
     }
     fn int_random(
         shape: Shape,
@@ -743,55 +1105,61 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_expand(tensor.inner, shape), rank)
+        CTensor::new(I::int_expand(tensor.into_inner(), shape), rank)
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_and(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bitwise_and(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_and_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::bitwise_and_scalar(lhs.into_inner(), rhs), rank)
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_or(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bitwise_or(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_or_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::bitwise_or_scalar(lhs.into_inner(), rhs), rank)
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_xor(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bitwise_xor(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_xor_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::bitwise_xor_scalar(lhs.into_inner(), rhs), rank)
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bitwise_not(tensor.inner), rank)
+        CTensor::new(I::bitwise_not(tensor.into_inner()), rank)
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_left_shift(lhs.inner, rhs.inner), rank)
+        CTensor::new(
+            I::bitwise_left_shift(lhs.into_inner(), rhs.into_inner()),
+            rank,
+        )
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_left_shift_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::bitwise_left_shift_scalar(lhs.into_inner(), rhs), rank)
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_right_shift(lhs.inner, rhs.inner), rank)
+        CTensor::new(
+            I::bitwise_right_shift(lhs.into_inner(), rhs.into_inner()),
+            rank,
+        )
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_right_shift_scalar(lhs.inner, rhs), rank)
+        CTensor::new(I::bitwise_right_shift_scalar(lhs.into_inner(), rhs), rank)
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cast(tensor.inner, dtype), rank)
+        CTensor::new(I::int_cast(tensor.into_inner(), dtype), rank)
     }
     fn int_unfold(
         tensor: IntTensor<Self>,
@@ -800,7 +1168,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_unfold(tensor.inner, dim, size, step), rank)
+        CTensor::new(I::int_unfold(tensor.into_inner(), dim, size, step), rank)
     }
 }
 
@@ -820,7 +1188,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::bool_into_data(tensor.inner)
+        I::bool_into_data(tensor.into_inner())
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
@@ -828,27 +1196,27 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_into_int(tensor.inner, out_dtype), rank)
+        CTensor::new(I::bool_into_int(tensor.into_inner(), out_dtype), rank)
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_into_float(tensor.inner, out_dtype), rank)
+        CTensor::new(I::bool_into_float(tensor.into_inner(), out_dtype), rank)
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::bool_device(&tensor.inner), rank)
+        CollectiveDevice::new(I::bool_device(&tensor.inner()), rank)
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::bool_to_device(tensor.inner, &device.inner), rank)
+        CTensor::new(I::bool_to_device(tensor.into_inner(), &device.inner), rank)
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_reshape(tensor.inner, shape), rank)
+        CTensor::new(I::bool_reshape(tensor.into_inner(), shape), rank)
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_slice(tensor.inner, slices), rank)
+        CTensor::new(I::bool_slice(tensor.into_inner(), slices), rank)
     }
     fn bool_slice_assign(
         tensor: BoolTensor<Self>,
@@ -857,7 +1225,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_slice_assign(tensor.inner, slices, value.inner),
+            I::bool_slice_assign(tensor.into_inner(), slices, value.into_inner()),
             rank,
         )
     }
@@ -868,7 +1236,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_mask_where(tensor.inner, mask.inner, value.inner),
+            I::bool_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
             rank,
         )
     }
@@ -878,7 +1246,10 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_mask_fill(tensor.inner, mask.inner, value), rank)
+        CTensor::new(
+            I::bool_mask_fill(tensor.into_inner(), mask.into_inner(), value),
+            rank,
+        )
     }
     fn bool_gather(
         dim: usize,
@@ -886,7 +1257,10 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_gather(dim, tensor.inner, indices.inner), rank)
+        CTensor::new(
+            I::bool_gather(dim, tensor.into_inner(), indices.into_inner()),
+            rank,
+        )
     }
     fn bool_scatter_or(
         dim: usize,
@@ -896,7 +1270,12 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_scatter_or(dim, tensor.inner, indices.inner, value.inner),
+            I::bool_scatter_or(
+                dim,
+                tensor.into_inner(),
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
@@ -906,7 +1285,10 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_select(tensor.inner, dim, indices.inner), rank)
+        CTensor::new(
+            I::bool_select(tensor.into_inner(), dim, indices.into_inner()),
+            rank,
+        )
     }
     fn bool_select_or(
         tensor: BoolTensor<Self>,
@@ -916,45 +1298,50 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_select_or(tensor.inner, dim, indices.inner, value.inner),
+            I::bool_select_or(
+                tensor.into_inner(),
+                dim,
+                indices.into_inner(),
+                value.into_inner(),
+            ),
             rank,
         )
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_equal(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bool_equal(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_equal_elem(lhs.inner, rhs), rank)
+        CTensor::new(I::bool_equal_elem(lhs.into_inner(), rhs), rank)
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_not(tensor.inner), rank)
+        CTensor::new(I::bool_not(tensor.into_inner()), rank)
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_and(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bool_and(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_or(lhs.inner, rhs.inner), rank)
+        CTensor::new(I::bool_or(lhs.into_inner(), rhs.into_inner()), rank)
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_swap_dims(tensor.inner, dim1, dim2), rank)
+        CTensor::new(I::bool_swap_dims(tensor.into_inner(), dim1, dim2), rank)
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_permute(tensor.inner, axes), rank)
+        CTensor::new(I::bool_permute(tensor.into_inner(), axes), rank)
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_flip(tensor.inner, axes), rank)
+        CTensor::new(I::bool_flip(tensor.into_inner(), axes), rank)
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_expand(tensor.inner, shape), rank)
+        CTensor::new(I::bool_expand(tensor.into_inner(), shape), rank)
     }
     fn bool_unfold(
         tensor: BoolTensor<Self>,
@@ -963,7 +1350,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_unfold(tensor.inner, dim, size, step), rank)
+        CTensor::new(I::bool_unfold(tensor.into_inner(), dim, size, step), rank)
     }
 }
 
@@ -980,10 +1367,10 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(
             I::quantize(
-                tensor.inner,
+                tensor.into_inner(),
                 scheme,
                 QuantizationParametersPrimitive {
-                    scales: qparams.scales.inner,
+                    scales: qparams.scales.into_inner(),
                 },
             ),
             rank,
@@ -991,28 +1378,28 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::dequantize(tensor.inner, dtype), rank)
+        CTensor::new(I::dequantize(tensor.into_inner(), dtype), rank)
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::q_device(&tensor.inner), rank)
+        CollectiveDevice::new(I::q_device(&tensor.inner()), rank)
     }
     fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::q_to_device(tensor.inner, &device.inner), rank)
+        CTensor::new(I::q_to_device(tensor.into_inner(), &device.inner), rank)
     }
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_reshape(tensor.inner, shape), rank)
+        CTensor::new(I::q_reshape(tensor.into_inner(), shape), rank)
     }
     fn q_into_data(
         tensor: QuantizedTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::q_into_data(tensor.inner)
+        I::q_into_data(tensor.into_inner())
     }
     fn q_expand(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_expand(tensor.inner, shape), rank)
+        CTensor::new(I::q_expand(tensor.into_inner(), shape), rank)
     }
     fn q_swap_dims(
         tensor: QuantizedTensor<Self>,
@@ -1020,15 +1407,15 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         dim2: usize,
     ) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_swap_dims(tensor.inner, dim1, dim2), rank)
+        CTensor::new(I::q_swap_dims(tensor.into_inner(), dim1, dim2), rank)
     }
     fn q_permute(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_permute(tensor.inner, axes), rank)
+        CTensor::new(I::q_permute(tensor.into_inner(), axes), rank)
     }
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_flip(tensor.inner, axes), rank)
+        CTensor::new(I::q_flip(tensor.into_inner(), axes), rank)
     }
     fn q_select(
         tensor: QuantizedTensor<Self>,
@@ -1036,11 +1423,14 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_select(tensor.inner, dim, indices.inner), rank)
+        CTensor::new(
+            I::q_select(tensor.into_inner(), dim, indices.into_inner()),
+            rank,
+        )
     }
     fn q_slice(tensor: QuantizedTensor<Self>, slices: &[Slice]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_slice(tensor.inner, slices), rank)
+        CTensor::new(I::q_slice(tensor.into_inner(), slices), rank)
     }
 }
 
@@ -1052,10 +1442,16 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::conv2d(x.inner, weight.inner, bias.map(|t| t.inner), options),
-            rank,
-        )
+        let node_shape = rules::conv(x.shape_hint(), weight.shape_hint(), &options);
+        let node_dtype = x.dtype_hint();
+        CTensor::lazy(rank, "conv2d", node_shape, node_dtype, move || {
+            I::conv2d(
+                x.into_inner(),
+                weight.into_inner(),
+                bias.map(|t| t.into_inner()),
+                options,
+            )
+        })
     }
     fn deform_conv2d(
         x: FloatTensor<Self>,
@@ -1068,11 +1464,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::deform_conv2d(
-                x.inner,
-                offset.inner,
-                weight.inner,
-                mask.map(|t| t.inner),
-                bias.map(|t| t.inner),
+                x.into_inner(),
+                offset.into_inner(),
+                weight.into_inner(),
+                mask.map(|t| t.into_inner()),
+                bias.map(|t| t.into_inner()),
                 options,
             ),
             rank,
@@ -1090,12 +1486,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         wrap_deform_conv2d_backward(
             I::deform_conv2d_backward(
-                x.inner,
-                offset.inner,
-                weight.inner,
-                mask.map(|t| t.inner),
-                bias.map(|t| t.inner),
-                output_grad.inner,
+                x.into_inner(),
+                offset.into_inner(),
+                weight.into_inner(),
+                mask.map(|t| t.into_inner()),
+                bias.map(|t| t.into_inner()),
+                output_grad.into_inner(),
                 options,
             ),
             rank,
@@ -1109,7 +1505,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::conv3d(x.inner, weight.inner, bias.map(|t| t.inner), options),
+            I::conv3d(
+                x.into_inner(),
+                weight.into_inner(),
+                bias.map(|t| t.into_inner()),
+                options,
+            ),
             rank,
         )
     }
@@ -1121,7 +1522,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::conv_transpose2d(x.inner, weight.inner, bias.map(|t| t.inner), options),
+            I::conv_transpose2d(
+                x.into_inner(),
+                weight.into_inner(),
+                bias.map(|t| t.into_inner()),
+                options,
+            ),
             rank,
         )
     }
@@ -1133,7 +1539,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::conv_transpose3d(x.inner, weight.inner, bias.map(|t| t.inner), options),
+            I::conv_transpose3d(
+                x.into_inner(),
+                weight.into_inner(),
+                bias.map(|t| t.into_inner()),
+                options,
+            ),
             rank,
         )
     }
@@ -1148,7 +1559,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::avg_pool2d(
-                x.inner,
+                x.into_inner(),
                 kernel_size,
                 stride,
                 padding,
@@ -1170,8 +1581,8 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::avg_pool2d_backward(
-                x.inner,
-                grad.inner,
+                x.into_inner(),
+                grad.into_inner(),
                 kernel_size,
                 stride,
                 padding,
@@ -1183,14 +1594,17 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(I::adaptive_avg_pool2d(x.inner, output_size), rank)
+        CTensor::new(I::adaptive_avg_pool2d(x.into_inner(), output_size), rank)
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(I::adaptive_avg_pool2d_backward(x.inner, grad.inner), rank)
+        CTensor::new(
+            I::adaptive_avg_pool2d_backward(x.into_inner(), grad.into_inner()),
+            rank,
+        )
     }
     fn max_pool2d(
         x: FloatTensor<Self>,
@@ -1202,7 +1616,14 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::max_pool2d(x.inner, kernel_size, stride, padding, dilation, ceil_mode),
+            I::max_pool2d(
+                x.into_inner(),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            ),
             rank,
         )
     }
@@ -1216,7 +1637,14 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> MaxPool2dWithIndices<Self> {
         let rank = x.rank;
         wrap_max_pool2d_with_indices(
-            I::max_pool2d_with_indices(x.inner, kernel_size, stride, padding, dilation, ceil_mode),
+            I::max_pool2d_with_indices(
+                x.into_inner(),
+                kernel_size,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            ),
             rank,
         )
     }
@@ -1233,14 +1661,14 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         wrap_max_pool2d_backward(
             I::max_pool2d_with_indices_backward(
-                x.inner,
+                x.into_inner(),
                 kernel_size,
                 stride,
                 padding,
                 dilation,
                 ceil_mode,
-                output_grad.inner,
-                indices.inner,
+                output_grad.into_inner(),
+                indices.into_inner(),
             ),
             rank,
         )
@@ -1251,7 +1679,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(I::interpolate(x.inner, output_size, options), rank)
+        CTensor::new(I::interpolate(x.into_inner(), output_size, options), rank)
     }
     fn interpolate_backward(
         x: FloatTensor<Self>,
@@ -1261,7 +1689,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::interpolate_backward(x.inner, grad.inner, output_size, options),
+            I::interpolate_backward(x.into_inner(), grad.into_inner(), output_size, options),
             rank,
         )
     }
@@ -1276,11 +1704,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = query.rank;
         CTensor::new(
             I::attention(
-                query.inner,
-                key.inner,
-                value.inner,
-                mask.map(|t| t.inner),
-                attn_bias.map(|t| t.inner),
+                query.into_inner(),
+                key.into_inner(),
+                value.into_inner(),
+                mask.map(|t| t.into_inner()),
+                attn_bias.map(|t| t.into_inner()),
                 options,
             ),
             rank,
@@ -1293,7 +1721,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rank = signal.rank;
         {
-            let (a, b) = I::rfft(signal.inner, dim, n);
+            let (a, b) = I::rfft(signal.into_inner(), dim, n);
             (CTensor::new(a, rank), CTensor::new(b, rank))
         }
     }
@@ -1304,6 +1732,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         n: Option<usize>,
     ) -> FloatTensor<Self> {
         let rank = spectrum_re.rank;
-        CTensor::new(I::irfft(spectrum_re.inner, spectrum_im.inner, dim, n), rank)
+        CTensor::new(
+            I::irfft(spectrum_re.into_inner(), spectrum_im.into_inner(), dim, n),
+            rank,
+        )
     }
 }

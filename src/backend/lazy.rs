@@ -1,0 +1,451 @@
+//! Lazy tensors of `Collective<I>`: an op records a node and returns a handle at once; the inner
+//! backend runs it later, when something needs the value.
+//!
+//! Requires: ops are pure (a node's closure computes its result from its inputs and arguments
+//! only), and a node's inputs were recorded before it.
+//!
+//! Guarantees:
+//! - Every rank has a [`Recorder`]: a queue of the nodes it recorded, in record order. Forcing a
+//!   node first runs every earlier node of its rank's queue, oldest first, so the inner backend
+//!   sees the ops in the order the program issued them (as a stream would), and a closure's
+//!   inputs are already computed when it runs: forcing never recurses deeper than one level,
+//!   however long the chain.
+//! - A node nobody holds any more when its turn comes is skipped: its op never runs.
+//! - A value is computed once. When the last handle of a computed node is consumed by an op, the
+//!   value moves out instead of being cloned, so the inner backend can still work in place.
+//! - A node knows its shape and dtype when its op has a rule for them (`ops.rs`); asking a node
+//!   without one forces it.
+//! - What forced the queue is counted per rank ([`lazy_stats`]), so a reader sees how lazy a
+//!   step really was.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use burn_backend::{QTensorPrimitive, TensorMetadata};
+use burn_std::{DType, Shape};
+
+/// Ranks with a recorder (the device id keeps 8 bits of rank).
+const RANKS: usize = 256;
+
+/// Pending nodes a rank keeps before recording forces the older half to run.
+const MAX_PENDING: usize = 4096;
+
+/// What made a rank's queue run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ForceReason {
+    /// A read of tensor data, a gradient sync, or an op that runs eagerly.
+    Value,
+    /// A shape or dtype without a rule.
+    Metadata,
+    /// `Backend::sync`.
+    Sync,
+    /// The queue reached its bound.
+    Bound,
+}
+
+/// Per-rank counters of the lazy recorder.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LazyStats {
+    /// Nodes recorded.
+    pub recorded: u64,
+    /// Nodes whose op ran.
+    pub executed: u64,
+    /// Nodes dropped before their turn: their op never ran.
+    pub skipped: u64,
+    /// Forcings for a value: data reads, gradient syncs, eager ops' inputs.
+    pub forced_by_value: u64,
+    /// Forcings for a shape or dtype without a rule.
+    pub forced_by_metadata: u64,
+    /// Forcings by `Backend::sync`.
+    pub forced_by_sync: u64,
+    /// Forcings because the queue was full.
+    pub forced_by_bound: u64,
+}
+
+trait Pending: Send + Sync {
+    fn run(&self) -> bool;
+}
+
+/// One rank's queue of recorded nodes.
+pub(crate) struct Recorder {
+    next: AtomicU64,
+    queue: Mutex<VecDeque<(u64, Weak<dyn Pending>)>>,
+    stats: Mutex<LazyStats>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Recorder {
+    fn new() -> Self {
+        Recorder {
+            next: AtomicU64::new(0),
+            queue: Mutex::new(VecDeque::new()),
+            stats: Mutex::new(LazyStats::default()),
+        }
+    }
+
+    /// Runs every queued node up to sequence number `seq`, oldest first.
+    fn run_until(&self, seq: u64, why: ForceReason) {
+        let mut ran = 0;
+        let mut skipped = 0;
+        loop {
+            let item = {
+                let mut q = lock(&self.queue);
+                match q.front() {
+                    Some((s, _)) if *s <= seq => q.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some((_, node)) = item else { break };
+            match node.upgrade() {
+                Some(n) => {
+                    if n.run() {
+                        ran += 1;
+                    }
+                }
+                None => skipped += 1,
+            }
+        }
+        let mut st = lock(&self.stats);
+        st.executed += ran;
+        st.skipped += skipped;
+        if ran + skipped > 0 {
+            match why {
+                ForceReason::Value => st.forced_by_value += 1,
+                ForceReason::Metadata => st.forced_by_metadata += 1,
+                ForceReason::Sync => st.forced_by_sync += 1,
+                ForceReason::Bound => st.forced_by_bound += 1,
+            }
+        }
+    }
+
+    fn push(&self, node: Weak<dyn Pending>) -> u64 {
+        let (seq, len) = {
+            let mut q = lock(&self.queue);
+            let seq = self.next.fetch_add(1, Ordering::Relaxed);
+            q.push_back((seq, node));
+            (seq, q.len())
+        };
+        lock(&self.stats).recorded += 1;
+        if len > MAX_PENDING {
+            self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
+        }
+        seq
+    }
+}
+
+/// The recorder of `rank`.
+pub(crate) fn recorder(rank: u32) -> &'static Recorder {
+    static RECORDERS: [OnceLock<Recorder>; RANKS] = [const { OnceLock::new() }; RANKS];
+    RECORDERS[rank as usize % RANKS].get_or_init(Recorder::new)
+}
+
+/// Runs everything `rank` recorded so far (`Backend::sync`).
+pub(crate) fn flush(rank: u32) {
+    recorder(rank).run_until(u64::MAX, ForceReason::Sync);
+}
+
+/// The lazy recorder's counters of `rank` so far.
+pub fn lazy_stats(rank: u32) -> LazyStats {
+    *lock(&recorder(rank).stats)
+}
+
+type Thunk<P> = Box<dyn FnOnce() -> P + Send>;
+
+enum State<P> {
+    Pending(Thunk<P>),
+    Running,
+    Done(P),
+}
+
+/// A recorded op.
+pub(crate) struct Node<P> {
+    seq: u64,
+    op: &'static str,
+    shape: Option<Shape>,
+    dtype: Option<DType>,
+    state: Mutex<State<P>>,
+}
+
+impl<P: Send + 'static> Pending for Node<P> {
+    fn run(&self) -> bool {
+        let mut st = lock(&self.state);
+        if !matches!(*st, State::Pending(_)) {
+            return false;
+        }
+        let State::Pending(f) = std::mem::replace(&mut *st, State::Running) else {
+            unreachable!("checked above")
+        };
+        // The lock is held while the op runs: another thread that needs this value waits.
+        *st = State::Done(f());
+        true
+    }
+}
+
+impl<P: Clone> Node<P> {
+    fn value(&self) -> P {
+        match &*lock(&self.state) {
+            State::Done(p) => p.clone(),
+            State::Running => panic!(
+                "lazy tensor: the op {} (node {}) panicked while it ran; its value does not exist",
+                self.op, self.seq
+            ),
+            State::Pending(_) => unreachable!("node {} was forced", self.seq),
+        }
+    }
+}
+
+enum Repr<P> {
+    Ready(P),
+    Lazy(Arc<Node<P>>),
+}
+
+/// A tensor of `Collective<I>`: the inner backend's tensor, or a recorded op that will compute
+/// it, and the rank it lives on.
+pub struct CTensor<P> {
+    repr: Repr<P>,
+    /// Its rank.
+    pub rank: u32,
+}
+
+impl<P: Clone> Clone for CTensor<P> {
+    fn clone(&self) -> Self {
+        CTensor {
+            repr: match &self.repr {
+                Repr::Ready(p) => Repr::Ready(p.clone()),
+                Repr::Lazy(n) => Repr::Lazy(Arc::clone(n)),
+            },
+            rank: self.rank,
+        }
+    }
+}
+
+impl<P: std::fmt::Debug> std::fmt::Debug for CTensor<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.repr {
+            Repr::Ready(p) => write!(f, "CTensor(rank {}, {p:?})", self.rank),
+            Repr::Lazy(n) => write!(
+                f,
+                "CTensor(rank {}, lazy {} #{}, {:?} {:?})",
+                self.rank, n.op, n.seq, n.dtype, n.shape
+            ),
+        }
+    }
+}
+
+impl<P: Clone + Send + 'static> CTensor<P> {
+    /// `inner`, already computed, on `rank`.
+    pub fn new(inner: P, rank: u32) -> Self {
+        CTensor {
+            repr: Repr::Ready(inner),
+            rank,
+        }
+    }
+
+    /// A node of `rank` that computes its value with `f` when forced. `shape` and `dtype` are
+    /// its metadata where the op has a rule for them.
+    pub(crate) fn lazy(
+        rank: u32,
+        op: &'static str,
+        shape: Option<Shape>,
+        dtype: Option<DType>,
+        f: impl FnOnce() -> P + Send + 'static,
+    ) -> Self {
+        let rec = recorder(rank);
+        let node = Arc::new_cyclic(|weak: &Weak<Node<P>>| {
+            let w: Weak<dyn Pending> = weak.clone();
+            Node {
+                seq: rec.push(w),
+                op,
+                shape,
+                dtype,
+                state: Mutex::new(State::Pending(Box::new(f))),
+            }
+        });
+        CTensor {
+            repr: Repr::Lazy(node),
+            rank,
+        }
+    }
+
+    fn force(&self, why: ForceReason) {
+        if let Repr::Lazy(n) = &self.repr {
+            recorder(self.rank).run_until(n.seq, why);
+            // Another thread may have taken it off the queue and still be running it; taking
+            // the lock waits for that.
+            n.run();
+        }
+    }
+
+    /// The computed tensor, consuming the handle: moved out when this was the last handle.
+    pub fn into_inner(self) -> P {
+        self.force(ForceReason::Value);
+        match self.repr {
+            Repr::Ready(p) => p,
+            Repr::Lazy(n) => match Arc::try_unwrap(n) {
+                Ok(node) => match node.state.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    State::Done(p) => p,
+                    _ => panic!(
+                        "lazy tensor: the op {} (node {}) panicked while it ran; its value does not exist",
+                        node.op, node.seq
+                    ),
+                },
+                Err(n) => n.value(),
+            },
+        }
+    }
+
+    /// The computed tensor (a clone: cheap for Burn's reference-counted primitives).
+    pub fn inner(&self) -> P {
+        self.force(ForceReason::Value);
+        match &self.repr {
+            Repr::Ready(p) => p.clone(),
+            Repr::Lazy(n) => n.value(),
+        }
+    }
+
+    /// Replaces the value with a computed tensor (the gradient write-back).
+    pub fn set(&mut self, inner: P) {
+        self.repr = Repr::Ready(inner);
+    }
+
+    /// Whether the value is still to be computed.
+    pub fn is_pending(&self) -> bool {
+        match &self.repr {
+            Repr::Ready(_) => false,
+            Repr::Lazy(n) => matches!(*lock(&n.state), State::Pending(_)),
+        }
+    }
+}
+
+impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
+    /// The shape if known without computing anything.
+    pub(crate) fn shape_hint(&self) -> Option<Shape> {
+        match &self.repr {
+            Repr::Ready(p) => Some(p.shape()),
+            Repr::Lazy(n) => n.shape.clone(),
+        }
+    }
+
+    /// The dtype if known without computing anything.
+    pub(crate) fn dtype_hint(&self) -> Option<DType> {
+        match &self.repr {
+            Repr::Ready(p) => Some(p.dtype()),
+            Repr::Lazy(n) => n.dtype,
+        }
+    }
+
+    fn computed_metadata<T>(&self, f: impl FnOnce(&P) -> T) -> T {
+        self.force(ForceReason::Metadata);
+        match &self.repr {
+            Repr::Ready(p) => f(p),
+            Repr::Lazy(n) => f(&n.value()),
+        }
+    }
+}
+
+impl<P: TensorMetadata + Clone + Send + 'static> TensorMetadata for CTensor<P> {
+    fn dtype(&self) -> DType {
+        match self.dtype_hint() {
+            Some(d) => d,
+            None => self.computed_metadata(|p| p.dtype()),
+        }
+    }
+    fn shape(&self) -> Shape {
+        match self.shape_hint() {
+            Some(s) => s,
+            None => self.computed_metadata(|p| p.shape()),
+        }
+    }
+}
+
+impl<P: QTensorPrimitive + TensorMetadata + Clone + Send + 'static> QTensorPrimitive
+    for CTensor<P>
+{
+    fn scheme(&self) -> &burn_backend::quantization::QuantScheme {
+        match &self.repr {
+            Repr::Ready(p) => p.scheme(),
+            // Quantized ops run eagerly, so a quantized tensor is never lazy.
+            Repr::Lazy(n) => panic!("lazy tensor: quantized node {} was recorded", n.seq),
+        }
+    }
+    fn acc_precision(&self) -> burn_std::quantization::QuantAcc {
+        match &self.repr {
+            Repr::Ready(p) => p.acc_precision(),
+            Repr::Lazy(n) => panic!("lazy tensor: quantized node {} was recorded", n.seq),
+        }
+    }
+    fn propagation(&self) -> burn_backend::quantization::QuantPropagation {
+        match &self.repr {
+            Repr::Ready(p) => p.propagation(),
+            Repr::Lazy(n) => panic!("lazy tensor: quantized node {} was recorded", n.seq),
+        }
+    }
+    fn default_scheme() -> burn_backend::quantization::QuantScheme {
+        P::default_scheme()
+    }
+}
+
+/// Shape rules of the ops recorded lazily (`None`: unknown, computed when asked), on Burn's own
+/// shape arithmetic.
+pub(crate) mod rules {
+    use burn_std::Shape;
+
+    /// Broadcast of two shapes.
+    pub fn broadcast(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
+        a?.broadcast(&b?).ok()
+    }
+
+    /// Three-way broadcast (`mask_where`).
+    pub fn broadcast3(a: Option<Shape>, b: Option<Shape>, c: Option<Shape>) -> Option<Shape> {
+        broadcast(broadcast(a, b), c)
+    }
+
+    /// Batched matrix product.
+    pub fn matmul(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
+        burn_std::calculate_matmul_output(&a?, &b?).ok()
+    }
+
+    /// Dims `d1` and `d2` swapped.
+    pub fn swap(a: Option<Shape>, d1: usize, d2: usize) -> Option<Shape> {
+        a?.swapped(d1, d2).ok()
+    }
+
+    /// Dims reordered by `axes`.
+    pub fn permute(a: Option<Shape>, axes: &[usize]) -> Option<Shape> {
+        a?.permuted(axes).ok()
+    }
+
+    /// Dim `dim` reduced to 1.
+    pub fn reduce_dim(a: Option<Shape>, dim: usize) -> Option<Shape> {
+        a?.reduce(dim).ok()
+    }
+
+    /// Convolution: `[batch, c_in, spatial..] * [c_out, c_in / groups, kernel..]` gives
+    /// `[batch, c_out, (size + 2 padding - dilation (kernel - 1) - 1) / stride + 1 ..]`.
+    pub fn conv<const N: usize>(
+        x: Option<Shape>,
+        weight: Option<Shape>,
+        options: &burn_backend::ops::ConvOptions<N>,
+    ) -> Option<Shape> {
+        let (x, w) = (x?, weight?);
+        if x.num_dims() != N + 2 || w.num_dims() != N + 2 {
+            return None;
+        }
+        let mut dims = vec![x[0], w[0]];
+        for i in 0..N {
+            let span = options.dilation[i].checked_mul(w[i + 2].checked_sub(1)?)? + 1;
+            let padded = x[i + 2] + 2 * options.padding[i];
+            dims.push(padded.checked_sub(span)? / options.stride[i].max(1) + 1);
+        }
+        Some(Shape::from(dims))
+    }
+
+    /// A full reduction: one element.
+    pub fn scalar() -> Option<Shape> {
+        Some(Shape::new([1]))
+    }
+}
