@@ -70,6 +70,7 @@ LAZY.update({
     "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
     "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
     "conv2d": ("rules::conv(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
+    "conv_transpose2d": ("rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
 })
 # Borrowed arguments a recorded closure keeps as an owned copy.
 OWNED = {"&[usize]": "to_vec()"}
@@ -105,20 +106,23 @@ def trait_methods(src, trait):
             yield name, gen or "", split_args(args), (ret or "").strip()
 
 
-def convert_arg(name, ty):
-    """(expression passed to the inner backend, rank source or None)."""
+def convert_arg(name, ty, op):
+    """(expression passed to the inner backend, rank source or None). `op` names what forces
+    a lazy input: the eager op, or nothing inside a recorded closure (its inputs already ran)."""
     t = ty.replace(" ", "")
+    into = f'into_inner_for("{op}")' if op else "into_inner()"
+    ref = f'inner_for("{op}")' if op else "inner()"
     for k in TENSORS:
         if t == f"{k}<B>":
-            return f"{name}.into_inner()", f"{name}.rank"
+            return f"{name}.{into}", f"{name}.rank"
         if t == f"&{k}<B>":
-            return f"&{name}.inner()", f"{name}.rank"
+            return f"&{name}.{ref}", f"{name}.rank"
         if t == f"Option<{k}<B>>":
-            return f"{name}.map(|t| t.into_inner())", None
+            return f"{name}.map(|t| t.{into})", None
     if t == "&Device<B>":
         return f"&{name}.inner", f"{name}.rank"
     if t == "QuantizationParametersPrimitive<B>":
-        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.into_inner() }}", f"{name}.scales.rank"
+        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.{into} }}", f"{name}.scales.rank"
     if "<B>" in t:
         raise SystemExit(f"unhandled argument type {ty}")
     return name, None
@@ -172,7 +176,7 @@ def main():
                 n, ty = [x.strip() for x in a.split(":", 1)]
                 n = n.replace("mut ", "")
                 params.append(f"{n}: {ty.replace('<B>', '<Self>')}")
-                e, r = convert_arg(n, ty)
+                e, r = convert_arg(n, ty, None if name in LAZY else name)
                 call.append(e)
                 # A device argument names the rank of the result (`to_device` moves ranks);
                 # otherwise the first tensor does.
@@ -186,8 +190,13 @@ def main():
                     raise SystemExit(f"{trait}::{name}: no rank source")
                 body.append(f"let rank = {rank};")
             inner = f"I::{name}({', '.join(call)})"
-            if name in LAZY:
+            kind_device = {"float_device": "float", "int_device": "int", "bool_device": "bool"}
+            if name in kind_device:
+                body.append(f"CollectiveDevice::new(tensor.device(|p| I::{name}(p)), rank)")
+            elif name in LAZY:
                 shape, dtype = LAZY.pop(name)
+                first = next(x.split(":")[0].strip() for x in args if x.split(":", 1)[1].strip().replace(" ", "") == "FloatTensor<B>")
+                body.append(f"let node_device = {first}.device_handle(|p| I::float_device(p));")
                 body.append(f"let node_shape = {shape};")
                 body.append(f"let node_dtype = {dtype};")
                 for a in args:
@@ -198,7 +207,7 @@ def main():
                             raise SystemExit(f"{trait}::{name}: cannot record argument {a}")
                         body.append(f"let {n} = {n}.{OWNED[t]};")
                         inner = inner.replace(f"({n})", f"(&{n})").replace(f", {n})", f", &{n})").replace(f", {n},", f", &{n},").replace(f"({n},", f"(&{n},")
-                body.append(f'CTensor::lazy(rank, "{name}", node_shape, node_dtype, move || {inner})')
+                body.append(f'CTensor::lazy(rank, "{name}", node_device, node_shape, node_dtype, move || {inner})')
             else:
                 body.append(convert_ret(ret, inner))
             out.append(f"    fn {name}{gen}({', '.join(params)}){sig_ret} {{")

@@ -597,11 +597,16 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     let l = &report.lazy[0];
     writeln!(
         out,
-        "lazy ops (rank 0): {} recorded, {} ran, {} never ran (dropped before needed); queue run {} times for a value, {} for a shape or dtype, {} by sync, {} at the bound",
+        "lazy ops (rank 0): {} recorded, {} ran, {} never ran (dropped before needed); queue run {} times for a value ({}), {} for a shape or dtype, {} by sync, {} at the bound",
         l.recorded,
         l.executed,
         l.skipped,
         l.forced_by_value,
+        l.forced_by
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         l.forced_by_metadata,
         l.forced_by_sync,
         l.forced_by_bound

@@ -17,8 +17,7 @@ use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
     Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, lazy_stats,
-    mark_distributed, sync_stats,
-    take_trace, trace_span,
+    mark_distributed, sync_stats, take_trace, trace_span,
 };
 use crate::trace::TraceSpan;
 
@@ -249,18 +248,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
         .map(sync_stats::<NdArray>)
         .collect();
     let lazy = (0..opts.world)
-        .map(|r| {
-            let (now, before) = (lazy_stats(r), lazy_before[r as usize]);
-            LazyStats {
-                recorded: now.recorded - before.recorded,
-                executed: now.executed - before.executed,
-                skipped: now.skipped - before.skipped,
-                forced_by_value: now.forced_by_value - before.forced_by_value,
-                forced_by_metadata: now.forced_by_metadata - before.forced_by_metadata,
-                forced_by_sync: now.forced_by_sync - before.forced_by_sync,
-                forced_by_bound: now.forced_by_bound - before.forced_by_bound,
-            }
-        })
+        .map(|r| lazy_stats(r).since(&lazy_before[r as usize]))
         .collect();
     let trace = take_trace::<NdArray>();
     Inner::close_communication_server(&devices[0]);

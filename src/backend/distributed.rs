@@ -383,7 +383,8 @@ impl<I: Backend> Session<I> {
                 format!("the gradient of {name} was submitted twice in one step"),
             );
         }
-        let data = match cubecl::future::block_on(I::float_into_data(t.inner())) {
+        let data = match cubecl::future::block_on(I::float_into_data(t.inner_for("gradient sync")))
+        {
             Ok(d) => d,
             Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
         };
@@ -554,7 +555,7 @@ impl<I: Backend> Session<I> {
             // touches the gradient meanwhile.
             let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
             let data = from_host(buf, t.shape());
-            let dev = I::float_device(&t.inner());
+            let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
         }
         st.submitted.clear();
@@ -1090,10 +1091,11 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             );
         }
         let shape = tensor.shape();
-        let data = match cubecl::future::block_on(I::float_into_data(tensor.inner())) {
-            Ok(d) => d,
-            Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
-        };
+        let data =
+            match cubecl::future::block_on(I::float_into_data(tensor.inner_for("all_reduce"))) {
+                Ok(d) => d,
+                Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
+            };
         let buf = match to_host(&data) {
             Ok(b) => b,
             Err(e) => s.fail(rank, format!("all_reduce: {e}")),
@@ -1122,7 +1124,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             Ok((b, _)) => b,
             Err(e) => s.fail(rank, e.to_string()),
         };
-        let dev = I::float_device(&tensor.inner());
+        let dev = tensor.device(|p| I::float_device(p));
         let t = I::float_from_data(from_host(out, shape), &dev);
         CollectiveTensor::new(CTensor::new(t, tensor.rank))
     }

@@ -18,7 +18,8 @@
 //! - What forced the queue is counted per rank ([`lazy_stats`]), so a reader sees how lazy a
 //!   step really was.
 
-use std::collections::VecDeque;
+use std::any::Any;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
@@ -34,8 +35,8 @@ const MAX_PENDING: usize = 4096;
 /// What made a rank's queue run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ForceReason {
-    /// A read of tensor data, a gradient sync, or an op that runs eagerly.
-    Value,
+    /// A value, for what is named: an op that runs eagerly, a gradient sync, a data read.
+    Value(&'static str),
     /// A shape or dtype without a rule.
     Metadata,
     /// `Backend::sync`.
@@ -45,7 +46,7 @@ pub(crate) enum ForceReason {
 }
 
 /// Per-rank counters of the lazy recorder.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LazyStats {
     /// Nodes recorded.
     pub recorded: u64,
@@ -55,6 +56,8 @@ pub struct LazyStats {
     pub skipped: u64,
     /// Forcings for a value: data reads, gradient syncs, eager ops' inputs.
     pub forced_by_value: u64,
+    /// The same, by what needed the value (an eager op's name, `gradient sync`, ...).
+    pub forced_by: BTreeMap<&'static str, u64>,
     /// Forcings for a shape or dtype without a rule.
     pub forced_by_metadata: u64,
     /// Forcings by `Backend::sync`.
@@ -114,7 +117,10 @@ impl Recorder {
         st.skipped += skipped;
         if ran + skipped > 0 {
             match why {
-                ForceReason::Value => st.forced_by_value += 1,
+                ForceReason::Value(what) => {
+                    st.forced_by_value += 1;
+                    *st.forced_by.entry(what).or_default() += 1;
+                }
                 ForceReason::Metadata => st.forced_by_metadata += 1,
                 ForceReason::Sync => st.forced_by_sync += 1,
                 ForceReason::Bound => st.forced_by_bound += 1,
@@ -150,7 +156,30 @@ pub(crate) fn flush(rank: u32) {
 
 /// The lazy recorder's counters of `rank` so far.
 pub fn lazy_stats(rank: u32) -> LazyStats {
-    *lock(&recorder(rank).stats)
+    lock(&recorder(rank).stats).clone()
+}
+
+impl LazyStats {
+    /// What happened between `before` and `self`.
+    pub fn since(&self, before: &LazyStats) -> LazyStats {
+        let mut forced_by = self.forced_by.clone();
+        for (k, v) in &before.forced_by {
+            if let Some(x) = forced_by.get_mut(k) {
+                *x -= v;
+            }
+        }
+        forced_by.retain(|_, v| *v > 0);
+        LazyStats {
+            recorded: self.recorded - before.recorded,
+            executed: self.executed - before.executed,
+            skipped: self.skipped - before.skipped,
+            forced_by_value: self.forced_by_value - before.forced_by_value,
+            forced_by,
+            forced_by_metadata: self.forced_by_metadata - before.forced_by_metadata,
+            forced_by_sync: self.forced_by_sync - before.forced_by_sync,
+            forced_by_bound: self.forced_by_bound - before.forced_by_bound,
+        }
+    }
 }
 
 type Thunk<P> = Box<dyn FnOnce() -> P + Send>;
@@ -161,10 +190,14 @@ enum State<P> {
     Done(P),
 }
 
+/// The inner backend's device of a node, type-erased (`CTensor` does not name the backend).
+pub(crate) type AnyDevice = Arc<dyn Any + Send + Sync>;
+
 /// A recorded op.
 pub(crate) struct Node<P> {
     seq: u64,
     op: &'static str,
+    device: AnyDevice,
     shape: Option<Shape>,
     dtype: Option<DType>,
     state: Mutex<State<P>>,
@@ -250,6 +283,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
     pub(crate) fn lazy(
         rank: u32,
         op: &'static str,
+        device: AnyDevice,
         shape: Option<Shape>,
         dtype: Option<DType>,
         f: impl FnOnce() -> P + Send + 'static,
@@ -260,6 +294,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
             Node {
                 seq: rec.push(w),
                 op,
+                device,
                 shape,
                 dtype,
                 state: Mutex::new(State::Pending(Box::new(f))),
@@ -282,7 +317,12 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     /// The computed tensor, consuming the handle: moved out when this was the last handle.
     pub fn into_inner(self) -> P {
-        self.force(ForceReason::Value);
+        self.into_inner_for("value")
+    }
+
+    /// [`Self::into_inner`], counting `why` as what forced the queue.
+    pub fn into_inner_for(self, why: &'static str) -> P {
+        self.force(ForceReason::Value(why));
         match self.repr {
             Repr::Ready(p) => p,
             Repr::Lazy(n) => match Arc::try_unwrap(n) {
@@ -300,10 +340,39 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     /// The computed tensor (a clone: cheap for Burn's reference-counted primitives).
     pub fn inner(&self) -> P {
-        self.force(ForceReason::Value);
+        self.inner_for("value")
+    }
+
+    /// [`Self::inner`], counting `why` as what forced the queue.
+    pub fn inner_for(&self, why: &'static str) -> P {
+        self.force(ForceReason::Value(why));
         match &self.repr {
             Repr::Ready(p) => p.clone(),
             Repr::Lazy(n) => n.value(),
+        }
+    }
+
+    /// The inner device, without computing anything: `of` asks the inner backend for a computed
+    /// tensor; a node answers with the device recorded from its first input (Burn checks the
+    /// devices of operands on every op, so asking must not force).
+    pub(crate) fn device<D: Clone + Send + Sync + 'static>(&self, of: impl FnOnce(&P) -> D) -> D {
+        match &self.repr {
+            Repr::Ready(p) => of(p),
+            Repr::Lazy(n) => match n.device.downcast_ref::<D>() {
+                Some(d) => d.clone(),
+                None => of(&self.inner()),
+            },
+        }
+    }
+
+    /// The inner device as a node records it (shared with the input's node when it is lazy).
+    pub(crate) fn device_handle<D: Send + Sync + 'static>(
+        &self,
+        of: impl FnOnce(&P) -> D,
+    ) -> AnyDevice {
+        match &self.repr {
+            Repr::Ready(p) => Arc::new(of(p)),
+            Repr::Lazy(n) => Arc::clone(&n.device),
         }
     }
 
@@ -440,6 +509,29 @@ pub(crate) mod rules {
             let span = options.dilation[i].checked_mul(w[i + 2].checked_sub(1)?)? + 1;
             let padded = x[i + 2] + 2 * options.padding[i];
             dims.push(padded.checked_sub(span)? / options.stride[i].max(1) + 1);
+        }
+        Some(Shape::from(dims))
+    }
+
+    /// Transposed convolution: `[batch, c_in, spatial..] * [c_in, c_out / groups, kernel..]`
+    /// gives `[batch, c_out, (size - 1) stride + dilation (kernel - 1) + padding_out + 1
+    /// - 2 padding ..]`.
+    pub fn conv_transpose<const N: usize>(
+        x: Option<Shape>,
+        weight: Option<Shape>,
+        options: &burn_backend::ops::ConvTransposeOptions<N>,
+    ) -> Option<Shape> {
+        let (x, w) = (x?, weight?);
+        if x.num_dims() != N + 2 || w.num_dims() != N + 2 {
+            return None;
+        }
+        let mut dims = vec![x[0], w[1] * options.groups.max(1)];
+        for i in 0..N {
+            let full = x[i + 2].checked_sub(1)? * options.stride[i]
+                + options.dilation[i] * w[i + 2].checked_sub(1)?
+                + options.padding_out[i]
+                + 1;
+            dims.push(full.checked_sub(2 * options.padding[i])?);
         }
         Some(Shape::from(dims))
     }

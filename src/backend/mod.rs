@@ -138,7 +138,8 @@ macro_rules! lazy_activation {
             let rank = $first.rank;
             let shape = $first.shape_hint();
             let dtype = $first.dtype_hint();
-            CTensor::lazy(rank, stringify!($name), shape, dtype, move || {
+            let device = $first.device_handle(|p| I::float_device(p));
+            CTensor::lazy(rank, stringify!($name), device, shape, dtype, move || {
                 I::$name($($t.into_inner(),)+ $($a)?)
             })
         }

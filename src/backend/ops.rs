@@ -38,19 +38,25 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::float_into_data(tensor.into_inner())
+        I::float_into_data(tensor.into_inner_for("float_into_data"))
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::float_device(&tensor.inner()), rank)
+        CollectiveDevice::new(tensor.device(|p| I::float_device(p)), rank)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_to_device(tensor.into_inner(), &device.inner), rank)
+        CTensor::new(
+            I::float_to_device(tensor.into_inner_for("float_to_device"), &device.inner),
+            rank,
+        )
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_into_int(tensor.into_inner(), out_dtype), rank)
+        CTensor::new(
+            I::float_into_int(tensor.into_inner_for("float_into_int"), out_dtype),
+            rank,
+        )
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
@@ -58,19 +64,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_add", node_shape, node_dtype, move || {
-            I::float_add(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_add",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_add(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
         CTensor::lazy(
             rank,
             "float_add_scalar",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_add_scalar(lhs.into_inner(), rhs),
@@ -78,19 +92,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_sub", node_shape, node_dtype, move || {
-            I::float_sub(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_sub",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sub(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
         CTensor::lazy(
             rank,
             "float_sub_scalar",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_sub_scalar(lhs.into_inner(), rhs),
@@ -98,19 +120,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_mul", node_shape, node_dtype, move || {
-            I::float_mul(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_mul",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_mul(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
         CTensor::lazy(
             rank,
             "float_mul_scalar",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_mul_scalar(lhs.into_inner(), rhs),
@@ -118,19 +148,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_div", node_shape, node_dtype, move || {
-            I::float_div(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_div",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_div(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
         CTensor::lazy(
             rank,
             "float_div_scalar",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_div_scalar(lhs.into_inner(), rhs),
@@ -138,19 +176,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_remainder", node_shape, node_dtype, move || {
-            I::float_remainder(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_remainder",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_remainder(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
         CTensor::lazy(
             rank,
             "float_remainder_scalar",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_remainder_scalar(lhs.into_inner(), rhs),
@@ -158,11 +204,17 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::matmul(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_matmul", node_shape, node_dtype, move || {
-            I::float_matmul(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_matmul",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_matmul(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_cross(
         lhs: FloatTensor<Self>,
@@ -171,46 +223,77 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::float_cross(lhs.into_inner(), rhs.into_inner(), dim),
+            I::float_cross(
+                lhs.into_inner_for("float_cross"),
+                rhs.into_inner_for("float_cross"),
+                dim,
+            ),
             rank,
         )
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_recip", node_shape, node_dtype, move || {
-            I::float_recip(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_recip",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_recip(tensor.into_inner()),
+        )
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::swap(tensor.shape_hint(), dim1, dim2);
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_swap_dims", node_shape, node_dtype, move || {
-            I::float_swap_dims(tensor.into_inner(), dim1, dim2)
-        })
+        CTensor::lazy(
+            rank,
+            "float_swap_dims",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_swap_dims(tensor.into_inner(), dim1, dim2),
+        )
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::permute(tensor.shape_hint(), axes);
         let node_dtype = tensor.dtype_hint();
         let axes = axes.to_vec();
-        CTensor::lazy(rank, "float_permute", node_shape, node_dtype, move || {
-            I::float_permute(tensor.into_inner(), &axes)
-        })
+        CTensor::lazy(
+            rank,
+            "float_permute",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_permute(tensor.into_inner(), &axes),
+        )
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_flip(tensor.into_inner(), axes), rank)
+        CTensor::new(
+            I::float_flip(tensor.into_inner_for("float_flip"), axes),
+            rank,
+        )
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = Some(shape.clone());
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_reshape", node_shape, node_dtype, move || {
-            I::float_reshape(tensor.into_inner(), shape)
-        })
+        CTensor::lazy(
+            rank,
+            "float_reshape",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_reshape(tensor.into_inner(), shape),
+        )
     }
     fn float_gather(
         dim: usize,
@@ -219,7 +302,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_gather(dim, tensor.into_inner(), indices.into_inner()),
+            I::float_gather(
+                dim,
+                tensor.into_inner_for("float_gather"),
+                indices.into_inner_for("float_gather"),
+            ),
             rank,
         )
     }
@@ -233,9 +320,9 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         CTensor::new(
             I::float_scatter_add(
                 dim,
-                tensor.into_inner(),
-                indices.into_inner(),
-                value.into_inner(),
+                tensor.into_inner_for("float_scatter_add"),
+                indices.into_inner_for("float_scatter_add"),
+                value.into_inner_for("float_scatter_add"),
             ),
             rank,
         )
@@ -247,7 +334,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_select(tensor.into_inner(), dim, indices.into_inner()),
+            I::float_select(
+                tensor.into_inner_for("float_select"),
+                dim,
+                indices.into_inner_for("float_select"),
+            ),
             rank,
         )
     }
@@ -260,17 +351,20 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(
             I::float_select_add(
-                tensor.into_inner(),
+                tensor.into_inner_for("float_select_add"),
                 dim,
-                indices.into_inner(),
-                value.into_inner(),
+                indices.into_inner_for("float_select_add"),
+                value.into_inner_for("float_select_add"),
             ),
             rank,
         )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_slice(tensor.into_inner(), slices), rank)
+        CTensor::new(
+            I::float_slice(tensor.into_inner_for("float_slice"), slices),
+            rank,
+        )
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,
@@ -279,7 +373,11 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_slice_assign(tensor.into_inner(), slices, value.into_inner()),
+            I::float_slice_assign(
+                tensor.into_inner_for("float_slice_assign"),
+                slices,
+                value.into_inner_for("float_slice_assign"),
+            ),
             rank,
         )
     }
@@ -289,12 +387,14 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape =
             rules::broadcast3(tensor.shape_hint(), mask.shape_hint(), value.shape_hint());
         let node_dtype = tensor.dtype_hint();
         CTensor::lazy(
             rank,
             "float_mask_where",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
@@ -306,11 +406,17 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_mask_fill", node_shape, node_dtype, move || {
-            I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value)
-        })
+        CTensor::lazy(
+            rank,
+            "float_mask_fill",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value),
+        )
     }
     fn float_equal(
         lhs: FloatTensor<Self>,
@@ -318,11 +424,17 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = None;
-        CTensor::lazy(rank, "float_equal", node_shape, node_dtype, move || {
-            I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_equal",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+        )
     }
     fn float_equal_elem(
         lhs: FloatTensor<Self>,
@@ -330,11 +442,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_equal_elem",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype),
@@ -346,11 +460,17 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = None;
-        CTensor::lazy(rank, "float_greater", node_shape, node_dtype, move || {
-            I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_greater",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype),
+        )
     }
     fn float_greater_elem(
         lhs: FloatTensor<Self>,
@@ -358,11 +478,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_greater_elem",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype),
@@ -374,11 +496,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_greater_equal",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
@@ -390,11 +514,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_greater_equal_elem",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype),
@@ -406,11 +532,17 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = None;
-        CTensor::lazy(rank, "float_lower", node_shape, node_dtype, move || {
-            I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_lower",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype),
+        )
     }
     fn float_lower_elem(
         lhs: FloatTensor<Self>,
@@ -418,11 +550,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_lower_elem",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype),
@@ -434,11 +568,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_lower_equal",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
@@ -450,11 +586,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = lhs.shape_hint();
         let node_dtype = None;
         CTensor::lazy(
             rank,
             "float_lower_equal_elem",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype),
@@ -462,99 +600,167 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::scalar();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_sum", node_shape, node_dtype, move || {
-            I::float_sum(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_sum",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sum(tensor.into_inner()),
+        )
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_sum_dim", node_shape, node_dtype, move || {
-            I::float_sum_dim(tensor.into_inner(), dim)
-        })
+        CTensor::lazy(
+            rank,
+            "float_sum_dim",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sum_dim(tensor.into_inner(), dim),
+        )
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_mean_dim", node_shape, node_dtype, move || {
-            I::float_mean_dim(tensor.into_inner(), dim)
-        })
+        CTensor::lazy(
+            rank,
+            "float_mean_dim",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_mean_dim(tensor.into_inner(), dim),
+        )
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_cumsum", node_shape, node_dtype, move || {
-            I::float_cumsum(tensor.into_inner(), dim)
-        })
+        CTensor::lazy(
+            rank,
+            "float_cumsum",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_cumsum(tensor.into_inner(), dim),
+        )
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_cumprod", node_shape, node_dtype, move || {
-            I::float_cumprod(tensor.into_inner(), dim)
-        })
+        CTensor::lazy(
+            rank,
+            "float_cumprod",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_cumprod(tensor.into_inner(), dim),
+        )
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cummin(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::float_cummin(tensor.into_inner_for("float_cummin"), dim),
+            rank,
+        )
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_cummax(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::float_cummax(tensor.into_inner_for("float_cummax"), dim),
+            rank,
+        )
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = None;
-        CTensor::lazy(rank, "float_cast", node_shape, node_dtype, move || {
-            I::float_cast(tensor.into_inner(), dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_cast",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_cast(tensor.into_inner(), dtype),
+        )
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_exp", node_shape, node_dtype, move || {
-            I::float_exp(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_exp",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_exp(tensor.into_inner()),
+        )
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_log", node_shape, node_dtype, move || {
-            I::float_log(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_log",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_log(tensor.into_inner()),
+        )
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_log1p", node_shape, node_dtype, move || {
-            I::float_log1p(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_log1p",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_log1p(tensor.into_inner()),
+        )
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_powf", node_shape, node_dtype, move || {
-            I::float_powf(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_powf",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_powf(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
         CTensor::lazy(
             rank,
             "float_powf_scalar_impl",
+            node_device,
             node_shape,
             node_dtype,
             move || I::float_powf_scalar_impl(tensor.into_inner(), value),
@@ -562,171 +768,297 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_sqrt", node_shape, node_dtype, move || {
-            I::float_sqrt(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_sqrt",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sqrt(tensor.into_inner()),
+        )
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_abs", node_shape, node_dtype, move || {
-            I::float_abs(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_abs",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_abs(tensor.into_inner()),
+        )
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_cos", node_shape, node_dtype, move || {
-            I::float_cos(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_cos",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_cos(tensor.into_inner()),
+        )
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_sin", node_shape, node_dtype, move || {
-            I::float_sin(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_sin",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sin(tensor.into_inner()),
+        )
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_tan", node_shape, node_dtype, move || {
-            I::float_tan(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_tan",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_tan(tensor.into_inner()),
+        )
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_cosh", node_shape, node_dtype, move || {
-            I::float_cosh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_cosh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_cosh(tensor.into_inner()),
+        )
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_sinh", node_shape, node_dtype, move || {
-            I::float_sinh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_sinh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_sinh(tensor.into_inner()),
+        )
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_tanh", node_shape, node_dtype, move || {
-            I::float_tanh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_tanh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_tanh(tensor.into_inner()),
+        )
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_acos", node_shape, node_dtype, move || {
-            I::float_acos(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_acos",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_acos(tensor.into_inner()),
+        )
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_acosh", node_shape, node_dtype, move || {
-            I::float_acosh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_acosh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_acosh(tensor.into_inner()),
+        )
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_asin", node_shape, node_dtype, move || {
-            I::float_asin(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_asin",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_asin(tensor.into_inner()),
+        )
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_asinh", node_shape, node_dtype, move || {
-            I::float_asinh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_asinh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_asinh(tensor.into_inner()),
+        )
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_atan", node_shape, node_dtype, move || {
-            I::float_atan(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_atan",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_atan(tensor.into_inner()),
+        )
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_atanh", node_shape, node_dtype, move || {
-            I::float_atanh(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_atanh",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_atanh(tensor.into_inner()),
+        )
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
+        let node_device = lhs.device_handle(|p| I::float_device(p));
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
-        CTensor::lazy(rank, "float_atan2", node_shape, node_dtype, move || {
-            I::float_atan2(lhs.into_inner(), rhs.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_atan2",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_atan2(lhs.into_inner(), rhs.into_inner()),
+        )
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_round", node_shape, node_dtype, move || {
-            I::float_round(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_round",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_round(tensor.into_inner()),
+        )
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_floor", node_shape, node_dtype, move || {
-            I::float_floor(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_floor",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_floor(tensor.into_inner()),
+        )
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_ceil", node_shape, node_dtype, move || {
-            I::float_ceil(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_ceil",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_ceil(tensor.into_inner()),
+        )
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_trunc", node_shape, node_dtype, move || {
-            I::float_trunc(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_trunc",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_trunc(tensor.into_inner()),
+        )
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_erf", node_shape, node_dtype, move || {
-            I::float_erf(tensor.into_inner())
-        })
+        CTensor::lazy(
+            rank,
+            "float_erf",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_erf(tensor.into_inner()),
+        )
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = None;
-        CTensor::lazy(rank, "float_argmax", node_shape, node_dtype, move || {
-            I::float_argmax(tensor.into_inner(), dim, out_dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_argmax",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_argmax(tensor.into_inner(), dim, out_dtype),
+        )
     }
     fn float_argtopk(
         tensor: FloatTensor<Self>,
@@ -736,25 +1068,37 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::float_argtopk(tensor.into_inner(), dim, k, out_dtype),
+            I::float_argtopk(tensor.into_inner_for("float_argtopk"), dim, k, out_dtype),
             rank,
         )
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = None;
-        CTensor::lazy(rank, "float_argmin", node_shape, node_dtype, move || {
-            I::float_argmin(tensor.into_inner(), dim, out_dtype)
-        })
+        CTensor::lazy(
+            rank,
+            "float_argmin",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_argmin(tensor.into_inner(), dim, out_dtype),
+        )
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
+        let node_device = tensor.device_handle(|p| I::float_device(p));
         let node_shape = Some(shape.clone());
         let node_dtype = tensor.dtype_hint();
-        CTensor::lazy(rank, "float_expand", node_shape, node_dtype, move || {
-            I::float_expand(tensor.into_inner(), shape)
-        })
+        CTensor::lazy(
+            rank,
+            "float_expand",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || I::float_expand(tensor.into_inner(), shape),
+        )
     }
     fn float_unfold(
         tensor: FloatTensor<Self>,
@@ -763,7 +1107,10 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::float_unfold(tensor.into_inner(), dim, size, step), rank)
+        CTensor::new(
+            I::float_unfold(tensor.into_inner_for("float_unfold"), dim, size, step),
+            rank,
+        )
     }
 }
 
@@ -775,7 +1122,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::int_into_data(tensor.into_inner())
+        I::int_into_data(tensor.into_inner_for("int_into_data"))
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
@@ -783,19 +1130,28 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::int_device(&tensor.inner()), rank)
+        CollectiveDevice::new(tensor.device(|p| I::int_device(p)), rank)
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_to_device(tensor.into_inner(), &device.inner), rank)
+        CTensor::new(
+            I::int_to_device(tensor.into_inner_for("int_to_device"), &device.inner),
+            rank,
+        )
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_reshape(tensor.into_inner(), shape), rank)
+        CTensor::new(
+            I::int_reshape(tensor.into_inner_for("int_reshape"), shape),
+            rank,
+        )
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_slice(tensor.into_inner(), slices), rank)
+        CTensor::new(
+            I::int_slice(tensor.into_inner_for("int_slice"), slices),
+            rank,
+        )
     }
     fn int_slice_assign(
         tensor: IntTensor<Self>,
@@ -804,13 +1160,20 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_slice_assign(tensor.into_inner(), slices, value.into_inner()),
+            I::int_slice_assign(
+                tensor.into_inner_for("int_slice_assign"),
+                slices,
+                value.into_inner_for("int_slice_assign"),
+            ),
             rank,
         )
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_into_float(tensor.into_inner(), out_dtype), rank)
+        CTensor::new(
+            I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype),
+            rank,
+        )
     }
     fn int_mask_where(
         tensor: IntTensor<Self>,
@@ -819,7 +1182,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
+            I::int_mask_where(
+                tensor.into_inner_for("int_mask_where"),
+                mask.into_inner_for("int_mask_where"),
+                value.into_inner_for("int_mask_where"),
+            ),
             rank,
         )
     }
@@ -830,7 +1197,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_mask_fill(tensor.into_inner(), mask.into_inner(), value),
+            I::int_mask_fill(
+                tensor.into_inner_for("int_mask_fill"),
+                mask.into_inner_for("int_mask_fill"),
+                value,
+            ),
             rank,
         )
     }
@@ -841,7 +1212,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_gather(dim, tensor.into_inner(), indices.into_inner()),
+            I::int_gather(
+                dim,
+                tensor.into_inner_for("int_gather"),
+                indices.into_inner_for("int_gather"),
+            ),
             rank,
         )
     }
@@ -855,9 +1230,9 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         CTensor::new(
             I::int_scatter_add(
                 dim,
-                tensor.into_inner(),
-                indices.into_inner(),
-                value.into_inner(),
+                tensor.into_inner_for("int_scatter_add"),
+                indices.into_inner_for("int_scatter_add"),
+                value.into_inner_for("int_scatter_add"),
             ),
             rank,
         )
@@ -869,7 +1244,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::int_select(tensor.into_inner(), dim, indices.into_inner()),
+            I::int_select(
+                tensor.into_inner_for("int_select"),
+                dim,
+                indices.into_inner_for("int_select"),
+            ),
             rank,
         )
     }
@@ -882,10 +1261,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(
             I::int_select_add(
-                tensor.into_inner(),
+                tensor.into_inner_for("int_select_add"),
                 dim,
-                indices.into_inner(),
-                value.into_inner(),
+                indices.into_inner_for("int_select_add"),
+                value.into_inner_for("int_select_add"),
             ),
             rank,
         )
@@ -897,13 +1276,20 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            I::int_equal(
+                lhs.into_inner_for("int_equal"),
+                rhs.into_inner_for("int_equal"),
+                out_dtype,
+            ),
             rank,
         )
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_equal_elem(lhs.into_inner(), rhs, out_dtype), rank)
+        CTensor::new(
+            I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype),
+            rank,
+        )
     }
     fn int_greater(
         lhs: IntTensor<Self>,
@@ -912,7 +1298,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_greater(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            I::int_greater(
+                lhs.into_inner_for("int_greater"),
+                rhs.into_inner_for("int_greater"),
+                out_dtype,
+            ),
             rank,
         )
     }
@@ -922,7 +1312,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_greater_elem(lhs.into_inner(), rhs, out_dtype), rank)
+        CTensor::new(
+            I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype),
+            rank,
+        )
     }
     fn int_greater_equal(
         lhs: IntTensor<Self>,
@@ -931,7 +1324,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            I::int_greater_equal(
+                lhs.into_inner_for("int_greater_equal"),
+                rhs.into_inner_for("int_greater_equal"),
+                out_dtype,
+            ),
             rank,
         )
     }
@@ -942,7 +1339,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_greater_equal_elem(lhs.into_inner(), rhs, out_dtype),
+            I::int_greater_equal_elem(lhs.into_inner_for("int_greater_equal_elem"), rhs, out_dtype),
             rank,
         )
     }
@@ -953,13 +1350,20 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_lower(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            I::int_lower(
+                lhs.into_inner_for("int_lower"),
+                rhs.into_inner_for("int_lower"),
+                out_dtype,
+            ),
             rank,
         )
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_lower_elem(lhs.into_inner(), rhs, out_dtype), rank)
+        CTensor::new(
+            I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype),
+            rank,
+        )
     }
     fn int_lower_equal(
         lhs: IntTensor<Self>,
@@ -968,7 +1372,11 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
+            I::int_lower_equal(
+                lhs.into_inner_for("int_lower_equal"),
+                rhs.into_inner_for("int_lower_equal"),
+                out_dtype,
+            ),
             rank,
         )
     }
@@ -979,117 +1387,192 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::int_lower_equal_elem(lhs.into_inner(), rhs, out_dtype),
+            I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype),
             rank,
         )
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_add(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add")),
+            rank,
+        )
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_add_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs),
+            rank,
+        )
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_sub(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub")),
+            rank,
+        )
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_sub_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs),
+            rank,
+        )
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_mul(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul")),
+            rank,
+        )
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_mul_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs),
+            rank,
+        )
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_div(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div")),
+            rank,
+        )
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_div_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs),
+            rank,
+        )
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_remainder(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_remainder(
+                lhs.into_inner_for("int_remainder"),
+                rhs.into_inner_for("int_remainder"),
+            ),
+            rank,
+        )
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_remainder_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs),
+            rank,
+        )
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::int_matmul(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::int_matmul(
+                lhs.into_inner_for("int_matmul"),
+                rhs.into_inner_for("int_matmul"),
+            ),
+            rank,
+        )
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_sum(tensor.into_inner()), rank)
+        CTensor::new(I::int_sum(tensor.into_inner_for("int_sum")), rank)
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_sum_dim(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim),
+            rank,
+        )
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_prod(tensor.into_inner()), rank)
+        CTensor::new(I::int_prod(tensor.into_inner_for("int_prod")), rank)
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_prod_dim(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim),
+            rank,
+        )
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_mean_dim(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim),
+            rank,
+        )
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cumsum(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim),
+            rank,
+        )
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cumprod(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim),
+            rank,
+        )
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cummin(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_cummin(tensor.into_inner_for("int_cummin"), dim),
+            rank,
+        )
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cummax(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_cummax(tensor.into_inner_for("int_cummax"), dim),
+            rank,
+        )
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argmax(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_argmax(tensor.into_inner_for("int_argmax"), dim),
+            rank,
+        )
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argtopk(tensor.into_inner(), dim, k), rank)
+        CTensor::new(
+            I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k),
+            rank,
+        )
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_argmin(tensor.into_inner(), dim), rank)
+        CTensor::new(
+            I::int_argmin(tensor.into_inner_for("int_argmin"), dim),
+            rank,
+        )
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_abs(tensor.into_inner()), rank)
+        CTensor::new(I::int_abs(tensor.into_inner_for("int_abs")), rank)
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_swap_dims(tensor.into_inner(), dim1, dim2), rank)
+        CTensor::new(
+            I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2),
+            rank,
+        )
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_permute(tensor.into_inner(), axes), rank)
+        CTensor::new(
+            I::int_permute(tensor.into_inner_for("int_permute"), axes),
+            rank,
+        )
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_flip(tensor.into_inner(), axes), rank)
+        CTensor::new(I::int_flip(tensor.into_inner_for("int_flip"), axes), rank)
     }
     fn int_random(
         shape: Shape,
@@ -1105,61 +1588,103 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_expand(tensor.into_inner(), shape), rank)
+        CTensor::new(
+            I::int_expand(tensor.into_inner_for("int_expand"), shape),
+            rank,
+        )
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_and(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bitwise_and(
+                lhs.into_inner_for("bitwise_and"),
+                rhs.into_inner_for("bitwise_and"),
+            ),
+            rank,
+        )
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_and_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs),
+            rank,
+        )
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_or(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bitwise_or(
+                lhs.into_inner_for("bitwise_or"),
+                rhs.into_inner_for("bitwise_or"),
+            ),
+            rank,
+        )
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_or_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs),
+            rank,
+        )
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_xor(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bitwise_xor(
+                lhs.into_inner_for("bitwise_xor"),
+                rhs.into_inner_for("bitwise_xor"),
+            ),
+            rank,
+        )
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_xor_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs),
+            rank,
+        )
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bitwise_not(tensor.into_inner()), rank)
+        CTensor::new(I::bitwise_not(tensor.into_inner_for("bitwise_not")), rank)
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::bitwise_left_shift(lhs.into_inner(), rhs.into_inner()),
+            I::bitwise_left_shift(
+                lhs.into_inner_for("bitwise_left_shift"),
+                rhs.into_inner_for("bitwise_left_shift"),
+            ),
             rank,
         )
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_left_shift_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs),
+            rank,
+        )
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         CTensor::new(
-            I::bitwise_right_shift(lhs.into_inner(), rhs.into_inner()),
+            I::bitwise_right_shift(
+                lhs.into_inner_for("bitwise_right_shift"),
+                rhs.into_inner_for("bitwise_right_shift"),
+            ),
             rank,
         )
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bitwise_right_shift_scalar(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bitwise_right_shift_scalar(lhs.into_inner_for("bitwise_right_shift_scalar"), rhs),
+            rank,
+        )
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cast(tensor.into_inner(), dtype), rank)
+        CTensor::new(I::int_cast(tensor.into_inner_for("int_cast"), dtype), rank)
     }
     fn int_unfold(
         tensor: IntTensor<Self>,
@@ -1168,7 +1693,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_unfold(tensor.into_inner(), dim, size, step), rank)
+        CTensor::new(
+            I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step),
+            rank,
+        )
     }
 }
 
@@ -1188,7 +1716,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::bool_into_data(tensor.into_inner())
+        I::bool_into_data(tensor.into_inner_for("bool_into_data"))
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
@@ -1196,27 +1724,42 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_into_int(tensor.into_inner(), out_dtype), rank)
+        CTensor::new(
+            I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype),
+            rank,
+        )
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_into_float(tensor.into_inner(), out_dtype), rank)
+        CTensor::new(
+            I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype),
+            rank,
+        )
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::bool_device(&tensor.inner()), rank)
+        CollectiveDevice::new(tensor.device(|p| I::bool_device(p)), rank)
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::bool_to_device(tensor.into_inner(), &device.inner), rank)
+        CTensor::new(
+            I::bool_to_device(tensor.into_inner_for("bool_to_device"), &device.inner),
+            rank,
+        )
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_reshape(tensor.into_inner(), shape), rank)
+        CTensor::new(
+            I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape),
+            rank,
+        )
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_slice(tensor.into_inner(), slices), rank)
+        CTensor::new(
+            I::bool_slice(tensor.into_inner_for("bool_slice"), slices),
+            rank,
+        )
     }
     fn bool_slice_assign(
         tensor: BoolTensor<Self>,
@@ -1225,7 +1768,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_slice_assign(tensor.into_inner(), slices, value.into_inner()),
+            I::bool_slice_assign(
+                tensor.into_inner_for("bool_slice_assign"),
+                slices,
+                value.into_inner_for("bool_slice_assign"),
+            ),
             rank,
         )
     }
@@ -1236,7 +1783,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
+            I::bool_mask_where(
+                tensor.into_inner_for("bool_mask_where"),
+                mask.into_inner_for("bool_mask_where"),
+                value.into_inner_for("bool_mask_where"),
+            ),
             rank,
         )
     }
@@ -1247,7 +1798,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_mask_fill(tensor.into_inner(), mask.into_inner(), value),
+            I::bool_mask_fill(
+                tensor.into_inner_for("bool_mask_fill"),
+                mask.into_inner_for("bool_mask_fill"),
+                value,
+            ),
             rank,
         )
     }
@@ -1258,7 +1813,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_gather(dim, tensor.into_inner(), indices.into_inner()),
+            I::bool_gather(
+                dim,
+                tensor.into_inner_for("bool_gather"),
+                indices.into_inner_for("bool_gather"),
+            ),
             rank,
         )
     }
@@ -1272,9 +1831,9 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         CTensor::new(
             I::bool_scatter_or(
                 dim,
-                tensor.into_inner(),
-                indices.into_inner(),
-                value.into_inner(),
+                tensor.into_inner_for("bool_scatter_or"),
+                indices.into_inner_for("bool_scatter_or"),
+                value.into_inner_for("bool_scatter_or"),
             ),
             rank,
         )
@@ -1286,7 +1845,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::bool_select(tensor.into_inner(), dim, indices.into_inner()),
+            I::bool_select(
+                tensor.into_inner_for("bool_select"),
+                dim,
+                indices.into_inner_for("bool_select"),
+            ),
             rank,
         )
     }
@@ -1299,49 +1862,76 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(
             I::bool_select_or(
-                tensor.into_inner(),
+                tensor.into_inner_for("bool_select_or"),
                 dim,
-                indices.into_inner(),
-                value.into_inner(),
+                indices.into_inner_for("bool_select_or"),
+                value.into_inner_for("bool_select_or"),
             ),
             rank,
         )
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_equal(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bool_equal(
+                lhs.into_inner_for("bool_equal"),
+                rhs.into_inner_for("bool_equal"),
+            ),
+            rank,
+        )
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_equal_elem(lhs.into_inner(), rhs), rank)
+        CTensor::new(
+            I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs),
+            rank,
+        )
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_not(tensor.into_inner()), rank)
+        CTensor::new(I::bool_not(tensor.into_inner_for("bool_not")), rank)
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_and(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bool_and(
+                lhs.into_inner_for("bool_and"),
+                rhs.into_inner_for("bool_and"),
+            ),
+            rank,
+        )
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(I::bool_or(lhs.into_inner(), rhs.into_inner()), rank)
+        CTensor::new(
+            I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or")),
+            rank,
+        )
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_swap_dims(tensor.into_inner(), dim1, dim2), rank)
+        CTensor::new(
+            I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2),
+            rank,
+        )
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_permute(tensor.into_inner(), axes), rank)
+        CTensor::new(
+            I::bool_permute(tensor.into_inner_for("bool_permute"), axes),
+            rank,
+        )
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_flip(tensor.into_inner(), axes), rank)
+        CTensor::new(I::bool_flip(tensor.into_inner_for("bool_flip"), axes), rank)
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_expand(tensor.into_inner(), shape), rank)
+        CTensor::new(
+            I::bool_expand(tensor.into_inner_for("bool_expand"), shape),
+            rank,
+        )
     }
     fn bool_unfold(
         tensor: BoolTensor<Self>,
@@ -1350,7 +1940,10 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_unfold(tensor.into_inner(), dim, size, step), rank)
+        CTensor::new(
+            I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step),
+            rank,
+        )
     }
 }
 
@@ -1367,10 +1960,10 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(
             I::quantize(
-                tensor.into_inner(),
+                tensor.into_inner_for("quantize"),
                 scheme,
                 QuantizationParametersPrimitive {
-                    scales: qparams.scales.into_inner(),
+                    scales: qparams.scales.into_inner_for("quantize"),
                 },
             ),
             rank,
@@ -1378,28 +1971,37 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::dequantize(tensor.into_inner(), dtype), rank)
+        CTensor::new(
+            I::dequantize(tensor.into_inner_for("dequantize"), dtype),
+            rank,
+        )
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
-        CollectiveDevice::new(I::q_device(&tensor.inner()), rank)
+        CollectiveDevice::new(I::q_device(&tensor.inner_for("q_device")), rank)
     }
     fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::q_to_device(tensor.into_inner(), &device.inner), rank)
+        CTensor::new(
+            I::q_to_device(tensor.into_inner_for("q_to_device"), &device.inner),
+            rank,
+        )
     }
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_reshape(tensor.into_inner(), shape), rank)
+        CTensor::new(
+            I::q_reshape(tensor.into_inner_for("q_reshape"), shape),
+            rank,
+        )
     }
     fn q_into_data(
         tensor: QuantizedTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        I::q_into_data(tensor.into_inner())
+        I::q_into_data(tensor.into_inner_for("q_into_data"))
     }
     fn q_expand(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_expand(tensor.into_inner(), shape), rank)
+        CTensor::new(I::q_expand(tensor.into_inner_for("q_expand"), shape), rank)
     }
     fn q_swap_dims(
         tensor: QuantizedTensor<Self>,
@@ -1407,15 +2009,18 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         dim2: usize,
     ) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_swap_dims(tensor.into_inner(), dim1, dim2), rank)
+        CTensor::new(
+            I::q_swap_dims(tensor.into_inner_for("q_swap_dims"), dim1, dim2),
+            rank,
+        )
     }
     fn q_permute(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_permute(tensor.into_inner(), axes), rank)
+        CTensor::new(I::q_permute(tensor.into_inner_for("q_permute"), axes), rank)
     }
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_flip(tensor.into_inner(), axes), rank)
+        CTensor::new(I::q_flip(tensor.into_inner_for("q_flip"), axes), rank)
     }
     fn q_select(
         tensor: QuantizedTensor<Self>,
@@ -1424,13 +2029,17 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     ) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
-            I::q_select(tensor.into_inner(), dim, indices.into_inner()),
+            I::q_select(
+                tensor.into_inner_for("q_select"),
+                dim,
+                indices.into_inner_for("q_select"),
+            ),
             rank,
         )
     }
     fn q_slice(tensor: QuantizedTensor<Self>, slices: &[Slice]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::q_slice(tensor.into_inner(), slices), rank)
+        CTensor::new(I::q_slice(tensor.into_inner_for("q_slice"), slices), rank)
     }
 }
 
@@ -1442,16 +2051,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
+        let node_device = x.device_handle(|p| I::float_device(p));
         let node_shape = rules::conv(x.shape_hint(), weight.shape_hint(), &options);
         let node_dtype = x.dtype_hint();
-        CTensor::lazy(rank, "conv2d", node_shape, node_dtype, move || {
-            I::conv2d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
-        })
+        CTensor::lazy(
+            rank,
+            "conv2d",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || {
+                I::conv2d(
+                    x.into_inner(),
+                    weight.into_inner(),
+                    bias.map(|t| t.into_inner()),
+                    options,
+                )
+            },
+        )
     }
     fn deform_conv2d(
         x: FloatTensor<Self>,
@@ -1464,11 +2081,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::deform_conv2d(
-                x.into_inner(),
-                offset.into_inner(),
-                weight.into_inner(),
-                mask.map(|t| t.into_inner()),
-                bias.map(|t| t.into_inner()),
+                x.into_inner_for("deform_conv2d"),
+                offset.into_inner_for("deform_conv2d"),
+                weight.into_inner_for("deform_conv2d"),
+                mask.map(|t| t.into_inner_for("deform_conv2d")),
+                bias.map(|t| t.into_inner_for("deform_conv2d")),
                 options,
             ),
             rank,
@@ -1486,12 +2103,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         wrap_deform_conv2d_backward(
             I::deform_conv2d_backward(
-                x.into_inner(),
-                offset.into_inner(),
-                weight.into_inner(),
-                mask.map(|t| t.into_inner()),
-                bias.map(|t| t.into_inner()),
-                output_grad.into_inner(),
+                x.into_inner_for("deform_conv2d_backward"),
+                offset.into_inner_for("deform_conv2d_backward"),
+                weight.into_inner_for("deform_conv2d_backward"),
+                mask.map(|t| t.into_inner_for("deform_conv2d_backward")),
+                bias.map(|t| t.into_inner_for("deform_conv2d_backward")),
+                output_grad.into_inner_for("deform_conv2d_backward"),
                 options,
             ),
             rank,
@@ -1506,9 +2123,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::conv3d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
+                x.into_inner_for("conv3d"),
+                weight.into_inner_for("conv3d"),
+                bias.map(|t| t.into_inner_for("conv3d")),
                 options,
             ),
             rank,
@@ -1521,14 +2138,23 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::conv_transpose2d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            ),
+        let node_device = x.device_handle(|p| I::float_device(p));
+        let node_shape = rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options);
+        let node_dtype = x.dtype_hint();
+        CTensor::lazy(
             rank,
+            "conv_transpose2d",
+            node_device,
+            node_shape,
+            node_dtype,
+            move || {
+                I::conv_transpose2d(
+                    x.into_inner(),
+                    weight.into_inner(),
+                    bias.map(|t| t.into_inner()),
+                    options,
+                )
+            },
         )
     }
     fn conv_transpose3d(
@@ -1540,9 +2166,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::conv_transpose3d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
+                x.into_inner_for("conv_transpose3d"),
+                weight.into_inner_for("conv_transpose3d"),
+                bias.map(|t| t.into_inner_for("conv_transpose3d")),
                 options,
             ),
             rank,
@@ -1559,7 +2185,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::avg_pool2d(
-                x.into_inner(),
+                x.into_inner_for("avg_pool2d"),
                 kernel_size,
                 stride,
                 padding,
@@ -1581,8 +2207,8 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::avg_pool2d_backward(
-                x.into_inner(),
-                grad.into_inner(),
+                x.into_inner_for("avg_pool2d_backward"),
+                grad.into_inner_for("avg_pool2d_backward"),
                 kernel_size,
                 stride,
                 padding,
@@ -1594,7 +2220,10 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(I::adaptive_avg_pool2d(x.into_inner(), output_size), rank)
+        CTensor::new(
+            I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size),
+            rank,
+        )
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
@@ -1602,7 +2231,10 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::adaptive_avg_pool2d_backward(x.into_inner(), grad.into_inner()),
+            I::adaptive_avg_pool2d_backward(
+                x.into_inner_for("adaptive_avg_pool2d_backward"),
+                grad.into_inner_for("adaptive_avg_pool2d_backward"),
+            ),
             rank,
         )
     }
@@ -1617,7 +2249,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         CTensor::new(
             I::max_pool2d(
-                x.into_inner(),
+                x.into_inner_for("max_pool2d"),
                 kernel_size,
                 stride,
                 padding,
@@ -1638,7 +2270,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         wrap_max_pool2d_with_indices(
             I::max_pool2d_with_indices(
-                x.into_inner(),
+                x.into_inner_for("max_pool2d_with_indices"),
                 kernel_size,
                 stride,
                 padding,
@@ -1661,14 +2293,14 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = x.rank;
         wrap_max_pool2d_backward(
             I::max_pool2d_with_indices_backward(
-                x.into_inner(),
+                x.into_inner_for("max_pool2d_with_indices_backward"),
                 kernel_size,
                 stride,
                 padding,
                 dilation,
                 ceil_mode,
-                output_grad.into_inner(),
-                indices.into_inner(),
+                output_grad.into_inner_for("max_pool2d_with_indices_backward"),
+                indices.into_inner_for("max_pool2d_with_indices_backward"),
             ),
             rank,
         )
@@ -1679,7 +2311,10 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(I::interpolate(x.into_inner(), output_size, options), rank)
+        CTensor::new(
+            I::interpolate(x.into_inner_for("interpolate"), output_size, options),
+            rank,
+        )
     }
     fn interpolate_backward(
         x: FloatTensor<Self>,
@@ -1689,7 +2324,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         CTensor::new(
-            I::interpolate_backward(x.into_inner(), grad.into_inner(), output_size, options),
+            I::interpolate_backward(
+                x.into_inner_for("interpolate_backward"),
+                grad.into_inner_for("interpolate_backward"),
+                output_size,
+                options,
+            ),
             rank,
         )
     }
@@ -1704,11 +2344,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = query.rank;
         CTensor::new(
             I::attention(
-                query.into_inner(),
-                key.into_inner(),
-                value.into_inner(),
-                mask.map(|t| t.into_inner()),
-                attn_bias.map(|t| t.into_inner()),
+                query.into_inner_for("attention"),
+                key.into_inner_for("attention"),
+                value.into_inner_for("attention"),
+                mask.map(|t| t.into_inner_for("attention")),
+                attn_bias.map(|t| t.into_inner_for("attention")),
                 options,
             ),
             rank,
@@ -1721,7 +2361,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rank = signal.rank;
         {
-            let (a, b) = I::rfft(signal.into_inner(), dim, n);
+            let (a, b) = I::rfft(signal.into_inner_for("rfft"), dim, n);
             (CTensor::new(a, rank), CTensor::new(b, rank))
         }
     }
@@ -1733,7 +2373,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = spectrum_re.rank;
         CTensor::new(
-            I::irfft(spectrum_re.into_inner(), spectrum_im.into_inner(), dim, n),
+            I::irfft(
+                spectrum_re.into_inner_for("irfft"),
+                spectrum_im.into_inner_for("irfft"),
+                dim,
+                n,
+            ),
             rank,
         )
     }
