@@ -50,8 +50,8 @@ for op in SCALAR:
 for op in BINARY:
     LAZY[f"float_{op}"] = bcast("lhs", "rhs")
 for op in COMPARE:
-    LAZY[f"float_{op}"] = bcast("lhs", "rhs", dtype=False)
-    LAZY[f"float_{op}_elem"] = ("lhs.shape_hint()", "None")
+    LAZY[f"float_{op}"] = (bcast("lhs", "rhs")[0], "Some(DType::from(out_dtype))")
+    LAZY[f"float_{op}_elem"] = ("lhs.shape_hint()", "Some(DType::from(out_dtype))")
 LAZY.update({
     "float_powf_scalar_impl": same("tensor"),
     "float_cumsum": same("tensor"),
@@ -66,12 +66,23 @@ LAZY.update({
     "float_sum": ("rules::scalar()", "tensor.dtype_hint()"),
     "float_sum_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
     "float_mean_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
-    "float_cast": ("tensor.shape_hint()", "None"),
-    "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
-    "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "None"),
+    "float_cast": ("tensor.shape_hint()", "Some(DType::from(dtype))"),
+    "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
+    "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
     "conv2d": ("rules::conv(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
     "conv_transpose2d": ("rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
 })
+# op -> (kind, flops expression); the default is elementwise, one flop per result element.
+KIND = {
+    "float_matmul": ("matmul", "rules::matmul_flops(&node_shape, &lhs.shape_hint())"),
+    "conv2d": ("conv", "rules::conv_flops(&node_shape, &weight.shape_hint())"),
+    "conv_transpose2d": ("conv", "rules::conv_flops(&x.shape_hint(), &weight.shape_hint())"),
+}
+for op in ["float_sum", "float_sum_dim", "float_mean_dim", "float_argmax", "float_argmin", "float_cumsum", "float_cumprod"]:
+    KIND[op] = ("reduction", "rules::numel(&tensor.shape_hint())")
+for op in ["float_swap_dims", "float_permute", "float_reshape", "float_expand"]:
+    KIND[op] = ("opaque", "0")
+
 # Borrowed arguments a recorded closure keeps as an owned copy.
 OWNED = {"&[usize]": "to_vec()"}
 
@@ -128,12 +139,20 @@ def convert_arg(name, ty, op):
     return name, None
 
 
-def convert_ret(ret, expr):
+DEVICE_OF = {"FloatTensor": "float_device", "IntTensor": "int_device", "BoolTensor": "bool_device"}
+
+
+def convert_ret(ret, expr, op=None, inputs=None):
     t = ret.replace(" ", "")
     if t == "":
         return expr
     for k in TENSORS:
         if t == f"{k}<B>":
+            if k in DEVICE_OF and inputs:
+                # An eager op on recorded tensors: logged, so the step graph stays connected.
+                return (f"{{ let p = {expr}; let device: AnyDevice = Arc::new(I::{DEVICE_OF[k]}(&p)); "
+                        f"CTensor::eager(rank, Record {{ op: \"{op}\", kind: \"opaque\", device, shape: None, dtype: None, "
+                        f"inputs: rules::inputs([{', '.join(f'{i}_seq' for i in inputs)}]), flops: 0 }}, p) }}")
             return f"CTensor::new({expr}, rank)"
     if t == "Device<B>":
         return f"CollectiveDevice::new({expr}, rank)"
@@ -164,7 +183,8 @@ def main():
         "use burn_backend::tensor::Device;",
         "",
         "use super::{Collective, CollectiveDevice, CTensor, wrap_max_pool2d_with_indices, wrap_max_pool2d_backward, wrap_deform_conv2d_backward};",
-        "use super::lazy::rules;",
+        "use super::lazy::{rules, AnyDevice, Record};",
+        "use std::sync::Arc;",
         "",
     ]
     for path, trait in TRAITS:
@@ -172,7 +192,14 @@ def main():
         out.append(f"impl<I: Backend> {trait}<Self> for Collective<I> {{")
         for name, gen, args, ret in trait_methods(src, trait):
             params, call, rank = [], [], None
+            tensor_args = []
             for a in args:
+                n0, ty0 = [x.strip() for x in a.split(":", 1)]
+                t0 = ty0.replace(" ", "")
+                if any(t0 in (f"{k}<B>", f"&{k}<B>") for k in TENSORS):
+                    tensor_args.append((n0.replace("mut ", ""), f"{n0.replace('mut ', '')}.seq()"))
+                elif any(t0 == f"Option<{k}<B>>" for k in TENSORS):
+                    tensor_args.append((n0.replace("mut ", ""), f"{n0.replace('mut ', '')}.as_ref().and_then(|t| t.seq())"))
                 n, ty = [x.strip() for x in a.split(":", 1)]
                 n = n.replace("mut ", "")
                 params.append(f"{n}: {ty.replace('<B>', '<Self>')}")
@@ -191,12 +218,18 @@ def main():
                 body.append(f"let rank = {rank};")
             inner = f"I::{name}({', '.join(call)})"
             kind_device = {"float_device": "float", "int_device": "int", "bool_device": "bool"}
+            eager_logged = name not in LAZY and name not in kind_device and tensor_args and any(f"{k}<B>" == ret.replace(" ", "") for k in DEVICE_OF)
+            if eager_logged:
+                for n, e in tensor_args:
+                    body.append(f"let {n}_seq = {e};")
             if name in kind_device:
                 body.append(f"CollectiveDevice::new(tensor.device(|p| I::{name}(p)), rank)")
             elif name in LAZY:
                 shape, dtype = LAZY.pop(name)
                 first = next(x.split(":")[0].strip() for x in args if x.split(":", 1)[1].strip().replace(" ", "") == "FloatTensor<B>")
                 body.append(f"let node_device = {first}.device_handle(|p| I::float_device(p));")
+                kind, flops = KIND.pop(name, ("elementwise", "rules::numel(&node_shape)"))
+                body.append(f"let node_inputs = rules::inputs([{', '.join(e for _, e in tensor_args)}]);")
                 body.append(f"let node_shape = {shape};")
                 body.append(f"let node_dtype = {dtype};")
                 for a in args:
@@ -207,9 +240,9 @@ def main():
                             raise SystemExit(f"{trait}::{name}: cannot record argument {a}")
                         body.append(f"let {n} = {n}.{OWNED[t]};")
                         inner = inner.replace(f"({n})", f"(&{n})").replace(f", {n})", f", &{n})").replace(f", {n},", f", &{n},").replace(f"({n},", f"(&{n},")
-                body.append(f'CTensor::lazy(rank, "{name}", node_device, node_shape, node_dtype, move || {inner})')
+                body.append(f'let node_flops = {flops};\nCTensor::lazy(rank, Record {{ op: "{name}", kind: "{kind}", device: node_device, shape: node_shape, dtype: node_dtype, inputs: node_inputs, flops: node_flops }}, move || {inner})')
             else:
-                body.append(convert_ret(ret, inner))
+                body.append(convert_ret(ret, inner, name, [n for n, _ in tensor_args] if eager_logged else None))
             out.append(f"    fn {name}{gen}({', '.join(params)}){sig_ret} {{")
             for b in body:
                 out.append(f"        {b}")

@@ -15,9 +15,12 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SyncStats, UnusedParameters, expected_plan,
-    last_zero_filled, mark_distributed, no_sync, sync_stats,
+    last_zero_filled, mark_distributed, no_sync, recorded_step_graph, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+use collective_fusion::graph::Op;
+use collective_fusion::graph::print::print;
+use collective_fusion::passes::compile;
 use collective_fusion::train::{module_weights, synthetic_batch};
 
 type Inner = Collective<NdArray>;
@@ -246,6 +249,67 @@ fn conv_net_bucketed_sync_equals_per_parameter_sync_bitwise() {
     bucketed_equals_per_parameter::<ConvNet>();
 }
 
+/// Parameter ids are random per run: names them `param0, param1, ..` by first appearance.
+fn by_first_appearance(text: &str) -> String {
+    let mut ids: Vec<String> = Vec::new();
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("param.") {
+        out.push_str(&rest[..at]);
+        let digits: String = rest[at + 6..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        let k = ids.iter().position(|d| *d == digits).unwrap_or_else(|| {
+            ids.push(digits.clone());
+            ids.len() - 1
+        });
+        out.push_str(&format!("param{k}"));
+        rest = &rest[at + 6 + digits.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The whole recorded step, forward and backward ops included, compiled: every gradient is the
+/// result of the op that computed it, and the compiler buckets and schedules the step's syncs
+/// among them.
+#[test]
+fn the_optimized_graph_of_a_recorded_training_step_is_stable() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    train_data_parallel_inspect::<Mlp>(BucketPolicy::Ddp, |_| {
+        let mut g = recorded_step_graph::<NdArray>(0).expect("a recorded step");
+        let computes = g
+            .node_ids()
+            .filter(|n| matches!(g.op(*n), Op::Compute { .. }))
+            .count();
+        assert!(
+            computes > 20,
+            "forward, backward and optimizer ops recorded: {computes}"
+        );
+        let text = print(&g);
+        assert!(
+            !text.contains(".grad\""),
+            "every gradient comes from a recorded op:\n{text}"
+        );
+        assert!(text.contains("float_matmul"), "{text}");
+        compile(
+            &mut g,
+            &CompileConfig {
+                bucket: BucketConfig {
+                    policy: BucketPolicy::Ddp,
+                    cap_bytes: 1024,
+                    first_bucket_bytes: 256,
+                },
+                verify: true,
+                ..CompileConfig::default()
+            },
+        )
+        .expect("the recorded step compiles");
+        insta::assert_snapshot!(by_first_appearance(&print(&g)));
+    });
+}
+
 #[test]
 fn the_optimized_sync_of_a_recorded_mlp_step_is_stable() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -255,25 +319,7 @@ fn the_optimized_sync_of_a_recorded_mlp_step_is_stable() {
             plan.collectives.len() > 1,
             "small caps form several buckets"
         );
-        // Parameter ids are random per run: name them by first appearance.
-        let text = format!("{graph}\n{plan}");
-        let mut ids: Vec<String> = Vec::new();
-        let mut out = String::new();
-        let mut rest = text.as_str();
-        while let Some(at) = rest.find("param.") {
-            out.push_str(&rest[..at]);
-            let digits: String = rest[at + 6..]
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
-            let k = ids.iter().position(|d| *d == digits).unwrap_or_else(|| {
-                ids.push(digits.clone());
-                ids.len() - 1
-            });
-            out.push_str(&format!("param{k}"));
-            rest = &rest[at + 6 + digits.len()..];
-        }
-        out.push_str(rest);
+        let out = by_first_appearance(&format!("{graph}\n{plan}"));
         let out = out.replace(&format!("{:016x}", plan.graph_hash), "<hash>");
         insta::assert_snapshot!(out);
     });

@@ -23,6 +23,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 
+use super::record::{SubmittedGradient, step_graph};
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::config::CompileConfig;
@@ -123,6 +124,8 @@ struct Submitted<I: Backend> {
     ty: TensorType,
     /// Its data, unless it was handed to the live execution.
     data: Option<HostBuffer>,
+    /// The recorded node its tensor was when submitted.
+    seq: Option<u64>,
 }
 
 /// A step following the previous step's plan: buckets are packed and launched as their last
@@ -148,6 +151,8 @@ struct RankState<I: Backend> {
     expected: Option<Arc<Plan>>,
     /// Its segment graph as recorded (compiled again only when someone inspects it).
     expected_segment: Option<Graph>,
+    /// The graph of the last synced step: every recorded op, the gradients, their syncs.
+    last_step: Option<Graph>,
     live: Option<Live>,
     cache: PlanCache,
     workspace: Workspace,
@@ -383,6 +388,7 @@ impl<I: Backend> Session<I> {
                 format!("the gradient of {name} was submitted twice in one step"),
             );
         }
+        let seq = t.seq();
         let data = match cubecl::future::block_on(I::float_into_data(t.inner_for("gradient sync")))
         {
             Ok(d) => d,
@@ -474,6 +480,7 @@ impl<I: Backend> Session<I> {
             name,
             ty,
             data,
+            seq,
         });
     }
 
@@ -526,6 +533,7 @@ impl<I: Backend> Session<I> {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
+        let log = super::lazy::take_log(device.rank);
         if st.no_sync {
             // A backward pass under no_sync: its gradients were accumulated, nothing to reduce.
             st.submitted.clear();
@@ -558,6 +566,16 @@ impl<I: Backend> Session<I> {
             let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
         }
+        let grads: Vec<SubmittedGradient<'_>> = st
+            .submitted
+            .iter()
+            .map(|x| SubmittedGradient {
+                name: &x.name,
+                ty: &x.ty,
+                seq: x.seq,
+            })
+            .collect();
+        st.last_step = Some(step_graph(self.world as u32, self.reduce, &grads, &log));
         st.submitted.clear();
         st.index.clear();
         st.registered.clear();
@@ -956,6 +974,17 @@ pub fn expected_plan<I: Backend>(rank: usize) -> Option<(Arc<Plan>, String)> {
     Some((plan, crate::graph::print::print(&optimized)))
 }
 
+/// The graph of the last step `rank` synchronized, as recorded: every op since the previous sync
+/// point (a `compute` node each, with data edges), each gradient as the result of the op that
+/// produced it, its `grad_sync`, and the sync point. Compile it with [`crate::passes::compile`]
+/// to see how the compiler buckets and schedules that step; print it with
+/// [`crate::graph::print::print`].
+pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
+    let s = session::<I>("recorded_step_graph");
+    let st = s.state(rank, "recorded_step_graph");
+    st.last_step.clone()
+}
+
 impl<I: Backend> DistributedBackend for Collective<I> {
     fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
         let world = devices.len();
@@ -989,6 +1018,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         registered: Vec::new(),
                         expected: None,
                         expected_segment: None,
+                        last_step: None,
                         live: None,
                         cache: PlanCache::new(),
                         workspace: Workspace::default(),

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use burn_backend::{QTensorPrimitive, TensorMetadata};
 use burn_std::{DType, Shape};
+use smallvec::SmallVec;
 
 /// Ranks with a recorder (the device id keeps 8 bits of rank).
 const RANKS: usize = 256;
@@ -70,10 +71,57 @@ trait Pending: Send + Sync {
     fn run(&self) -> bool;
 }
 
-/// One rank's queue of recorded nodes.
+/// Entries a rank's log keeps before it drops the oldest (a program that never reaches a sync
+/// point must not grow without bound).
+const MAX_LOG: usize = 1 << 16;
+
+/// What a recorded op is, for the step graph.
+#[derive(Clone, Debug)]
+pub(crate) struct Record {
+    /// The op (`float_matmul`, `relu`, ...).
+    pub op: &'static str,
+    /// Its class: `elementwise`, `reduction`, `matmul`, `conv` or `opaque`.
+    pub kind: &'static str,
+    /// The inner device, from its first input.
+    pub device: AnyDevice,
+    /// Result shape, when its rule knows it.
+    pub shape: Option<Shape>,
+    /// Result dtype, when its rule knows it.
+    pub dtype: Option<DType>,
+    /// Nodes it reads.
+    pub inputs: SmallVec<[u64; 3]>,
+    /// Estimated floating-point operations.
+    pub flops: u64,
+}
+
+/// One recorded op in a rank's log.
+#[derive(Clone, Debug)]
+pub(crate) struct LogEntry {
+    /// Its node.
+    pub seq: u64,
+    /// The op.
+    pub op: &'static str,
+    /// Its class.
+    pub kind: &'static str,
+    /// Nodes it reads (only those recorded).
+    pub inputs: SmallVec<[u64; 3]>,
+    /// Result shape, if known.
+    pub shape: Option<Shape>,
+    /// Result dtype, if known.
+    pub dtype: Option<DType>,
+    /// Estimated floating-point operations.
+    pub flops: u64,
+}
+
+struct Queue {
+    pending: VecDeque<(u64, Weak<dyn Pending>)>,
+    log: VecDeque<LogEntry>,
+}
+
+/// One rank's queue of recorded nodes, and its log since the last sync point.
 pub(crate) struct Recorder {
     next: AtomicU64,
-    queue: Mutex<VecDeque<(u64, Weak<dyn Pending>)>>,
+    queue: Mutex<Queue>,
     stats: Mutex<LazyStats>,
 }
 
@@ -85,7 +133,10 @@ impl Recorder {
     fn new() -> Self {
         Recorder {
             next: AtomicU64::new(0),
-            queue: Mutex::new(VecDeque::new()),
+            queue: Mutex::new(Queue {
+                pending: VecDeque::new(),
+                log: VecDeque::new(),
+            }),
             stats: Mutex::new(LazyStats::default()),
         }
     }
@@ -97,8 +148,8 @@ impl Recorder {
         loop {
             let item = {
                 let mut q = lock(&self.queue);
-                match q.front() {
-                    Some((s, _)) if *s <= seq => q.pop_front(),
+                match q.pending.front() {
+                    Some((s, _)) if *s <= seq => q.pending.pop_front(),
                     _ => None,
                 }
             };
@@ -128,12 +179,27 @@ impl Recorder {
         }
     }
 
-    fn push(&self, node: Weak<dyn Pending>) -> u64 {
+    /// Queues a node (`Some`) or logs an op that already ran (`None`); returns its number.
+    fn push(&self, node: Option<Weak<dyn Pending>>, rec: &Record) -> u64 {
         let (seq, len) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
-            q.push_back((seq, node));
-            (seq, q.len())
+            if let Some(node) = node {
+                q.pending.push_back((seq, node));
+            }
+            if q.log.len() == MAX_LOG {
+                q.log.pop_front();
+            }
+            q.log.push_back(LogEntry {
+                seq,
+                op: rec.op,
+                kind: rec.kind,
+                inputs: rec.inputs.clone(),
+                shape: rec.shape.clone(),
+                dtype: rec.dtype,
+                flops: rec.flops,
+            });
+            (seq, q.pending.len())
         };
         lock(&self.stats).recorded += 1;
         if len > MAX_PENDING {
@@ -147,6 +213,11 @@ impl Recorder {
 pub(crate) fn recorder(rank: u32) -> &'static Recorder {
     static RECORDERS: [OnceLock<Recorder>; RANKS] = [const { OnceLock::new() }; RANKS];
     RECORDERS[rank as usize % RANKS].get_or_init(Recorder::new)
+}
+
+/// The ops `rank` recorded since the last call, oldest first (at most the last 65,536).
+pub(crate) fn take_log(rank: u32) -> Vec<LogEntry> {
+    lock(&recorder(rank).queue).log.drain(..).collect()
 }
 
 /// Runs everything `rank` recorded so far (`Backend::sync`).
@@ -278,25 +349,17 @@ impl<P: Clone + Send + 'static> CTensor<P> {
         }
     }
 
-    /// A node of `rank` that computes its value with `f` when forced. `shape` and `dtype` are
-    /// its metadata where the op has a rule for them.
-    pub(crate) fn lazy(
-        rank: u32,
-        op: &'static str,
-        device: AnyDevice,
-        shape: Option<Shape>,
-        dtype: Option<DType>,
-        f: impl FnOnce() -> P + Send + 'static,
-    ) -> Self {
-        let rec = recorder(rank);
+    /// A node of `rank` that computes its value with `f` when forced.
+    pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
+        let rec_ = recorder(rank);
         let node = Arc::new_cyclic(|weak: &Weak<Node<P>>| {
             let w: Weak<dyn Pending> = weak.clone();
             Node {
-                seq: rec.push(w),
-                op,
-                device,
-                shape,
-                dtype,
+                seq: rec_.push(Some(w), &rec),
+                op: rec.op,
+                device: rec.device.clone(),
+                shape: rec.shape.clone(),
+                dtype: rec.dtype,
                 state: Mutex::new(State::Pending(Box::new(f))),
             }
         });
@@ -306,8 +369,19 @@ impl<P: Clone + Send + 'static> CTensor<P> {
         }
     }
 
+    /// The node number of this tensor, if an op recorded it.
+    pub(crate) fn seq(&self) -> Option<u64> {
+        match &self.repr {
+            Repr::Ready(_) => None,
+            Repr::Lazy(n) => Some(n.seq),
+        }
+    }
+
     fn force(&self, why: ForceReason) {
         if let Repr::Lazy(n) = &self.repr {
+            if matches!(*lock(&n.state), State::Done(_)) {
+                return;
+            }
             recorder(self.rank).run_until(n.seq, why);
             // Another thread may have taken it off the queue and still be running it; taking
             // the lock waits for that.
@@ -391,6 +465,29 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 }
 
 impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
+    /// The result `p` of an op that ran eagerly on `rank`: logged like a recorded op (its
+    /// shape and dtype taken from `p`), so the step graph stays connected through it.
+    pub(crate) fn eager(rank: u32, mut rec: Record, p: P) -> Self {
+        rec.shape = Some(p.shape());
+        rec.dtype = Some(p.dtype());
+        if rec.flops == 0 {
+            rec.flops = rec.shape.as_ref().map_or(0, |s| s.num_elements() as u64);
+        }
+        let rec_ = recorder(rank);
+        let seq = rec_.push(None, &rec);
+        CTensor {
+            repr: Repr::Lazy(Arc::new(Node {
+                seq,
+                op: rec.op,
+                device: rec.device,
+                shape: rec.shape,
+                dtype: rec.dtype,
+                state: Mutex::new(State::Done(p)),
+            })),
+            rank,
+        }
+    }
+
     /// The shape if known without computing anything.
     pub(crate) fn shape_hint(&self) -> Option<Shape> {
         match &self.repr {
@@ -534,6 +631,31 @@ pub(crate) mod rules {
             dims.push(full.checked_sub(2 * options.padding[i])?);
         }
         Some(Shape::from(dims))
+    }
+
+    /// The node numbers among an op's inputs.
+    pub fn inputs<const N: usize>(seqs: [Option<u64>; N]) -> smallvec::SmallVec<[u64; 3]> {
+        seqs.into_iter().flatten().collect()
+    }
+
+    /// Elements of a shape (0 when unknown).
+    pub fn numel(s: &Option<Shape>) -> u64 {
+        s.as_ref().map_or(0, |s| s.num_elements() as u64)
+    }
+
+    /// `2 · out · k` for a matrix product whose left operand is `[.., m, k]`.
+    pub fn matmul_flops(out: &Option<Shape>, lhs: &Option<Shape>) -> u64 {
+        let k = lhs.as_ref().and_then(|l| l.last().copied()).unwrap_or(0);
+        2 * numel(out) * k as u64
+    }
+
+    /// `2 · elements · (weight elements per output channel)` for a convolution over
+    /// `elements` outputs (a transposed convolution: inputs) and a weight `[c, c' / g, k..]`.
+    pub fn conv_flops(elements: &Option<Shape>, weight: &Option<Shape>) -> u64 {
+        let per = weight
+            .as_ref()
+            .map_or(0, |w| w.iter().skip(1).product::<usize>() as u64);
+        2 * numel(elements) * per
     }
 
     /// A full reduction: one element.

@@ -21,6 +21,7 @@ mod api;
 mod distributed;
 mod lazy;
 mod ops;
+mod record;
 
 use std::fmt;
 
@@ -33,7 +34,8 @@ use burn_std::DType;
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
     CollectiveOptions, NoSync, SyncStats, UnusedParameters, expected_plan, gradient_syncs_total,
-    last_zero_filled, mark_distributed, no_sync, sync_stats, take_trace, trace_span,
+    last_zero_filled, mark_distributed, no_sync, recorded_step_graph, sync_stats, take_trace,
+    trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 
@@ -139,7 +141,16 @@ macro_rules! lazy_activation {
             let shape = $first.shape_hint();
             let dtype = $first.dtype_hint();
             let device = $first.device_handle(|p| I::float_device(p));
-            CTensor::lazy(rank, stringify!($name), device, shape, dtype, move || {
+            let rec = lazy::Record {
+                op: stringify!($name),
+                kind: "elementwise",
+                device,
+                flops: lazy::rules::numel(&shape),
+                shape,
+                dtype,
+                inputs: lazy::rules::inputs([$($t.seq()),+]),
+            };
+            CTensor::lazy(rank, rec, move || {
                 I::$name($($t.into_inner(),)+ $($a)?)
             })
         }

@@ -12,11 +12,12 @@ use burn_backend::tensor::*;
 use burn_backend::*;
 use burn_std::Slice;
 
-use super::lazy::rules;
+use super::lazy::{AnyDevice, Record, rules};
 use super::{
     CTensor, Collective, CollectiveDevice, wrap_deform_conv2d_backward, wrap_max_pool2d_backward,
     wrap_max_pool2d_with_indices,
 };
+use std::sync::Arc;
 
 impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
@@ -46,17 +47,45 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(
-            I::float_to_device(tensor.into_inner_for("float_to_device"), &device.inner),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_to_device(tensor.into_inner_for("float_to_device"), &device.inner);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_to_device",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_into_int(tensor.into_inner_for("float_into_int"), out_dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_into_int(tensor.into_inner_for("float_into_int"), out_dtype);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_into_int",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
@@ -65,154 +94,231 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_add",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_add",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_add(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_add_scalar",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_add_scalar",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_add_scalar(lhs.into_inner(), rhs),
         )
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_sub",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sub",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sub(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_sub_scalar",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sub_scalar",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sub_scalar(lhs.into_inner(), rhs),
         )
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_mul",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_mul",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_mul(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_mul_scalar",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_mul_scalar",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_mul_scalar(lhs.into_inner(), rhs),
         )
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_div",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_div",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_div(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_div_scalar",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_div_scalar",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_div_scalar(lhs.into_inner(), rhs),
         )
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_remainder",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_remainder",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_remainder(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_remainder_scalar",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_remainder_scalar",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_remainder_scalar(lhs.into_inner(), rhs),
         )
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::matmul(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::matmul_flops(&node_shape, &lhs.shape_hint());
         CTensor::lazy(
             rank,
-            "float_matmul",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_matmul",
+                kind: "matmul",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_matmul(lhs.into_inner(), rhs.into_inner()),
         )
     }
@@ -222,76 +328,133 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         dim: usize,
     ) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::float_cross(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::float_cross(
                 lhs.into_inner_for("float_cross"),
                 rhs.into_inner_for("float_cross"),
                 dim,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_cross",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_recip",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_recip",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_recip(tensor.into_inner()),
         )
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::swap(tensor.shape_hint(), dim1, dim2);
         let node_dtype = tensor.dtype_hint();
+        let node_flops = 0;
         CTensor::lazy(
             rank,
-            "float_swap_dims",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_swap_dims",
+                kind: "opaque",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_swap_dims(tensor.into_inner(), dim1, dim2),
         )
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::permute(tensor.shape_hint(), axes);
         let node_dtype = tensor.dtype_hint();
         let axes = axes.to_vec();
+        let node_flops = 0;
         CTensor::lazy(
             rank,
-            "float_permute",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_permute",
+                kind: "opaque",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_permute(tensor.into_inner(), &axes),
         )
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_flip(tensor.into_inner_for("float_flip"), axes),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_flip(tensor.into_inner_for("float_flip"), axes);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_flip",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = Some(shape.clone());
         let node_dtype = tensor.dtype_hint();
+        let node_flops = 0;
         CTensor::lazy(
             rank,
-            "float_reshape",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_reshape",
+                kind: "opaque",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_reshape(tensor.into_inner(), shape),
         )
     }
@@ -301,14 +464,29 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_gather(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::float_gather(
                 dim,
                 tensor.into_inner_for("float_gather"),
                 indices.into_inner_for("float_gather"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_gather",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_scatter_add(
         dim: usize,
@@ -317,15 +495,31 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_scatter_add(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::float_scatter_add(
                 dim,
                 tensor.into_inner_for("float_scatter_add"),
                 indices.into_inner_for("float_scatter_add"),
                 value.into_inner_for("float_scatter_add"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_scatter_add",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_select(
         tensor: FloatTensor<Self>,
@@ -333,14 +527,29 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_select(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::float_select(
                 tensor.into_inner_for("float_select"),
                 dim,
                 indices.into_inner_for("float_select"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_select",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_select_add(
         tensor: FloatTensor<Self>,
@@ -349,22 +558,52 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_select_add(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::float_select_add(
                 tensor.into_inner_for("float_select_add"),
                 dim,
                 indices.into_inner_for("float_select_add"),
                 value.into_inner_for("float_select_add"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_select_add",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_slice(tensor.into_inner_for("float_slice"), slices),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_slice(tensor.into_inner_for("float_slice"), slices);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_slice",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,
@@ -372,14 +611,29 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_slice_assign(
+        let tensor_seq = tensor.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::float_slice_assign(
                 tensor.into_inner_for("float_slice_assign"),
                 slices,
                 value.into_inner_for("float_slice_assign"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_slice_assign",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_mask_where(
         tensor: FloatTensor<Self>,
@@ -388,15 +642,22 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), mask.seq(), value.seq()]);
         let node_shape =
             rules::broadcast3(tensor.shape_hint(), mask.shape_hint(), value.shape_hint());
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_mask_where",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_mask_where",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner()),
         )
     }
@@ -407,14 +668,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), mask.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_mask_fill",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_mask_fill",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value),
         )
     }
@@ -425,14 +693,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_equal",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_equal",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
@@ -443,14 +718,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_equal_elem",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_equal_elem",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype),
         )
     }
@@ -461,14 +743,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_greater",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_greater",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
@@ -479,14 +768,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_greater_elem",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_greater_elem",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype),
         )
     }
@@ -497,14 +793,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_greater_equal",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_greater_equal",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
@@ -515,14 +818,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_greater_equal_elem",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_greater_equal_elem",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype),
         )
     }
@@ -533,14 +843,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_lower",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_lower",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
@@ -551,14 +868,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_lower_elem",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_lower_elem",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype),
         )
     }
@@ -569,14 +893,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_lower_equal",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_lower_equal",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype),
         )
     }
@@ -587,476 +918,735 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq()]);
         let node_shape = lhs.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_lower_equal_elem",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_lower_equal_elem",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype),
         )
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::scalar();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_sum",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sum",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sum(tensor.into_inner()),
         )
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_sum_dim",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sum_dim",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sum_dim(tensor.into_inner(), dim),
         )
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_mean_dim",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_mean_dim",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_mean_dim(tensor.into_inner(), dim),
         )
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_cumsum",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_cumsum",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_cumsum(tensor.into_inner(), dim),
         )
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_cumprod",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_cumprod",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_cumprod(tensor.into_inner(), dim),
         )
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_cummin(tensor.into_inner_for("float_cummin"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_cummin(tensor.into_inner_for("float_cummin"), dim);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_cummin",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_cummax(tensor.into_inner_for("float_cummax"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_cummax(tensor.into_inner_for("float_cummax"), dim);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_cummax",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(dtype));
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_cast",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_cast",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_cast(tensor.into_inner(), dtype),
         )
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_exp",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_exp",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_exp(tensor.into_inner()),
         )
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_log",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_log",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_log(tensor.into_inner()),
         )
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_log1p",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_log1p",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_log1p(tensor.into_inner()),
         )
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_powf",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_powf",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_powf(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_powf_scalar_impl",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_powf_scalar_impl",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_powf_scalar_impl(tensor.into_inner(), value),
         )
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_sqrt",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sqrt",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sqrt(tensor.into_inner()),
         )
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_abs",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_abs",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_abs(tensor.into_inner()),
         )
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_cos",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_cos",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_cos(tensor.into_inner()),
         )
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_sin",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sin",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sin(tensor.into_inner()),
         )
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_tan",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_tan",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_tan(tensor.into_inner()),
         )
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_cosh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_cosh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_cosh(tensor.into_inner()),
         )
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_sinh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_sinh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_sinh(tensor.into_inner()),
         )
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_tanh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_tanh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_tanh(tensor.into_inner()),
         )
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_acos",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_acos",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_acos(tensor.into_inner()),
         )
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_acosh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_acosh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_acosh(tensor.into_inner()),
         )
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_asin",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_asin",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_asin(tensor.into_inner()),
         )
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_asinh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_asinh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_asinh(tensor.into_inner()),
         )
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_atan",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_atan",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_atan(tensor.into_inner()),
         )
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_atanh",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_atanh",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_atanh(tensor.into_inner()),
         )
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let node_device = lhs.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([lhs.seq(), rhs.seq()]);
         let node_shape = rules::broadcast(lhs.shape_hint(), rhs.shape_hint());
         let node_dtype = lhs.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_atan2",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_atan2",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_atan2(lhs.into_inner(), rhs.into_inner()),
         )
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_round",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_round",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_round(tensor.into_inner()),
         )
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_floor",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_floor",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_floor(tensor.into_inner()),
         )
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_ceil",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_ceil",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_ceil(tensor.into_inner()),
         )
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_trunc",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_trunc",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_trunc(tensor.into_inner()),
         )
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = tensor.shape_hint();
         let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
         CTensor::lazy(
             rank,
-            "float_erf",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_erf",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_erf(tensor.into_inner()),
         )
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_argmax",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_argmax",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_argmax(tensor.into_inner(), dim, out_dtype),
         )
     }
@@ -1067,36 +1657,64 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_argtopk(tensor.into_inner_for("float_argtopk"), dim, k, out_dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_argtopk(tensor.into_inner_for("float_argtopk"), dim, k, out_dtype);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_argtopk",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = rules::reduce_dim(tensor.shape_hint(), dim);
-        let node_dtype = None;
+        let node_dtype = Some(DType::from(out_dtype));
+        let node_flops = rules::numel(&tensor.shape_hint());
         CTensor::lazy(
             rank,
-            "float_argmin",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_argmin",
+                kind: "reduction",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_argmin(tensor.into_inner(), dim, out_dtype),
         )
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq()]);
         let node_shape = Some(shape.clone());
         let node_dtype = tensor.dtype_hint();
+        let node_flops = 0;
         CTensor::lazy(
             rank,
-            "float_expand",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "float_expand",
+                kind: "opaque",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || I::float_expand(tensor.into_inner(), shape),
         )
     }
@@ -1107,10 +1725,24 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::float_unfold(tensor.into_inner_for("float_unfold"), dim, size, step),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::float_unfold(tensor.into_inner_for("float_unfold"), dim, size, step);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "float_unfold",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
 }
 
@@ -1134,24 +1766,66 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(
-            I::int_to_device(tensor.into_inner_for("int_to_device"), &device.inner),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_to_device(tensor.into_inner_for("int_to_device"), &device.inner);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_to_device",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_reshape(tensor.into_inner_for("int_reshape"), shape),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_reshape(tensor.into_inner_for("int_reshape"), shape);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_reshape",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_slice(tensor.into_inner_for("int_slice"), slices),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_slice(tensor.into_inner_for("int_slice"), slices);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_slice",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_slice_assign(
         tensor: IntTensor<Self>,
@@ -1159,21 +1833,50 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_slice_assign(
+        let tensor_seq = tensor.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::int_slice_assign(
                 tensor.into_inner_for("int_slice_assign"),
                 slices,
                 value.into_inner_for("int_slice_assign"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_slice_assign",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_into_float",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_mask_where(
         tensor: IntTensor<Self>,
@@ -1181,14 +1884,30 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_mask_where(
+        let tensor_seq = tensor.seq();
+        let mask_seq = mask.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::int_mask_where(
                 tensor.into_inner_for("int_mask_where"),
                 mask.into_inner_for("int_mask_where"),
                 value.into_inner_for("int_mask_where"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_mask_where",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, mask_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_mask_fill(
         tensor: IntTensor<Self>,
@@ -1196,14 +1915,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_mask_fill(
+        let tensor_seq = tensor.seq();
+        let mask_seq = mask.seq();
+        {
+            let p = I::int_mask_fill(
                 tensor.into_inner_for("int_mask_fill"),
                 mask.into_inner_for("int_mask_fill"),
                 value,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_mask_fill",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, mask_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_gather(
         dim: usize,
@@ -1211,14 +1945,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_gather(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::int_gather(
                 dim,
                 tensor.into_inner_for("int_gather"),
                 indices.into_inner_for("int_gather"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_gather",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_scatter_add(
         dim: usize,
@@ -1227,15 +1976,31 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_scatter_add(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::int_scatter_add(
                 dim,
                 tensor.into_inner_for("int_scatter_add"),
                 indices.into_inner_for("int_scatter_add"),
                 value.into_inner_for("int_scatter_add"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_scatter_add",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_select(
         tensor: IntTensor<Self>,
@@ -1243,14 +2008,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_select(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::int_select(
                 tensor.into_inner_for("int_select"),
                 dim,
                 indices.into_inner_for("int_select"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_select",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_select_add(
         tensor: IntTensor<Self>,
@@ -1259,15 +2039,31 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_select_add(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::int_select_add(
                 tensor.into_inner_for("int_select_add"),
                 dim,
                 indices.into_inner_for("int_select_add"),
                 value.into_inner_for("int_select_add"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_select_add",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_equal(
         lhs: IntTensor<Self>,
@@ -1275,21 +2071,50 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_equal(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_equal(
                 lhs.into_inner_for("int_equal"),
                 rhs.into_inner_for("int_equal"),
                 out_dtype,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_equal",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_equal_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_greater(
         lhs: IntTensor<Self>,
@@ -1297,14 +2122,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_greater(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_greater(
                 lhs.into_inner_for("int_greater"),
                 rhs.into_inner_for("int_greater"),
                 out_dtype,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_greater",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_greater_elem(
         lhs: IntTensor<Self>,
@@ -1312,10 +2152,24 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_greater_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_greater_equal(
         lhs: IntTensor<Self>,
@@ -1323,14 +2177,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_greater_equal(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_greater_equal(
                 lhs.into_inner_for("int_greater_equal"),
                 rhs.into_inner_for("int_greater_equal"),
                 out_dtype,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_greater_equal",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_greater_equal_elem(
         lhs: IntTensor<Self>,
@@ -1338,10 +2207,28 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_greater_equal_elem(lhs.into_inner_for("int_greater_equal_elem"), rhs, out_dtype),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_greater_equal_elem(
+                lhs.into_inner_for("int_greater_equal_elem"),
+                rhs,
+                out_dtype,
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_greater_equal_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_lower(
         lhs: IntTensor<Self>,
@@ -1349,21 +2236,50 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_lower(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_lower(
                 lhs.into_inner_for("int_lower"),
                 rhs.into_inner_for("int_lower"),
                 out_dtype,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_lower",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_lower_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_lower_equal(
         lhs: IntTensor<Self>,
@@ -1371,14 +2287,29 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_lower_equal(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_lower_equal(
                 lhs.into_inner_for("int_lower_equal"),
                 rhs.into_inner_for("int_lower_equal"),
                 out_dtype,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_lower_equal",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_lower_equal_elem(
         lhs: IntTensor<Self>,
@@ -1386,193 +2317,604 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p =
+                I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_lower_equal_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add")),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_add",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_add_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub")),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_sub",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_sub_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul")),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_mul",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_mul_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div")),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_div",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_div_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_remainder(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_remainder(
                 lhs.into_inner_for("int_remainder"),
                 rhs.into_inner_for("int_remainder"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_remainder",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_remainder_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::int_matmul(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::int_matmul(
                 lhs.into_inner_for("int_matmul"),
                 rhs.into_inner_for("int_matmul"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_matmul",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_sum(tensor.into_inner_for("int_sum")), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_sum(tensor.into_inner_for("int_sum"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_sum",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_sum_dim",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_prod(tensor.into_inner_for("int_prod")), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_prod(tensor.into_inner_for("int_prod"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_prod",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_prod_dim",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_mean_dim",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_cumsum",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_cumprod",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_cummin(tensor.into_inner_for("int_cummin"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_cummin(tensor.into_inner_for("int_cummin"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_cummin",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_cummax(tensor.into_inner_for("int_cummax"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_cummax(tensor.into_inner_for("int_cummax"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_cummax",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_argmax(tensor.into_inner_for("int_argmax"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_argmax(tensor.into_inner_for("int_argmax"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_argmax",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_argtopk",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_argmin(tensor.into_inner_for("int_argmin"), dim),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_argmin(tensor.into_inner_for("int_argmin"), dim);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_argmin",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_abs(tensor.into_inner_for("int_abs")), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_abs(tensor.into_inner_for("int_abs"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_abs",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_swap_dims",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_permute(tensor.into_inner_for("int_permute"), axes),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_permute(tensor.into_inner_for("int_permute"), axes);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_permute",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_flip(tensor.into_inner_for("int_flip"), axes), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_flip(tensor.into_inner_for("int_flip"), axes);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_flip",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_random(
         shape: Shape,
@@ -1588,103 +2930,300 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_expand(tensor.into_inner_for("int_expand"), shape),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_expand(tensor.into_inner_for("int_expand"), shape);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_expand",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_and(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bitwise_and(
                 lhs.into_inner_for("bitwise_and"),
                 rhs.into_inner_for("bitwise_and"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_and",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_and_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_or(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bitwise_or(
                 lhs.into_inner_for("bitwise_or"),
                 rhs.into_inner_for("bitwise_or"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_or",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_or_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_xor(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bitwise_xor(
                 lhs.into_inner_for("bitwise_xor"),
                 rhs.into_inner_for("bitwise_xor"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_xor",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_xor_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bitwise_not(tensor.into_inner_for("bitwise_not")), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bitwise_not(tensor.into_inner_for("bitwise_not"));
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_not",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_left_shift(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bitwise_left_shift(
                 lhs.into_inner_for("bitwise_left_shift"),
                 rhs.into_inner_for("bitwise_left_shift"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_left_shift",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p =
+                I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_left_shift_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_right_shift(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bitwise_right_shift(
                 lhs.into_inner_for("bitwise_right_shift"),
                 rhs.into_inner_for("bitwise_right_shift"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_right_shift",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bitwise_right_shift_scalar(lhs.into_inner_for("bitwise_right_shift_scalar"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::bitwise_right_shift_scalar(
+                lhs.into_inner_for("bitwise_right_shift_scalar"),
+                rhs,
+            );
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bitwise_right_shift_scalar",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::int_cast(tensor.into_inner_for("int_cast"), dtype), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_cast(tensor.into_inner_for("int_cast"), dtype);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_cast",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn int_unfold(
         tensor: IntTensor<Self>,
@@ -1693,10 +3232,24 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "int_unfold",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
 }
 
@@ -1724,17 +3277,45 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype);
+            let device: AnyDevice = Arc::new(I::int_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_into_int",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_into_float",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
@@ -1742,24 +3323,66 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
-        CTensor::new(
-            I::bool_to_device(tensor.into_inner_for("bool_to_device"), &device.inner),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_to_device(tensor.into_inner_for("bool_to_device"), &device.inner);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_to_device",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_reshape",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_slice(tensor.into_inner_for("bool_slice"), slices),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_slice(tensor.into_inner_for("bool_slice"), slices);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_slice",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_slice_assign(
         tensor: BoolTensor<Self>,
@@ -1767,14 +3390,29 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_slice_assign(
+        let tensor_seq = tensor.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::bool_slice_assign(
                 tensor.into_inner_for("bool_slice_assign"),
                 slices,
                 value.into_inner_for("bool_slice_assign"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_slice_assign",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_mask_where(
         tensor: BoolTensor<Self>,
@@ -1782,14 +3420,30 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_mask_where(
+        let tensor_seq = tensor.seq();
+        let mask_seq = mask.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::bool_mask_where(
                 tensor.into_inner_for("bool_mask_where"),
                 mask.into_inner_for("bool_mask_where"),
                 value.into_inner_for("bool_mask_where"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_mask_where",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, mask_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_mask_fill(
         tensor: BoolTensor<Self>,
@@ -1797,14 +3451,29 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: Scalar,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_mask_fill(
+        let tensor_seq = tensor.seq();
+        let mask_seq = mask.seq();
+        {
+            let p = I::bool_mask_fill(
                 tensor.into_inner_for("bool_mask_fill"),
                 mask.into_inner_for("bool_mask_fill"),
                 value,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_mask_fill",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, mask_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_gather(
         dim: usize,
@@ -1812,14 +3481,29 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_gather(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::bool_gather(
                 dim,
                 tensor.into_inner_for("bool_gather"),
                 indices.into_inner_for("bool_gather"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_gather",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_scatter_or(
         dim: usize,
@@ -1828,15 +3512,31 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_scatter_or(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::bool_scatter_or(
                 dim,
                 tensor.into_inner_for("bool_scatter_or"),
                 indices.into_inner_for("bool_scatter_or"),
                 value.into_inner_for("bool_scatter_or"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_scatter_or",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_select(
         tensor: BoolTensor<Self>,
@@ -1844,14 +3544,29 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_select(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        {
+            let p = I::bool_select(
                 tensor.into_inner_for("bool_select"),
                 dim,
                 indices.into_inner_for("bool_select"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_select",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_select_or(
         tensor: BoolTensor<Self>,
@@ -1860,78 +3575,229 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_select_or(
+        let tensor_seq = tensor.seq();
+        let indices_seq = indices.seq();
+        let value_seq = value.seq();
+        {
+            let p = I::bool_select_or(
                 tensor.into_inner_for("bool_select_or"),
                 dim,
                 indices.into_inner_for("bool_select_or"),
                 value.into_inner_for("bool_select_or"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_select_or",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bool_equal(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bool_equal(
                 lhs.into_inner_for("bool_equal"),
                 rhs.into_inner_for("bool_equal"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_equal",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        {
+            let p = I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_equal_elem",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_not(tensor.into_inner_for("bool_not")), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_not(tensor.into_inner_for("bool_not"));
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_not",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bool_and(
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bool_and(
                 lhs.into_inner_for("bool_and"),
                 rhs.into_inner_for("bool_and"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_and",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        CTensor::new(
-            I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or")),
-            rank,
-        )
+        let lhs_seq = lhs.seq();
+        let rhs_seq = rhs.seq();
+        {
+            let p = I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or"));
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_or",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([lhs_seq, rhs_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_swap_dims",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_permute(tensor.into_inner_for("bool_permute"), axes),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_permute(tensor.into_inner_for("bool_permute"), axes);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_permute",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(I::bool_flip(tensor.into_inner_for("bool_flip"), axes), rank)
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_flip(tensor.into_inner_for("bool_flip"), axes);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_flip",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_expand(tensor.into_inner_for("bool_expand"), shape),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_expand(tensor.into_inner_for("bool_expand"), shape);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_expand",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn bool_unfold(
         tensor: BoolTensor<Self>,
@@ -1940,10 +3806,24 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         step: usize,
     ) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step);
+            let device: AnyDevice = Arc::new(I::bool_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "bool_unfold",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
 }
 
@@ -1971,10 +3851,24 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::dequantize(tensor.into_inner_for("dequantize"), dtype),
-            rank,
-        )
+        let tensor_seq = tensor.seq();
+        {
+            let p = I::dequantize(tensor.into_inner_for("dequantize"), dtype);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "dequantize",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([tensor_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
@@ -2052,14 +3946,22 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         let node_device = x.device_handle(|p| I::float_device(p));
+        let node_inputs =
+            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(|t| t.seq())]);
         let node_shape = rules::conv(x.shape_hint(), weight.shape_hint(), &options);
         let node_dtype = x.dtype_hint();
+        let node_flops = rules::conv_flops(&node_shape, &weight.shape_hint());
         CTensor::lazy(
             rank,
-            "conv2d",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "conv2d",
+                kind: "conv",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || {
                 I::conv2d(
                     x.into_inner(),
@@ -2079,17 +3981,35 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::deform_conv2d(
+        let x_seq = x.seq();
+        let offset_seq = offset.seq();
+        let weight_seq = weight.seq();
+        let mask_seq = mask.as_ref().and_then(|t| t.seq());
+        let bias_seq = bias.as_ref().and_then(|t| t.seq());
+        {
+            let p = I::deform_conv2d(
                 x.into_inner_for("deform_conv2d"),
                 offset.into_inner_for("deform_conv2d"),
                 weight.into_inner_for("deform_conv2d"),
                 mask.map(|t| t.into_inner_for("deform_conv2d")),
                 bias.map(|t| t.into_inner_for("deform_conv2d")),
                 options,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "deform_conv2d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, offset_seq, weight_seq, mask_seq, bias_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn deform_conv2d_backward(
         x: FloatTensor<Self>,
@@ -2121,15 +4041,31 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::conv3d(
+        let x_seq = x.seq();
+        let weight_seq = weight.seq();
+        let bias_seq = bias.as_ref().and_then(|t| t.seq());
+        {
+            let p = I::conv3d(
                 x.into_inner_for("conv3d"),
                 weight.into_inner_for("conv3d"),
                 bias.map(|t| t.into_inner_for("conv3d")),
                 options,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "conv3d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, weight_seq, bias_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn conv_transpose2d(
         x: FloatTensor<Self>,
@@ -2139,14 +4075,22 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> FloatTensor<Self> {
         let rank = x.rank;
         let node_device = x.device_handle(|p| I::float_device(p));
+        let node_inputs =
+            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(|t| t.seq())]);
         let node_shape = rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options);
         let node_dtype = x.dtype_hint();
+        let node_flops = rules::conv_flops(&x.shape_hint(), &weight.shape_hint());
         CTensor::lazy(
             rank,
-            "conv_transpose2d",
-            node_device,
-            node_shape,
-            node_dtype,
+            Record {
+                op: "conv_transpose2d",
+                kind: "conv",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
             move || {
                 I::conv_transpose2d(
                     x.into_inner(),
@@ -2164,15 +4108,31 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::conv_transpose3d(
+        let x_seq = x.seq();
+        let weight_seq = weight.seq();
+        let bias_seq = bias.as_ref().and_then(|t| t.seq());
+        {
+            let p = I::conv_transpose3d(
                 x.into_inner_for("conv_transpose3d"),
                 weight.into_inner_for("conv_transpose3d"),
                 bias.map(|t| t.into_inner_for("conv_transpose3d")),
                 options,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "conv_transpose3d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, weight_seq, bias_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn avg_pool2d(
         x: FloatTensor<Self>,
@@ -2183,17 +4143,31 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::avg_pool2d(
+        let x_seq = x.seq();
+        {
+            let p = I::avg_pool2d(
                 x.into_inner_for("avg_pool2d"),
                 kernel_size,
                 stride,
                 padding,
                 count_include_pad,
                 ceil_mode,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "avg_pool2d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn avg_pool2d_backward(
         x: FloatTensor<Self>,
@@ -2205,8 +4179,10 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::avg_pool2d_backward(
+        let x_seq = x.seq();
+        let grad_seq = grad.seq();
+        {
+            let p = I::avg_pool2d_backward(
                 x.into_inner_for("avg_pool2d_backward"),
                 grad.into_inner_for("avg_pool2d_backward"),
                 kernel_size,
@@ -2214,29 +4190,71 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
                 padding,
                 count_include_pad,
                 ceil_mode,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "avg_pool2d_backward",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, grad_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size),
-            rank,
-        )
+        let x_seq = x.seq();
+        {
+            let p = I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "adaptive_avg_pool2d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::adaptive_avg_pool2d_backward(
+        let x_seq = x.seq();
+        let grad_seq = grad.seq();
+        {
+            let p = I::adaptive_avg_pool2d_backward(
                 x.into_inner_for("adaptive_avg_pool2d_backward"),
                 grad.into_inner_for("adaptive_avg_pool2d_backward"),
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "adaptive_avg_pool2d_backward",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, grad_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn max_pool2d(
         x: FloatTensor<Self>,
@@ -2247,17 +4265,31 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::max_pool2d(
+        let x_seq = x.seq();
+        {
+            let p = I::max_pool2d(
                 x.into_inner_for("max_pool2d"),
                 kernel_size,
                 stride,
                 padding,
                 dilation,
                 ceil_mode,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "max_pool2d",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn max_pool2d_with_indices(
         x: FloatTensor<Self>,
@@ -2311,10 +4343,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::interpolate(x.into_inner_for("interpolate"), output_size, options),
-            rank,
-        )
+        let x_seq = x.seq();
+        {
+            let p = I::interpolate(x.into_inner_for("interpolate"), output_size, options);
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "interpolate",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn interpolate_backward(
         x: FloatTensor<Self>,
@@ -2323,15 +4369,30 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        CTensor::new(
-            I::interpolate_backward(
+        let x_seq = x.seq();
+        let grad_seq = grad.seq();
+        {
+            let p = I::interpolate_backward(
                 x.into_inner_for("interpolate_backward"),
                 grad.into_inner_for("interpolate_backward"),
                 output_size,
                 options,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "interpolate_backward",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([x_seq, grad_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn attention(
         query: FloatTensor<Self>,
@@ -2342,17 +4403,35 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
         let rank = query.rank;
-        CTensor::new(
-            I::attention(
+        let query_seq = query.seq();
+        let key_seq = key.seq();
+        let value_seq = value.seq();
+        let mask_seq = mask.as_ref().and_then(|t| t.seq());
+        let attn_bias_seq = attn_bias.as_ref().and_then(|t| t.seq());
+        {
+            let p = I::attention(
                 query.into_inner_for("attention"),
                 key.into_inner_for("attention"),
                 value.into_inner_for("attention"),
                 mask.map(|t| t.into_inner_for("attention")),
                 attn_bias.map(|t| t.into_inner_for("attention")),
                 options,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "attention",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([query_seq, key_seq, value_seq, mask_seq, attn_bias_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
     fn rfft(
         signal: FloatTensor<Self>,
@@ -2372,14 +4451,29 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         n: Option<usize>,
     ) -> FloatTensor<Self> {
         let rank = spectrum_re.rank;
-        CTensor::new(
-            I::irfft(
+        let spectrum_re_seq = spectrum_re.seq();
+        let spectrum_im_seq = spectrum_im.seq();
+        {
+            let p = I::irfft(
                 spectrum_re.into_inner_for("irfft"),
                 spectrum_im.into_inner_for("irfft"),
                 dim,
                 n,
-            ),
-            rank,
-        )
+            );
+            let device: AnyDevice = Arc::new(I::float_device(&p));
+            CTensor::eager(
+                rank,
+                Record {
+                    op: "irfft",
+                    kind: "opaque",
+                    device,
+                    shape: None,
+                    dtype: None,
+                    inputs: rules::inputs([spectrum_re_seq, spectrum_im_seq]),
+                    flops: 0,
+                },
+                p,
+            )
+        }
     }
 }

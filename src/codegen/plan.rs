@@ -443,6 +443,7 @@ pub fn nccl_dtype(d: DType) -> &'static str {
         DType::F64 => "ncclFloat64",
         DType::I64 => "ncclInt64",
         DType::I32 => "ncclInt32",
+        DType::Bool => "ncclUint8",
     }
 }
 

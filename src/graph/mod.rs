@@ -49,6 +49,8 @@ pub enum DType {
     I64,
     /// 32-bit signed integer.
     I32,
+    /// Boolean (a mask of a recorded step; never communicated).
+    Bool,
 }
 
 impl DType {
@@ -58,6 +60,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::F64 | DType::I64 => 8,
+            DType::Bool => 1,
         }
     }
 
@@ -75,6 +78,7 @@ impl DType {
             DType::F64 => "f64",
             DType::I64 => "i64",
             DType::I32 => "i32",
+            DType::Bool => "bool",
         }
     }
 
@@ -87,6 +91,7 @@ impl DType {
             "f64" => DType::F64,
             "i64" => DType::I64,
             "i32" => DType::I32,
+            "bool" => DType::Bool,
             _ => return None,
         })
     }

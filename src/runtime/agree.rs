@@ -72,6 +72,7 @@ fn dtype_code(d: DType) -> f64 {
         DType::F64 => 4.0,
         DType::I64 => 5.0,
         DType::I32 => 6.0,
+        DType::Bool => 7.0,
     }
 }
 
@@ -82,6 +83,7 @@ fn dtype_of(code: f64) -> DType {
         4 => DType::F64,
         5 => DType::I64,
         6 => DType::I32,
+        7 => DType::Bool,
         _ => DType::F32,
     }
 }

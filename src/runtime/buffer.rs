@@ -156,7 +156,7 @@ impl HostBuffer {
             DType::F64 => HostBuffer::F64(vec![0.0; len]),
             DType::F16 => HostBuffer::F16(vec![f16::ZERO; len]),
             DType::BF16 => HostBuffer::BF16(vec![bf16::ZERO; len]),
-            DType::I32 | DType::I64 => return None,
+            DType::I32 | DType::I64 | DType::Bool => return None,
         })
     }
 
@@ -189,7 +189,7 @@ impl HostBuffer {
             DType::F64 => add::<f64>(self, other),
             DType::F16 => add::<f16>(self, other),
             DType::BF16 => add::<bf16>(self, other),
-            DType::I32 | DType::I64 => return false,
+            DType::I32 | DType::I64 | DType::Bool => return false,
         }
         true
     }

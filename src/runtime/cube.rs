@@ -194,7 +194,7 @@ fn supports<R: Runtime>(client: &ComputeClient<R>, d: DType) -> bool {
         DType::F16 => half::f16::as_type_native_unchecked(),
         DType::BF16 => half::bf16::as_type_native_unchecked(),
         DType::F64 => f64::as_type_native_unchecked(),
-        DType::I32 | DType::I64 => return false,
+        DType::I32 | DType::I64 | DType::Bool => return false,
     };
     client.properties().supports_type(ty)
 }
