@@ -1,5 +1,8 @@
 //! What `Collective<NdArray>` costs over `NdArray` alone, single rank, no autodiff:
-//! - `op/…`: one elementwise add on a 1-element tensor (per-op overhead, ns/op);
+//! - `op/…`: one elementwise add on a 1-element tensor, its result dropped (for
+//!   `Collective<NdArray>`: recording a node, which never runs: the per-op recording overhead);
+//! - `op_chain64/…`: 64 dependent adds on a 1-element tensor and a read of the result (record,
+//!   run in order, read: divide by 64 for the cost per op);
 //! - `mlp_forward/…`: a 784 → 1024 → 1024 → 10 MLP forward pass on a batch of 64.
 //!
 //! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
@@ -24,6 +27,24 @@ fn op<B: Backend>(
     let b: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d);
     c.bench_function(name, |bench| {
         bench.iter(|| black_box(a.clone() + b.clone()))
+    });
+}
+
+fn chain<B: Backend>(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    d: &B::Device,
+) {
+    let a: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![1.0f32], [1]), d);
+    let b: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d);
+    c.bench_function(name, |bench| {
+        bench.iter(|| {
+            let mut x = a.clone();
+            for _ in 0..64 {
+                x = x + b.clone();
+            }
+            black_box(x.into_data())
+        })
     });
 }
 
@@ -59,6 +80,11 @@ fn overhead(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     op::<NdArray>(&mut g, "ndarray", &nd);
     op::<Collective<NdArray>>(&mut g, "collective_ndarray", &cd);
+    g.finish();
+    let mut g = c.benchmark_group("op_chain64");
+    g.measurement_time(Duration::from_secs(3));
+    chain::<NdArray>(&mut g, "ndarray", &nd);
+    chain::<Collective<NdArray>>(&mut g, "collective_ndarray", &cd);
     g.finish();
     let mut g = c.benchmark_group("mlp_forward");
     g.measurement_time(Duration::from_secs(5)).sample_size(30);
