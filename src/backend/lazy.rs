@@ -49,7 +49,7 @@ pub(crate) enum ForceReason {
 /// Per-rank counters of the lazy recorder.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LazyStats {
-    /// Nodes recorded.
+    /// Ops recorded (eager ops that ran on recorded tensors included: they are logged).
     pub recorded: u64,
     /// Nodes whose op ran.
     pub executed: u64,
@@ -163,10 +163,13 @@ impl Recorder {
                 None => skipped += 1,
             }
         }
+        if ran + skipped == 0 {
+            return;
+        }
         let mut st = lock(&self.stats);
         st.executed += ran;
         st.skipped += skipped;
-        if ran + skipped > 0 {
+        {
             match why {
                 ForceReason::Value(what) => {
                     st.forced_by_value += 1;
@@ -201,7 +204,6 @@ impl Recorder {
             });
             (seq, q.pending.len())
         };
-        lock(&self.stats).recorded += 1;
         if len > MAX_PENDING {
             self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
         }
@@ -227,7 +229,10 @@ pub(crate) fn flush(rank: u32) {
 
 /// The lazy recorder's counters of `rank` so far.
 pub fn lazy_stats(rank: u32) -> LazyStats {
-    lock(&recorder(rank).stats).clone()
+    let r = recorder(rank);
+    let mut st = lock(&r.stats).clone();
+    st.recorded = r.next.load(Ordering::Relaxed);
+    st
 }
 
 impl LazyStats {
