@@ -100,6 +100,10 @@ enum Command {
         /// Write the same as an SVG timeline.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
+        /// Write rank 0's last recorded step (every op, the gradients and their syncs), compiled,
+        /// in the graph text form.
+        #[arg(long)]
+        step_graph: Option<std::path::PathBuf>,
     },
     /// Simulate one training step of a model under every bucketing policy, side by side against
     /// a lower bound; optionally write the chosen policy's step as a trace.
@@ -236,6 +240,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             first_bucket,
             trace,
             svg,
+            step_graph,
         } => run_cmd(RunArgs {
             world,
             model,
@@ -246,6 +251,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             first_bucket,
             trace,
             svg,
+            step_graph,
         }),
         Command::Profile {
             model,
@@ -492,6 +498,7 @@ struct RunArgs {
     first_bucket: Option<u64>,
     trace: Option<std::path::PathBuf>,
     svg: Option<std::path::PathBuf>,
+    step_graph: Option<std::path::PathBuf>,
 }
 
 fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -611,6 +618,22 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         l.forced_by_sync,
         l.forced_by_bound
     )?;
+    if let Some(st) = &report.step {
+        writeln!(
+            out,
+            "recorded step (rank 0): {} ops ({} matmul/conv), {:.1} MFLOP; {} buckets; the first launches with {} of {} ops after it still to run",
+            st.ops,
+            st.heavy_ops,
+            st.flops as f64 / 1e6,
+            st.buckets,
+            st.ops_after_first_launch,
+            st.ops
+        )?;
+        if let Some(p) = &a.step_graph {
+            std::fs::write(p, &st.text).map_err(|e| format!("writing {}: {e}", p.display()))?;
+            writeln!(out, "step graph: {}", p.display())?;
+        }
+    }
     let title = format!(
         "run {} · {} ranks · {}",
         model.name(),

@@ -17,8 +17,12 @@ use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
     Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, lazy_stats,
-    mark_distributed, sync_stats, take_trace, trace_span,
+    mark_distributed, recorded_step_graph, sync_stats, take_trace, trace_span,
 };
+use crate::config::CompileConfig;
+use crate::graph::print::print;
+use crate::graph::{ComputeKind, Graph, Op};
+use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
 
 type Inner = Collective<NdArray>;
@@ -83,10 +87,63 @@ pub struct RunReport {
     pub stats: Vec<SyncStats>,
     /// Every rank's lazy-recording counters over the run.
     pub lazy: Vec<LazyStats>,
+    /// Rank 0's last recorded step, compiled (absent if no step was synchronized).
+    pub step: Option<RecordedStep>,
     /// The trace (empty unless `collective.trace`).
     pub trace: Vec<TraceSpan>,
     /// Whether every rank ended with the same weights.
     pub ranks_agree: bool,
+}
+
+/// A recorded step, compiled with the run's options.
+#[derive(Clone, Debug)]
+pub struct RecordedStep {
+    /// Recorded ops (compute nodes).
+    pub ops: usize,
+    /// Of which matrix products and convolutions.
+    pub heavy_ops: usize,
+    /// Their estimated floating-point operations.
+    pub flops: u64,
+    /// Collectives the compiler formed.
+    pub buckets: usize,
+    /// Ops scheduled after the first collective's launch: the compute it can overlap.
+    pub ops_after_first_launch: usize,
+    /// The compiled graph in text form.
+    pub text: String,
+}
+
+impl RecordedStep {
+    /// Compiles `graph` with `config` and summarizes it.
+    pub fn of(mut graph: Graph, config: &CompileConfig) -> Result<Self, CompileError> {
+        compile(&mut graph, config)?;
+        // The compiler verified the graph, so it has a schedule.
+        let order = graph.topo_order().unwrap_or_default();
+        let (mut ops, mut heavy_ops, mut flops, mut buckets, mut after) = (0, 0, 0, 0, 0);
+        for id in order {
+            match graph.op(id) {
+                Op::Compute { kind, flops: f, .. } => {
+                    ops += 1;
+                    flops += f;
+                    if matches!(kind, ComputeKind::Matmul | ComputeKind::Conv) {
+                        heavy_ops += 1;
+                    }
+                    if buckets > 0 {
+                        after += 1;
+                    }
+                }
+                Op::AllReduceStart { .. } | Op::AllReduce { .. } => buckets += 1,
+                _ => {}
+            }
+        }
+        Ok(RecordedStep {
+            ops,
+            heavy_ops,
+            flops,
+            buckets,
+            ops_after_first_launch: after,
+            text: print(&graph),
+        })
+    }
 }
 
 const INPUTS: usize = 784;
@@ -250,6 +307,8 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
     let lazy = (0..opts.world)
         .map(|r| lazy_stats(r).since(&lazy_before[r as usize]))
         .collect();
+    let step = recorded_step_graph::<NdArray>(0)
+        .and_then(|g| RecordedStep::of(g, &opts.collective.config).ok());
     let trace = take_trace::<NdArray>();
     Inner::close_communication_server(&devices[0]);
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
@@ -259,6 +318,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
         bytes: params as u64 * 4,
         stats,
         lazy,
+        step,
         trace,
         ranks_agree,
     }

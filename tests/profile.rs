@@ -156,6 +156,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     let dir = std::env::temp_dir().join(format!("cf-run-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("run.json");
+    let step_graph = dir.join("step.txt");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
         .args([
             "run",
@@ -170,6 +171,8 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
             "--trace",
         ])
         .arg(&trace)
+        .arg("--step-graph")
+        .arg(&step_graph)
         .output()
         .unwrap();
     assert!(
@@ -183,6 +186,15 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
         "{text}"
     );
     assert!(text.contains("ranks agree: yes"), "{text}");
+    // The recorded step: the MLP's forward and backward ops and the syncs among them.
+    assert!(text.contains("recorded step (rank 0): "), "{text}");
+    let graph = std::fs::read_to_string(&step_graph).unwrap();
+    assert!(
+        graph.contains("compute \"float_matmul\" kind=matmul"),
+        "{graph}"
+    );
+    assert!(graph.contains("all_reduce_start"), "{graph}");
+    collective_fusion::graph::parse::parse(&graph).expect("the step graph parses back");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let events = json["traceEvents"].as_array().unwrap();
     let spans = |pid: u64, name: &str| -> Vec<(f64, f64)> {
