@@ -328,6 +328,23 @@ impl<I: Backend> Session<I> {
         }
     }
 
+    /// The segment graph of `entries` and its plan, from the rank's plan cache; a compile error
+    /// fails the step on every rank.
+    fn compile_segment(
+        &self,
+        rank: usize,
+        cache: &mut PlanCache,
+        entries: &[(String, TensorType)],
+    ) -> (Graph, Arc<Plan>) {
+        let refs: Vec<(&str, &TensorType)> =
+            entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let g = self.segment(&refs);
+        match cache.get_or_compile(&g, &self.options.config) {
+            Ok(p) => (g, p),
+            Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+        }
+    }
+
     /// The graph of a sync segment: a gradient and a `grad_sync` per entry, in ready order.
     fn segment(&self, entries: &[(&str, &TensorType)]) -> Graph {
         let mut g = Graph::new("sync");
@@ -664,17 +681,11 @@ impl<I: Backend> Session<I> {
                 .iter()
                 .map(|i| (st.submitted[*i].name.clone(), st.submitted[*i].ty.clone()))
                 .collect();
-            let entries: Vec<(&str, &TensorType)> =
-                owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let g = self.segment(&entries);
-            let plan = match st.cache.get_or_compile(&g, &self.options.config) {
-                Ok(p) => p,
-                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
-            };
+            let (_, plan) = self.compile_segment(rank, &mut st.cache, &owned);
             let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
-                let i = left[entries.iter().position(|(n, _)| *n == s.param).unwrap_or(0)];
+                let i = left[owned.iter().position(|(n, _)| *n == s.param).unwrap_or(0)];
                 grads.push(st.submitted[i].data.take().unwrap_or_default());
                 source.push(i);
             }
@@ -699,13 +710,8 @@ impl<I: Backend> Session<I> {
                 .iter()
                 .map(|s| (s.name.clone(), s.ty.clone()))
                 .collect();
-            let entries: Vec<(&str, &TensorType)> =
-                owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let g = self.segment(&entries);
-            match st.cache.get_or_compile(&g, &self.options.config) {
-                Ok(p) => st.expected = Some(p),
-                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
-            }
+            let (g, plan) = self.compile_segment(rank, &mut st.cache, &owned);
+            st.expected = Some(plan);
             st.expected_segment = Some(g);
         }
         reduced
@@ -824,13 +830,7 @@ impl<I: Backend> Session<I> {
             }
         }
         if !union.is_empty() {
-            let entries: Vec<(&str, &TensorType)> =
-                union.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let g = self.segment(&entries);
-            let plan = match st.cache.get_or_compile(&g, &self.options.config) {
-                Ok(p) => p,
-                Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
-            };
+            let (_, plan) = self.compile_segment(rank, &mut st.cache, &union);
             let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
@@ -881,13 +881,8 @@ impl<I: Backend> Session<I> {
                 st.expected = None;
                 st.expected_segment = None;
             } else {
-                let refs: Vec<(&str, &TensorType)> =
-                    entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
-                let g = self.segment(&refs);
-                match st.cache.get_or_compile(&g, &self.options.config) {
-                    Ok(p) => st.expected = Some(p),
-                    Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
-                }
+                let (g, plan) = self.compile_segment(rank, &mut st.cache, &entries);
+                st.expected = Some(plan);
                 st.expected_segment = Some(g);
             }
             st.expected_entries = entries;
