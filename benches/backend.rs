@@ -18,13 +18,20 @@ use burn_nn::{Linear, LinearConfig};
 use collective_fusion::backend::{Collective, CollectiveDevice};
 use criterion::{Criterion, criterion_group, criterion_main};
 
+/// Two 1-element tensors.
+fn operands<B: Backend>(d: &B::Device) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    (
+        Tensor::from_data(TensorData::new(vec![1.0f32], [1]), d),
+        Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d),
+    )
+}
+
 fn op<B: Backend>(
     c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     name: &str,
     d: &B::Device,
 ) {
-    let a: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![1.0f32], [1]), d);
-    let b: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d);
+    let (a, b) = operands::<B>(d);
     c.bench_function(name, |bench| {
         bench.iter(|| black_box(a.clone() + b.clone()))
     });
@@ -35,8 +42,7 @@ fn chain<B: Backend>(
     name: &str,
     d: &B::Device,
 ) {
-    let a: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![1.0f32], [1]), d);
-    let b: Tensor<B, 1> = Tensor::from_data(TensorData::new(vec![2.0f32], [1]), d);
+    let (a, b) = operands::<B>(d);
     c.bench_function(name, |bench| {
         bench.iter(|| {
             let mut x = a.clone();

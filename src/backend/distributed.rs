@@ -336,8 +336,7 @@ impl<I: Backend> Session<I> {
         cache: &mut PlanCache,
         entries: &[(String, TensorType)],
     ) -> (Graph, Arc<Plan>) {
-        let refs: Vec<(&str, &TensorType)> =
-            entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let refs: Vec<(&str, &TensorType)> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let g = self.segment(&refs);
         match cache.get_or_compile(&g, &self.options.config) {
             Ok(p) => (g, p),
