@@ -179,3 +179,43 @@ fn an_mlp_forward_is_lazy_and_equals_eager_ndarray_bitwise() {
     );
     assert_eq!(after.forced_by_metadata, before.forced_by_metadata);
 }
+
+#[test]
+fn a_long_recording_without_reads_runs_its_older_half_at_the_bound() {
+    let d = dev(105);
+    let one: Tensor<C, 1> = Tensor::from_data(TensorData::new(vec![0.0f32], [1]), &d);
+    let before = lazy_stats(105);
+    let mut x = one.clone();
+    for _ in 0..10_000 {
+        x = x + 1.0;
+    }
+    let mid = lazy_stats(105).since(&before);
+    assert!(mid.forced_by_bound >= 2, "{mid:?}");
+    assert!(mid.executed >= 5_000, "{mid:?}");
+    assert!(mid.executed < 10_000, "the newest stay pending: {mid:?}");
+    assert_eq!(x.into_data().to_vec::<f32>().unwrap(), vec![10_000.0]);
+}
+
+#[test]
+fn threads_forcing_one_rank_concurrently_each_get_their_value() {
+    let d = dev(106);
+    let base: Tensor<C, 1> = Tensor::from_data(TensorData::new(vec![1.0f32; 64], [64]), &d);
+    let chains: Vec<Tensor<C, 1>> = (0..8)
+        .map(|k| {
+            let mut x = base.clone();
+            for _ in 0..200 {
+                x = x * 1.0 + k as f32;
+            }
+            x
+        })
+        .collect();
+    let got: Vec<f32> = std::thread::scope(|s| {
+        let hs: Vec<_> = chains
+            .into_iter()
+            .map(|x| s.spawn(move || x.into_data().to_vec::<f32>().unwrap()[0]))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want: Vec<f32> = (0..8).map(|k| 1.0 + 200.0 * k as f32).collect();
+    assert_eq!(got, want);
+}

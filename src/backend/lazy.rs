@@ -182,13 +182,23 @@ impl Recorder {
         }
     }
 
-    /// Queues a node (`Some`) or logs an op that already ran (`None`); returns its number.
-    fn push(&self, node: Option<Weak<dyn Pending>>, rec: &Record) -> u64 {
-        let (seq, len) = {
+    /// Numbers, builds (`make`) and logs a node; queues it when it is still to run (`pending`).
+    /// The node
+    /// is built under the queue's lock, so no thread can take it off the queue half-made, and
+    /// numbers are queued in order.
+    fn push<P: Send + 'static>(
+        &self,
+        rec: &Record,
+        pending: bool,
+        make: impl FnOnce(u64) -> Arc<Node<P>>,
+    ) -> Arc<Node<P>> {
+        let (node, seq, len) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
-            if let Some(node) = node {
-                q.pending.push_back((seq, node));
+            let node = make(seq);
+            if pending {
+                let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
+                q.pending.push_back((seq, weak));
             }
             if q.log.len() == MAX_LOG {
                 q.log.pop_front();
@@ -202,12 +212,12 @@ impl Recorder {
                 dtype: rec.dtype,
                 flops: rec.flops,
             });
-            (seq, q.pending.len())
+            (node, seq, q.pending.len())
         };
         if len > MAX_PENDING {
             self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
         }
-        seq
+        node
     }
 }
 
@@ -356,17 +366,15 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     /// A node of `rank` that computes its value with `f` when forced.
     pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
-        let rec_ = recorder(rank);
-        let node = Arc::new_cyclic(|weak: &Weak<Node<P>>| {
-            let w: Weak<dyn Pending> = weak.clone();
-            Node {
-                seq: rec_.push(Some(w), &rec),
+        let node = recorder(rank).push(&rec, true, |seq| {
+            Arc::new(Node {
+                seq,
                 op: rec.op,
                 device: rec.device.clone(),
                 shape: rec.shape.clone(),
                 dtype: rec.dtype,
                 state: Mutex::new(State::Pending(Box::new(f))),
-            }
+            })
         });
         CTensor {
             repr: Repr::Lazy(node),
@@ -478,17 +486,18 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
         if rec.flops == 0 {
             rec.flops = rec.shape.as_ref().map_or(0, |s| s.num_elements() as u64);
         }
-        let rec_ = recorder(rank);
-        let seq = rec_.push(None, &rec);
-        CTensor {
-            repr: Repr::Lazy(Arc::new(Node {
+        let node = recorder(rank).push(&rec, false, |seq| {
+            Arc::new(Node {
                 seq,
                 op: rec.op,
-                device: rec.device,
-                shape: rec.shape,
+                device: rec.device.clone(),
+                shape: rec.shape.clone(),
                 dtype: rec.dtype,
                 state: Mutex::new(State::Done(p)),
-            })),
+            })
+        });
+        CTensor {
+            repr: Repr::Lazy(node),
             rank,
         }
     }
