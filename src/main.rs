@@ -100,8 +100,8 @@ enum Command {
         /// Write the same as an SVG timeline.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
-        /// Write rank 0's last recorded step (every op, the gradients and their syncs), compiled,
-        /// in the graph text form.
+        /// Write rank 0's last recorded step (every op, the gradients and their syncs) in the
+        /// graph text form; `profile --model FILE --print-graph` compiles and simulates it.
         #[arg(long)]
         step_graph: Option<std::path::PathBuf>,
     },
@@ -109,7 +109,8 @@ enum Command {
     /// a lower bound; optionally write the chosen policy's step as a trace.
     Profile {
         /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
-        /// llama_1b_tied) or the path of a profile file of the same schema.
+        /// llama_1b_tied), the path of a profile file of the same schema, or a recorded step in
+        /// the graph text form (`run --step-graph`).
         #[arg(long)]
         model: String,
         /// Ranks (default: the link profile's).
@@ -136,6 +137,9 @@ enum Command {
         /// Write the same step as an SVG timeline.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
+        /// Print the chosen policy's compiled step graph after the table.
+        #[arg(long)]
+        print_graph: bool,
     },
     /// Compile one training step of a model and print the optimized graph and its bucket plan.
     Plan {
@@ -263,6 +267,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             batch,
             trace,
             svg,
+            print_graph,
         } => profile_cmd(ProfileArgs {
             model,
             world,
@@ -273,6 +278,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             batch,
             trace,
             svg,
+            print_graph,
         }),
         Command::Rendezvous { timeout_ms } => {
             use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous};
@@ -690,12 +696,46 @@ struct ProfileArgs {
     batch: u64,
     trace: Option<std::path::PathBuf>,
     svg: Option<std::path::PathBuf>,
+    print_graph: bool,
 }
 
 fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use collective_fusion::profile::{ProfileOptions, compare, compiled_graph, simulated_trace};
+    use collective_fusion::profile::{
+        ProfileOptions, StepSource, compare_step, compiled_step, simulated_trace,
+    };
     use std::io::IsTerminal as _;
-    let profile = ModelProfile::load(&a.model)?;
+    // A file in the graph text form is a recorded step (`run --step-graph`); anything else
+    // names a model profile.
+    let recorded = match std::fs::read_to_string(&a.model) {
+        Ok(text) if text.trim_start().starts_with("graph ") => {
+            let g = collective_fusion::graph::parse::parse(&text)
+                .map_err(|e| format!("{}: {e}", a.model))?;
+            if !g
+                .node_ids()
+                .any(|n| matches!(g.op(n), collective_fusion::graph::Op::GradSync { .. }))
+            {
+                return Err(format!(
+                    "{}: the graph has no grad_sync to bucket (a compiled graph?); profile the recorded step that `run --step-graph` writes",
+                    a.model
+                )
+                .into());
+            }
+            Some(g)
+        }
+        _ => None,
+    };
+    let profile = match &recorded {
+        Some(_) => None,
+        None => Some(ModelProfile::load(&a.model)?),
+    };
+    let source = match (&recorded, &profile) {
+        (Some(graph), _) => StepSource::Recorded {
+            name: &a.model,
+            graph,
+        },
+        (None, Some(p)) => StepSource::Profile(p),
+        (None, None) => unreachable!("one of the two was loaded"),
+    };
     let mut config = CompileConfig::from_env()?;
     if let Some(l) = a.link {
         config.cost = CostModel::new(SystemProfile::load(&l)?);
@@ -725,9 +765,9 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
     let started = std::time::Instant::now();
     let tty = std::io::stderr().is_terminal();
     let mut shown = false;
-    let cmp = compare(&profile, &opts, selected, |policy| {
+    let cmp = compare_step(source, &opts, selected, |policy| {
         if tty && started.elapsed() > std::time::Duration::from_millis(300) {
-            eprint!("\rsimulating {} · policy {policy:<9}", profile.model);
+            eprint!("\rsimulating {} · policy {policy:<9}", source.name());
             shown = true;
         }
     })?;
@@ -735,12 +775,16 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
         eprint!("\r{:60}\r", "");
     }
     let mut out = cmp.to_string();
+    if a.print_graph {
+        let g = compiled_step(source, &opts, selected)?;
+        let _ = write!(out, "\n{}", collective_fusion::graph::print::print(&g));
+    }
     if a.trace.is_some() || a.svg.is_some() {
-        let g = compiled_graph(&profile, &opts, selected)?;
+        let g = compiled_step(source, &opts, selected)?;
         let (_, spans) = simulated_trace(&g, &opts.config.cost)?;
         let title = format!(
             "{} · {} · world {} · {} (simulated)",
-            profile.model,
+            source.name(),
             selected.name(),
             world,
             opts.config.cost.system.name

@@ -81,6 +81,69 @@ pub struct Comparison {
     pub bound: LowerBound,
     /// The policy whose trace was asked for (marked in the table).
     pub selected: BucketPolicy,
+    /// A recorded step (its compute is as recorded; the batch size does not apply).
+    pub recorded: bool,
+}
+
+/// What a profile simulates: a model profile's step, or a step recorded by `Collective<B>`
+/// (`run --step-graph`, `recorded_step_graph`) in the graph text form.
+#[derive(Clone, Copy, Debug)]
+pub enum StepSource<'a> {
+    /// A model profile: compute from its per-layer FLOPs at the batch size.
+    Profile(&'a ModelProfile),
+    /// A recorded step: compute from its ops' flop estimates, as recorded (the batch size does
+    /// not apply); its groups are resized to the profile's world.
+    Recorded {
+        /// Name shown in the table.
+        name: &'a str,
+        /// The step graph, before compilation.
+        graph: &'a Graph,
+    },
+}
+
+impl StepSource<'_> {
+    /// The uncompiled step graph.
+    pub fn step_graph(&self, opts: &ProfileOptions) -> Graph {
+        match self {
+            StepSource::Profile(p) => build_step_graph(
+                p,
+                &BuildOptions {
+                    world: opts.world,
+                    batch: opts.batch,
+                    reduce: opts.reduce,
+                },
+            ),
+            StepSource::Recorded { graph, .. } => {
+                let mut g = (*graph).clone();
+                let ids: Vec<_> = g.groups().iter().map(|gr| gr.id).collect();
+                for id in ids {
+                    g.set_group_size(id, opts.world);
+                }
+                g
+            }
+        }
+    }
+
+    /// The name shown in the table.
+    pub fn name(&self) -> &str {
+        match self {
+            StepSource::Profile(p) => &p.model,
+            StepSource::Recorded { name, .. } => name,
+        }
+    }
+
+    /// Gradients and their bytes.
+    fn gradients(&self) -> (usize, u64) {
+        match self {
+            StepSource::Profile(p) => (p.params.len(), p.total_bytes()),
+            StepSource::Recorded { graph, .. } => graph
+                .node_ids()
+                .filter(|n| matches!(graph.op(*n), Op::Gradient { .. }))
+                .fold((0, 0), |(n, b), id| {
+                    (n + 1, b + graph.node(id).results[0].bytes())
+                }),
+        }
+    }
 }
 
 /// The step graph of `profile` compiled with `policy`.
@@ -89,14 +152,16 @@ pub fn compiled_graph(
     opts: &ProfileOptions,
     policy: BucketPolicy,
 ) -> Result<Graph, CompileError> {
-    let mut g = build_step_graph(
-        profile,
-        &BuildOptions {
-            world: opts.world,
-            batch: opts.batch,
-            reduce: opts.reduce,
-        },
-    );
+    compiled_step(StepSource::Profile(profile), opts, policy)
+}
+
+/// The step graph of `source` compiled with `policy`.
+pub fn compiled_step(
+    source: StepSource<'_>,
+    opts: &ProfileOptions,
+    policy: BucketPolicy,
+) -> Result<Graph, CompileError> {
+    let mut g = source.step_graph(opts);
     let mut cfg = opts.config.clone();
     cfg.bucket.policy = policy;
     compile(&mut g, &cfg)?;
@@ -138,16 +203,19 @@ pub fn compare(
     profile: &ModelProfile,
     opts: &ProfileOptions,
     selected: BucketPolicy,
+    progress: impl FnMut(&str),
+) -> Result<Comparison, ProfileError> {
+    compare_step(StepSource::Profile(profile), opts, selected, progress)
+}
+
+/// [`compare`] for any step source.
+pub fn compare_step(
+    source: StepSource<'_>,
+    opts: &ProfileOptions,
+    selected: BucketPolicy,
     mut progress: impl FnMut(&str),
 ) -> Result<Comparison, ProfileError> {
-    let base = build_step_graph(
-        profile,
-        &BuildOptions {
-            world: opts.world,
-            batch: opts.batch,
-            reduce: opts.reduce,
-        },
-    );
+    let base = source.step_graph(opts);
     let bound = lower_bound(&base, &opts.config.cost, opts.world);
     let mut rows = Vec::new();
     for policy in [
@@ -156,7 +224,7 @@ pub fn compare(
         BucketPolicy::Cost,
     ] {
         progress(policy.name());
-        let g = compiled_graph(profile, opts, policy)?;
+        let g = compiled_step(source, opts, policy)?;
         let times = simulate(&g, &opts.config.cost)?;
         rows.push(PolicyRow {
             policy,
@@ -164,14 +232,16 @@ pub fn compare(
             times,
         });
     }
+    let (tensors, bytes) = source.gradients();
     Ok(Comparison {
-        model: profile.model.clone(),
-        tensors: profile.params.len(),
-        bytes: profile.total_bytes(),
+        model: source.name().to_string(),
+        tensors,
+        bytes,
         options: opts.clone(),
         rows,
         bound,
         selected,
+        recorded: matches!(source, StepSource::Recorded { .. }),
     })
 }
 
@@ -215,12 +285,16 @@ impl fmt::Display for Comparison {
         let sys = &o.config.cost.system;
         writeln!(
             f,
-            "model {} · {} tensors, {} · world {} · batch {} · link {} (α {} µs, busbw {} GB/s, {} TFLOP/s)",
+            "model {} · {} tensors, {} · world {} · {} · link {} (α {} µs, busbw {} GB/s, {} TFLOP/s)",
             self.model,
             self.tensors,
             fmt_bytes(self.bytes),
             o.world,
-            o.batch,
+            if self.recorded {
+                "recorded step".to_string()
+            } else {
+                format!("batch {}", o.batch)
+            },
             sys.name,
             sys.alpha_us,
             sys.busbw_gbs,

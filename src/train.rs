@@ -108,13 +108,15 @@ pub struct RecordedStep {
     pub buckets: usize,
     /// Ops scheduled after the first collective's launch: the compute it can overlap.
     pub ops_after_first_launch: usize,
-    /// The compiled graph in text form.
+    /// The recorded graph in text form, before compilation (what `profile --model FILE` reads).
     pub text: String,
 }
 
 impl RecordedStep {
     /// Compiles `graph` with `config` and summarizes it.
-    pub fn of(mut graph: Graph, config: &CompileConfig) -> Result<Self, CompileError> {
+    pub fn of(recorded: Graph, config: &CompileConfig) -> Result<Self, CompileError> {
+        let text = print(&recorded);
+        let mut graph = recorded;
         compile(&mut graph, config)?;
         // The compiler verified the graph, so it has a schedule.
         let order = graph.topo_order().unwrap_or_default();
@@ -141,7 +143,7 @@ impl RecordedStep {
             flops,
             buckets,
             ops_after_first_launch: after,
-            text: print(&graph),
+            text,
         })
     }
 }

@@ -193,8 +193,33 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
         graph.contains("compute \"float_matmul\" kind=matmul"),
         "{graph}"
     );
-    assert!(graph.contains("all_reduce_start"), "{graph}");
+    assert!(graph.contains("grad_sync"), "{graph}");
     collective_fusion::graph::parse::parse(&graph).expect("the step graph parses back");
+    // The recorded step profiles like a model: every policy at 8 ranks, and the chosen policy's
+    // compiled graph with its buckets launched among the recorded ops.
+    let prof = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        .args([
+            "profile",
+            "--world",
+            "8",
+            "--policy",
+            "ddp",
+            "--print-graph",
+            "--model",
+        ])
+        .arg(&step_graph)
+        .output()
+        .unwrap();
+    assert!(
+        prof.status.success(),
+        "{}",
+        String::from_utf8_lossy(&prof.stderr)
+    );
+    let ptext = String::from_utf8(prof.stdout).unwrap();
+    assert!(ptext.contains("world 8 · recorded step"), "{ptext}");
+    assert!(ptext.contains("\nddp* "), "{ptext}");
+    assert!(ptext.contains("all_reduce_start"), "{ptext}");
+    assert!(ptext.contains("group g0 size=8"), "{ptext}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let events = json["traceEvents"].as_array().unwrap();
     let spans = |pid: u64, name: &str| -> Vec<(f64, f64)> {

@@ -443,7 +443,19 @@ impl Graph {
         &self.groups
     }
 
-    /// Size of a group, if declared.
+    /// Resizes group `id` (profiling a recorded step at another world size); false if it is not
+    /// declared.
+    pub fn set_group_size(&mut self, id: GroupId, size: u32) -> bool {
+        match self.groups.iter_mut().find(|g| g.id == id) {
+            Some(g) => {
+                g.size = size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The size of group `id`.
     pub fn group_size(&self, id: GroupId) -> Option<u32> {
         self.groups.iter().find(|g| g.id == id).map(|g| g.size)
     }
