@@ -11,7 +11,8 @@ use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use burn_wgpu::{Wgpu, WgpuDevice};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, recorded_step_graph,
+    sync_stats,
 };
 use collective_fusion::train::{module_weights, synthetic_batch};
 
@@ -106,6 +107,13 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let stats = sync_stats::<Wgpu>(0);
+    // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
+    let step = recorded_step_graph::<Wgpu>(0).expect("a recorded step");
+    let matmuls = collective_fusion::graph::print::print(&step)
+        .matches("compute \"float_matmul\"")
+        .count();
+    // Two layers: two forward matmuls, three backward (no input gradient for the first layer).
+    assert_eq!(matmuls, 5, "forward and backward matmuls recorded");
     Inner::close_communication_server(&devices[0]);
     assert_eq!(
         stats.eager_steps + stats.flushed_steps,
