@@ -219,3 +219,30 @@ fn threads_forcing_one_rank_concurrently_each_get_their_value() {
     let want: Vec<f32> = (0..8).map(|k| 1.0 + 200.0 * k as f32).collect();
     assert_eq!(got, want);
 }
+
+#[test]
+fn an_op_that_panics_when_it_runs_fails_every_reader_with_its_name_and_no_hang() {
+    use burn_backend::ops::FloatTensorOps;
+    let d = dev(107);
+    let a: Tensor<C, 1> = Tensor::from_data(data(12, vec![12], 8), &d);
+    // Straight to the backend, past Burn's shape checks: the inner backend panics when it runs.
+    let bad = C::float_reshape(prim(&a), burn_std::Shape::new([5]));
+    let other = bad.clone();
+    let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bad.inner()));
+    assert!(
+        first.is_err(),
+        "the inner backend's panic reaches the reader"
+    );
+    let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| other.inner()));
+    let msg = second
+        .err()
+        .and_then(|p| p.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    assert!(
+        msg.contains("float_reshape") && msg.contains("panicked while it ran"),
+        "a later reader is told which op failed: {msg}"
+    );
+    // The rank's queue still works.
+    let ok = (a + 1.0).sum().into_data().to_vec::<f32>().unwrap();
+    assert_eq!(ok.len(), 1);
+}
