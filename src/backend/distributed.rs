@@ -475,18 +475,7 @@ impl<I: Backend> Session<I> {
                     live.ready[slot as usize] = true;
                     live.source[slot as usize] = Some(i);
                     // Pack and launch every bucket this gradient completes; never wait here.
-                    if let Err(e) = live.exec.run(
-                        &live.plan,
-                        &self.comms[rank],
-                        &mut live.grads,
-                        &live.ready,
-                        &mut NoHooks,
-                        self.opts(),
-                        &mut st.workspace,
-                        false,
-                    ) {
-                        self.fail(rank, e.to_string());
-                    }
+                    self.advance_live(rank, live, &mut st.workspace, false);
                 }
                 _ => live.diverged = true,
             }
@@ -498,6 +487,23 @@ impl<I: Backend> Session<I> {
             data,
             seq,
         });
+    }
+
+    /// Runs a live execution as far as its gradients allow (`to_end`: to the end, waiting for
+    /// its collectives); an error fails the step on every rank.
+    fn advance_live(&self, rank: usize, live: &mut Live, ws: &mut Workspace, to_end: bool) {
+        if let Err(e) = live.exec.run(
+            &live.plan,
+            &self.comms[rank],
+            &mut live.grads,
+            &live.ready,
+            &mut NoHooks,
+            self.opts(),
+            ws,
+            to_end,
+        ) {
+            self.fail(rank, e.to_string());
+        }
     }
 
     /// Starts running `plan` (the expected plan) for this step.
@@ -526,18 +532,7 @@ impl<I: Backend> Session<I> {
         mut live: Live,
         ws: &mut Workspace,
     ) -> (Vec<HostBuffer>, Vec<Option<usize>>) {
-        if let Err(e) = live.exec.run(
-            &live.plan,
-            &self.comms[rank],
-            &mut live.grads,
-            &live.ready,
-            &mut NoHooks,
-            self.opts(),
-            ws,
-            true,
-        ) {
-            self.fail(rank, e.to_string());
-        }
+        self.advance_live(rank, &mut live, ws, true);
         match live.exec.finish() {
             Ok(report) => self.record(rank, &report),
             Err(e) => self.fail(rank, e.to_string()),

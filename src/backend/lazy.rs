@@ -604,6 +604,16 @@ pub(crate) mod rules {
         a?.reduce(dim).ok()
     }
 
+    /// The input and weight shapes of an `N`-d convolution, if both are known and of rank
+    /// `N + 2`.
+    fn conv_operands<const N: usize>(
+        x: Option<Shape>,
+        weight: Option<Shape>,
+    ) -> Option<(Shape, Shape)> {
+        let (x, w) = (x?, weight?);
+        (x.num_dims() == N + 2 && w.num_dims() == N + 2).then_some((x, w))
+    }
+
     /// Convolution: `[batch, c_in, spatial..] * [c_out, c_in / groups, kernel..]` gives
     /// `[batch, c_out, (size + 2 padding - dilation (kernel - 1) - 1) / stride + 1 ..]`.
     pub fn conv<const N: usize>(
@@ -611,10 +621,7 @@ pub(crate) mod rules {
         weight: Option<Shape>,
         options: &burn_backend::ops::ConvOptions<N>,
     ) -> Option<Shape> {
-        let (x, w) = (x?, weight?);
-        if x.num_dims() != N + 2 || w.num_dims() != N + 2 {
-            return None;
-        }
+        let (x, w) = conv_operands::<N>(x, weight)?;
         let mut dims = vec![x[0], w[0]];
         for i in 0..N {
             let span = options.dilation[i].checked_mul(w[i + 2].checked_sub(1)?)? + 1;
@@ -632,10 +639,7 @@ pub(crate) mod rules {
         weight: Option<Shape>,
         options: &burn_backend::ops::ConvTransposeOptions<N>,
     ) -> Option<Shape> {
-        let (x, w) = (x?, weight?);
-        if x.num_dims() != N + 2 || w.num_dims() != N + 2 {
-            return None;
-        }
+        let (x, w) = conv_operands::<N>(x, weight)?;
         let mut dims = vec![x[0], w[1] * options.groups.max(1)];
         for i in 0..N {
             let full = x[i + 2].checked_sub(1)? * options.stride[i]
