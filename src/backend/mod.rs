@@ -1,8 +1,11 @@
 //! The Burn glue: `Collective<I>`, a Burn 0.21 backend over an inner backend `I` (NdArray here,
 //! Burn's CubeCL backends on GPUs) that owns Burn's gradient-sync hooks.
 //!
-//! Today every tensor op runs eagerly on `I` (`ops.rs`, generated: unwrap, call `I`, wrap), and
-//! the distributed hooks are compiled. The first step records a `grad_sync` per gradient in ready
+//! Tensor ops record lazily (`lazy.rs`; `ops.rs` is generated from Burn's op traits): a node
+//! with its shape, dtype and flop estimate, run on `I` in record order when a value is needed; at
+//! each sync point a rank's recorded ops become its step graph (`record.rs`,
+//! [`recorded_step_graph`]). The distributed hooks are compiled. The first step records a
+//! `grad_sync` per gradient in ready
 //! order; `submit_sync_collective` builds the segment's graph, compiles it through the plan cache
 //! (bucketing, fusion, async split, overlap scheduling) and runs the plan. Later steps follow that
 //! plan while gradients arrive in its order: each bucket is packed and its all-reduce launched on
