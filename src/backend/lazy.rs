@@ -182,20 +182,22 @@ impl Recorder {
         }
     }
 
-    /// Numbers, builds (`make`) and logs a node; queues it when it is still to run (`pending`).
-    /// The node
-    /// is built under the queue's lock, so no thread can take it off the queue half-made, and
-    /// numbers are queued in order.
-    fn push<P: Send + 'static>(
-        &self,
-        rec: &Record,
-        pending: bool,
-        make: impl FnOnce(u64) -> Arc<Node<P>>,
-    ) -> Arc<Node<P>> {
+    /// Numbers, builds and logs a node in `state`, and queues it when that state is pending.
+    /// The node is built under the queue's lock, so no thread can take it off the queue
+    /// half-made, and numbers are queued in order.
+    fn push<P: Send + 'static>(&self, rec: Record, state: State<P>) -> Arc<Node<P>> {
+        let pending = matches!(state, State::Pending(_));
         let (node, seq, len) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
-            let node = make(seq);
+            let node = Arc::new(Node {
+                seq,
+                op: rec.op,
+                device: rec.device,
+                shape: rec.shape.clone(),
+                dtype: rec.dtype,
+                state: Mutex::new(state),
+            });
             if pending {
                 let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
                 q.pending.push_back((seq, weak));
@@ -207,8 +209,8 @@ impl Recorder {
                 seq,
                 op: rec.op,
                 kind: rec.kind,
-                inputs: rec.inputs.clone(),
-                shape: rec.shape.clone(),
+                inputs: rec.inputs,
+                shape: rec.shape,
                 dtype: rec.dtype,
                 flops: rec.flops,
             });
@@ -366,16 +368,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     /// A node of `rank` that computes its value with `f` when forced.
     pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
-        let node = recorder(rank).push(&rec, true, |seq| {
-            Arc::new(Node {
-                seq,
-                op: rec.op,
-                device: rec.device.clone(),
-                shape: rec.shape.clone(),
-                dtype: rec.dtype,
-                state: Mutex::new(State::Pending(Box::new(f))),
-            })
-        });
+        let node = recorder(rank).push(rec, State::Pending(Box::new(f)));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
@@ -486,16 +479,7 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
         if rec.flops == 0 {
             rec.flops = rec.shape.as_ref().map_or(0, |s| s.num_elements() as u64);
         }
-        let node = recorder(rank).push(&rec, false, |seq| {
-            Arc::new(Node {
-                seq,
-                op: rec.op,
-                device: rec.device.clone(),
-                shape: rec.shape.clone(),
-                dtype: rec.dtype,
-                state: Mutex::new(State::Done(p)),
-            })
-        });
+        let node = recorder(rank).push(rec, State::Done(p));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
