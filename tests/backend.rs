@@ -184,6 +184,7 @@ fn train_data_parallel_inspect<M: Net>(
                 flushed_steps: 1,
                 compiled: 1,
                 zero_filled: 0,
+                device_buckets: 0,
             },
             "rank {r}"
         );

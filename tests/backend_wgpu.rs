@@ -1,6 +1,8 @@
 //! `Collective<B>` over one of Burn's CubeCL backends: `Autodiff<Collective<Wgpu>>` trains an MLP
 //! data-parallel on 2 ranks (threads sharing the wgpu device; Mesa's software Vulkan driver in
-//! CI) and ends where one rank trained on the concatenated batch ends.
+//! CI) and ends where one rank trained on the concatenated batch ends. Its gradient buckets are
+//! packed by the CubeCL kernels on the gradients' own buffers, and give the same bits as staging
+//! every gradient through host memory.
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
@@ -11,9 +13,10 @@ use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use burn_wgpu::{Wgpu, WgpuDevice};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, recorded_step_graph,
-    sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed,
+    recorded_step_graph, sync_stats,
 };
+use collective_fusion::graph::Graph;
 use collective_fusion::train::{module_weights, synthetic_batch};
 
 type Inner = Collective<Wgpu>;
@@ -73,21 +76,17 @@ fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f3
     module_weights::<B, Mlp>(&m)
 }
 
-#[test]
-fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
-    if !adapter() {
-        return;
-    }
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
-        .collect();
+/// Trains on `WORLD` wgpu ranks (gradients kept on the device or read into host memory); returns
+/// each rank's final weights, rank 0's sync statistics and recorded step.
+fn distributed(devices: &[Dev], device_buckets: bool) -> (Vec<Vec<f32>>, SyncStats, Graph) {
     CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
+        device_buckets,
         ..CollectiveOptions::default()
     }
     .install::<Wgpu>();
     Inner::start_communication_server(
-        &devices,
+        devices,
         DistributedConfig {
             all_reduce_op: ReduceOperation::Mean,
         },
@@ -107,20 +106,40 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let stats = sync_stats::<Wgpu>(0);
-    // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
     let step = recorded_step_graph::<Wgpu>(0).expect("a recorded step");
+    Inner::close_communication_server(&devices[0]);
+    (ranks, stats, step)
+}
+
+#[test]
+fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+    if !adapter() {
+        return;
+    }
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect();
+    let (ranks, stats, step) = distributed(&devices, true);
+    // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
     let matmuls = collective_fusion::graph::print::print(&step)
         .matches("compute \"float_matmul\"")
         .count();
     // Two layers: two forward matmuls, three backward (no input gradient for the first layer).
     assert_eq!(matmuls, 5, "forward and backward matmuls recorded");
-    Inner::close_communication_server(&devices[0]);
     assert_eq!(
         stats.eager_steps + stats.flushed_steps,
         STEPS as u64,
         "{stats:?}"
     );
+    // Every bucket of every step was packed by the CubeCL kernels on the gradients' buffers.
+    assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    // Staging every gradient through host memory instead gives the same bits.
+    let (host, host_stats, _) = distributed(&devices, false);
+    assert_eq!(host_stats.device_buckets, 0, "{host_stats:?}");
+    for (i, (a, b)) in ranks[0].iter().zip(&host[0]).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "weight {i}: device {a} vs host {b}");
+    }
     let reference = train(
         init(&devices[0]),
         (0, WORLD as usize * ROWS),

@@ -32,7 +32,7 @@ use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::{CollectiveDesc, Communicator};
 use crate::runtime::exec::ExecReport;
 use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
-use crate::runtime::{HostBuffer, InProcessComm, InProcessGroup};
+use crate::runtime::{Grad, HostBuffer, InProcessComm, InProcessGroup};
 use crate::trace::TraceSpan;
 
 /// How `Collective<I>` compiles and runs its gradient sync.
@@ -49,6 +49,12 @@ pub struct CollectiveOptions {
     pub check_finite: bool,
     /// What a step does about a parameter whose gradient did not arrive on some rank.
     pub unused: UnusedParameters,
+    /// Keep the gradients of a CubeCL inner backend (Burn's wgpu or CUDA backend, without its
+    /// fusion layer) in their device buffers: a bucket is packed and unpacked by the CubeCL
+    /// kernels on those buffers and crosses to the host communicator as one flat buffer. Off,
+    /// or for any other inner backend, every gradient is read into host memory on arrival. A
+    /// step under [`no_sync`], or with `check_finite`, reads gradients into host memory anyway.
+    pub device_buckets: bool,
 }
 
 /// What a step does about a parameter whose gradient did not arrive on a rank: a registered
@@ -78,6 +84,7 @@ impl Default for CollectiveOptions {
             trace: false,
             check_finite: false,
             unused: UnusedParameters::Error,
+            device_buckets: true,
         }
     }
 }
@@ -123,7 +130,7 @@ struct Submitted<I: Backend> {
     name: String,
     ty: TensorType,
     /// Its data, unless it was handed to the live execution.
-    data: Option<HostBuffer>,
+    data: Option<Grad>,
     /// The recorded node its tensor was when submitted.
     seq: Option<u64>,
 }
@@ -134,7 +141,7 @@ struct Live {
     plan: Arc<Plan>,
     exec: Execution,
     /// Slot-indexed gradients.
-    grads: Vec<HostBuffer>,
+    grads: Vec<Grad>,
     ready: Vec<bool>,
     /// Slot → index in `RankState::submitted`.
     source: Vec<Option<usize>>,
@@ -185,6 +192,8 @@ struct Session<I: Backend> {
     options: CollectiveOptions,
     comms: Vec<InProcessComm>,
     ranks: Vec<Mutex<RankState<I>>>,
+    /// Buckets each rank packed on the device.
+    device_packs: Vec<std::sync::atomic::AtomicU64>,
 }
 
 type Sessions = Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
@@ -234,7 +243,7 @@ fn param_name(p: &DistributedParams) -> String {
     format!("param.{digits}")
 }
 
-fn graph_dtype(d: burn_std::DType) -> Option<DType> {
+pub(super) fn graph_dtype(d: burn_std::DType) -> Option<DType> {
     Some(match d {
         burn_std::DType::F32 => DType::F32,
         burn_std::DType::F64 => DType::F64,
@@ -286,6 +295,12 @@ impl<I: Backend> Session<I> {
 
     /// Adds a run's spans to the trace, when tracing.
     fn record(&self, rank: usize, report: &ExecReport) {
+        if let Some(n) = self.device_packs.get(rank) {
+            n.fetch_add(
+                u64::from(report.device_packs),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
         if !self.options.trace {
             return;
         }
@@ -405,60 +420,69 @@ impl<I: Backend> Session<I> {
             );
         }
         let seq = t.seq();
-        let data = match cubecl::future::block_on(I::float_into_data(t.inner_for("gradient sync")))
-        {
-            Ok(d) => d,
-            Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
-        };
-        let buf = match to_host(&data) {
-            Ok(h) => h,
-            Err(e) => self.fail(rank, format!("{name}: {e}")),
-        };
-        if self.options.check_finite
-            && let Some((at, v)) = buf.first_non_finite()
-        {
-            self.fail(
-                rank,
-                format!("the gradient of {name} ({ty}) has {v} at element {at}"),
-            );
-        }
         let i = st.submitted.len();
         st.index.insert(name.clone(), i);
-        let mut buf = buf;
-        if st.no_sync {
-            // Accumulate locally; the gradient Burn holds stays this backward's own.
-            match st.accumulated.get_mut(&name) {
-                Some((t, acc)) if *t == ty => {
-                    acc.accumulate(&buf);
-                }
-                Some((t, _)) => {
-                    let t = t.clone();
+        let inner = t.inner_for("gradient sync");
+        let on_device = self.options.device_buckets
+            && !self.options.check_finite
+            && !st.no_sync
+            && !st.accumulated.contains_key(&name);
+        let grad = match on_device.then(|| super::device::device_grad(&inner)).flatten() {
+            Some(g) => Grad::Device(g),
+            None => {
+                let data = match cubecl::future::block_on(I::float_into_data(inner)) {
+                    Ok(d) => d,
+                    Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
+                };
+                let mut buf = match to_host(&data) {
+                    Ok(h) => h,
+                    Err(e) => self.fail(rank, format!("{name}: {e}")),
+                };
+                if self.options.check_finite
+                    && let Some((at, v)) = buf.first_non_finite()
+                {
                     self.fail(
                         rank,
-                        format!(
-                            "the gradient of {name} is {ty}, but earlier backward passes under no_sync accumulated {t}"
-                        ),
-                    )
+                        format!("the gradient of {name} ({ty}) has {v} at element {at}"),
+                    );
                 }
-                None => {
-                    st.accumulated.insert(name.clone(), (ty.clone(), buf));
+                if st.no_sync {
+                    // Accumulate locally; the gradient Burn holds stays this backward's own.
+                    match st.accumulated.get_mut(&name) {
+                        Some((t, acc)) if *t == ty => {
+                            acc.accumulate(&buf);
+                        }
+                        Some((t, _)) => {
+                            let t = t.clone();
+                            self.fail(
+                                rank,
+                                format!(
+                                    "the gradient of {name} is {ty}, but earlier backward passes under no_sync accumulated {t}"
+                                ),
+                            )
+                        }
+                        None => {
+                            st.accumulated.insert(name.clone(), (ty.clone(), buf));
+                        }
+                    }
+                    return;
                 }
+                if let Some((t, mut acc)) = st.accumulated.remove(&name) {
+                    if t != ty {
+                        self.fail(
+                            rank,
+                            format!(
+                                "the gradient of {name} is {ty}, but the backward passes under no_sync accumulated {t}"
+                            ),
+                        );
+                    }
+                    // The micro-batches in order: the accumulated ones, then this one.
+                    acc.accumulate(&buf);
+                    buf = acc;
+                }
+                Grad::Host(buf)
             }
-            return;
-        }
-        if let Some((t, mut acc)) = st.accumulated.remove(&name) {
-            if t != ty {
-                self.fail(
-                    rank,
-                    format!(
-                        "the gradient of {name} is {ty}, but the backward passes under no_sync accumulated {t}"
-                    ),
-                );
-            }
-            // The micro-batches in order: the accumulated ones, then this one.
-            acc.accumulate(&buf);
-            buf = acc;
-        }
+        };
         // The first gradient of a step starts following the previous step's plan.
         if st.live.is_none()
             && i == 0
@@ -466,7 +490,7 @@ impl<I: Backend> Session<I> {
         {
             st.live = Some(self.start_live(rank, st, plan));
         }
-        let mut data = Some(buf);
+        let mut data = Some(grad);
         if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
             let next = live.exec.next_gradient(&live.plan);
             match next.map(|s| (s, &live.plan.slots[s as usize])) {
@@ -513,7 +537,7 @@ impl<I: Backend> Session<I> {
                 let n = plan.slots.len();
                 Live {
                     exec,
-                    grads: vec![HostBuffer::default(); n],
+                    grads: (0..n).map(|_| Grad::default()).collect(),
                     ready: vec![false; n],
                     source: vec![None; n],
                     diverged: false,
@@ -531,7 +555,7 @@ impl<I: Backend> Session<I> {
         rank: usize,
         mut live: Live,
         ws: &mut Workspace,
-    ) -> (Vec<HostBuffer>, Vec<Option<usize>>) {
+    ) -> (Vec<Grad>, Vec<Option<usize>>) {
         self.advance_live(rank, &mut live, ws, true);
         match live.exec.finish() {
             Ok(report) => self.record(rank, &report),
@@ -568,11 +592,26 @@ impl<I: Backend> Session<I> {
         };
         // Write back in place, through the pointers Burn gave us; only now, so a failed step
         // leaves every gradient as it was.
-        for (sub, buf) in st.submitted.iter().zip(reduced) {
-            let Some(buf) = buf else { continue };
+        for (sub, g) in st.submitted.iter().zip(reduced) {
+            let Some(g) = g else { continue };
             // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
             // touches the gradient meanwhile.
             let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+            let buf = match g {
+                Grad::Host(buf) => buf,
+                Grad::Device(g) => {
+                    // The reduced gradient, in a new buffer of the tensor's own device.
+                    let like = t.inner_for("gradient write-back");
+                    match super::device::tensor_from(&like, g).map_err(|g| g.read()) {
+                        Ok(p) => {
+                            t.set(p);
+                            continue;
+                        }
+                        Err(Ok(buf)) => buf,
+                        Err(Err(e)) => self.fail(rank, format!("{}: {e}", sub.name)),
+                    }
+                }
+            };
             let data = from_host(buf, t.shape());
             let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
@@ -596,7 +635,7 @@ impl<I: Backend> Session<I> {
     /// The default sync: every registered gradient must have arrived; the step follows the
     /// previous step's plan as far as its gradients came in that plan's order, and reduces the
     /// rest with a plan of its own. Returns the reduced gradients by submission index.
-    fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<HostBuffer>> {
+    fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
         let missing: Vec<&str> = st
             .registered
             .iter()
@@ -623,7 +662,7 @@ impl<I: Backend> Session<I> {
         let opts = self.opts();
         let comm = &self.comms[rank];
         // Reduced gradients by submission index.
-        let mut reduced: Vec<Option<HostBuffer>> = vec![None; st.submitted.len()];
+        let mut reduced: Vec<Option<Grad>> = (0..st.submitted.len()).map(|_| None).collect();
         if let Some(mut live) = st.live.take() {
             let complete = !live.diverged
                 && live.ready.iter().all(|r| *r)
@@ -676,7 +715,7 @@ impl<I: Backend> Session<I> {
                 .map(|i| (st.submitted[*i].name.clone(), st.submitted[*i].ty.clone()))
                 .collect();
             let (_, plan) = self.compile_segment(rank, &mut st.cache, &owned);
-            let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
+            let mut grads: Vec<Grad> = Vec::with_capacity(plan.slots.len());
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
                 let i = left[owned.iter().position(|(n, _)| *n == s.param).unwrap_or(0)];
@@ -717,14 +756,14 @@ impl<I: Backend> Session<I> {
     /// all run one plan for the union of the unknown ones, zero-filling likewise. The next
     /// step's plan, the same on every rank: this plan's entries, less those zero-filled on every
     /// rank, then the union.
-    fn reduce_zero_fill(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<HostBuffer>> {
+    fn reduce_zero_fill(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
         let opts = self.opts();
         let comm = &self.comms[rank];
         let n = st.submitted.len();
-        let mut reduced: Vec<Option<HostBuffer>> = vec![None; n];
+        let mut reduced: Vec<Option<Grad>> = (0..n).map(|_| None).collect();
         let mut zero: Vec<String> = Vec::new();
         let zeros = |ty: &TensorType, name: &str| {
-            HostBuffer::zeros(ty.dtype, ty.numel() as usize).ok_or_else(|| {
+            HostBuffer::zeros(ty.dtype, ty.numel() as usize).map(Grad::Host).ok_or_else(|| {
                 format!("cannot zero-fill the gradient of {name}: {ty} is not a float type")
             })
         };
@@ -825,7 +864,7 @@ impl<I: Backend> Session<I> {
         }
         if !union.is_empty() {
             let (_, plan) = self.compile_segment(rank, &mut st.cache, &union);
-            let mut grads: Vec<HostBuffer> = Vec::with_capacity(plan.slots.len());
+            let mut grads: Vec<Grad> = Vec::with_capacity(plan.slots.len());
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
                 match st.index.get(&s.param).copied() {
@@ -905,6 +944,9 @@ pub struct SyncStats {
     /// is a parameter the other ranks reduced and updated while this rank, which has no
     /// gradient for it, did not.
     pub zero_filled: u64,
+    /// Buckets packed and unpacked by the CubeCL kernels on the gradients' device buffers
+    /// (see [`CollectiveOptions::device_buckets`]); the rest were packed in host memory.
+    pub device_buckets: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -916,6 +958,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         flushed_steps: st.flushed_steps,
         compiled: st.cache.misses(),
         zero_filled: st.zero_filled,
+        device_buckets: s.device_packs[rank].load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -999,6 +1042,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             world,
             reduce,
             comms: InProcessGroup::ranks(world, options.timeout),
+            device_packs: (0..world)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
             ranks: (0..world)
                 .map(|_| {
                     Mutex::new(RankState {

@@ -21,6 +21,7 @@
 //! the in-process communicator.
 
 mod api;
+mod device;
 mod distributed;
 mod lazy;
 mod ops;

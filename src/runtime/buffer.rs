@@ -247,6 +247,29 @@ impl HostBuffer {
         }
     }
 
+    /// A buffer of `dtype` from little-endian bytes (what a device read returns); `None` for a
+    /// dtype the host paths do not handle or a length that is not a whole number of elements.
+    pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<HostBuffer> {
+        fn elems<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Option<Vec<T>> {
+            if !bytes.len().is_multiple_of(N) {
+                return None;
+            }
+            Some(
+                bytes
+                    .chunks_exact(N)
+                    .map(|c| f(c.try_into().unwrap_or([0; N])))
+                    .collect(),
+            )
+        }
+        Some(match dtype {
+            DType::F32 => HostBuffer::F32(elems(bytes, f32::from_le_bytes)?),
+            DType::F64 => HostBuffer::F64(elems(bytes, f64::from_le_bytes)?),
+            DType::F16 => HostBuffer::F16(elems(bytes, f16::from_le_bytes)?),
+            DType::BF16 => HostBuffer::BF16(elems(bytes, bf16::from_le_bytes)?),
+            DType::I32 | DType::I64 | DType::Bool => return None,
+        })
+    }
+
     /// The raw bytes, little-endian as in memory.
     pub fn as_bytes(&self) -> &[u8] {
         fn bytes<T>(v: &[T]) -> &[u8] {

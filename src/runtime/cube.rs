@@ -9,6 +9,9 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use super::buffer::HostBuffer;
+use super::grad::DeviceGrad;
+use super::host::KernelError;
 use crate::codegen::kernels::{bucket_pack, bucket_unpack};
 use crate::codegen::layout::BucketLayout;
 use crate::graph::DType;
@@ -301,4 +304,159 @@ pub fn unpack<R: Runtime>(
         client, layout, buffer, members
     ));
     Ok(())
+}
+
+/// A gradient in a CubeCL device buffer (a contiguous tensor's handle), for the executor: a
+/// bucket whose members are all `CubeGrad`s of one runtime is packed and unpacked by the kernels
+/// above, and only the flat bucket crosses to the host.
+pub struct CubeGrad<R: Runtime> {
+    /// The runtime's client (the tensor's).
+    pub client: ComputeClient<R>,
+    /// The buffer, `len` elements of `dtype` from its start.
+    pub handle: Handle,
+    /// Elements.
+    pub len: usize,
+    /// Element type.
+    pub dtype: DType,
+}
+
+fn device_error(what: String, why: impl std::fmt::Display) -> KernelError {
+    KernelError::Device {
+        what,
+        why: why.to_string(),
+    }
+}
+
+/// Reads `len` elements of `dtype` from `handle` into host memory.
+fn read_back<R: Runtime>(
+    client: &ComputeClient<R>,
+    handle: &Handle,
+    dtype: DType,
+    len: usize,
+    what: impl Fn() -> String,
+) -> Result<HostBuffer, KernelError> {
+    let bytes = client
+        .read_one(handle.clone())
+        .map_err(|e| device_error(what(), format!("{e:?}")))?;
+    let want = len * dtype.size() as usize;
+    if bytes.len() < want {
+        return Err(device_error(
+            what(),
+            format!("the device returned {} bytes, {want} expected", bytes.len()),
+        ));
+    }
+    HostBuffer::from_le_bytes(dtype, &bytes[..want])
+        .ok_or_else(|| device_error(what(), format!("{dtype} has no host buffer")))
+}
+
+impl<R: Runtime> CubeGrad<R> {
+    fn member(&self) -> DeviceMember {
+        DeviceMember {
+            handle: self.handle.clone(),
+            len: self.len,
+        }
+    }
+}
+
+impl<R: Runtime> DeviceGrad for CubeGrad<R> {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+
+    fn read(&self) -> Result<HostBuffer, KernelError> {
+        read_back(&self.client, &self.handle, self.dtype, self.len, || {
+            format!("reading a {}[{}] gradient from the device", self.dtype, self.len)
+        })
+    }
+
+    fn pack(
+        &self,
+        layout: &BucketLayout,
+        members: &[&dyn DeviceGrad],
+        scale_div: Option<u32>,
+    ) -> Result<Option<HostBuffer>, KernelError> {
+        let Some(ours) = members
+            .iter()
+            .map(|m| m.as_any().downcast_ref::<CubeGrad<R>>().map(CubeGrad::member))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(None);
+        };
+        for (i, (m, l)) in members.iter().zip(&layout.members).enumerate() {
+            if m.dtype().name() != l.dtype {
+                return Err(device_error(
+                    format!("packing {}", label(layout)),
+                    format!(
+                        "member {i} is {}[{}], the layout expects {}[{}]",
+                        m.dtype(),
+                        m.len(),
+                        l.dtype,
+                        l.numel
+                    ),
+                ));
+            }
+        }
+        let wire = match dtypes(&self.client, layout) {
+            Ok((_, wire)) => wire,
+            Err(CubeError::Unsupported { .. }) => return Ok(None),
+            Err(e) => return Err(device_error(format!("packing {}", label(layout)), e)),
+        };
+        let out = pack(&self.client, layout, &ours, scale_div)
+            .map_err(|e| device_error(format!("packing {}", label(layout)), e))?;
+        read_back(&self.client, &out, wire, layout.numel as usize, || {
+            format!("reading packed bucket {} from the device", label(layout))
+        })
+        .map(Some)
+    }
+
+    fn unpack(
+        &self,
+        layout: &BucketLayout,
+        members: &[&dyn DeviceGrad],
+        reduced: &HostBuffer,
+    ) -> Result<Vec<Box<dyn DeviceGrad>>, KernelError> {
+        let what = || format!("unpacking {}", label(layout));
+        if reduced.len() as u64 != layout.numel || reduced.dtype().name() != layout.wire_dtype {
+            return Err(device_error(
+                what(),
+                format!(
+                    "the reduced buffer is {}[{}], the layout is {}[{}]",
+                    reduced.dtype(),
+                    reduced.len(),
+                    layout.wire_dtype,
+                    layout.numel
+                ),
+            ));
+        }
+        let flat = self.client.create_from_slice(reduced.as_bytes());
+        let fresh: Vec<CubeGrad<R>> = members
+            .iter()
+            .map(|m| CubeGrad {
+                client: self.client.clone(),
+                handle: self
+                    .client
+                    .empty((m.len() * m.dtype().size() as usize).max(1)),
+                len: m.len(),
+                dtype: m.dtype(),
+            })
+            .collect();
+        let targets: Vec<DeviceMember> = fresh.iter().map(CubeGrad::member).collect();
+        unpack(&self.client, layout, &flat, &targets).map_err(|e| device_error(what(), e))?;
+        Ok(fresh
+            .into_iter()
+            .map(|g| Box::new(g) as Box<dyn DeviceGrad>)
+            .collect())
+    }
 }

@@ -1,7 +1,8 @@
 //! Executing a [`Plan`] on one rank.
 //!
 //! The calling thread is the compute stream: it runs the plan's compute steps in order (the
-//! step's own work through [`StepHooks`], pack and unpack through the host kernels). The comm
+//! step's own work through [`StepHooks`]; pack and unpack by the device's kernels when a
+//! bucket's gradients are all device buffers ([`DeviceGrad`]), by the host kernels otherwise). The comm
 //! stream is the communicator's own thread: recording `ready#c` enqueues collective `c` there
 //! (the plan's comm stream lists the same collectives in the same order, which is checked before
 //! anything runs), and `wait done#c` waits for it, bounded by the timeout. Communication thus
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, PendingReduce};
+use super::grad::{DeviceGrad, Grad};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::graph::DType;
@@ -85,7 +87,7 @@ pub trait StepHooks {
     /// Run the step's own compute (`Step::Compute`).
     fn compute(&mut self, _name: &str, _flops: u64) {}
     /// A gradient became final in `grads[slot]`.
-    fn gradient(&mut self, _slot: u32, _param: &str, _grad: &mut HostBuffer) {}
+    fn gradient(&mut self, _slot: u32, _param: &str, _grad: &mut Grad) {}
 }
 
 /// Hooks that do nothing: gradients are given up front.
@@ -112,6 +114,8 @@ pub struct ExecReport {
     pub spans: Vec<Span>,
     /// Collectives in the order this rank enqueued them.
     pub launched: Vec<u32>,
+    /// Buckets packed (and unpacked) by the device's kernels on the gradients' own buffers.
+    pub device_packs: u32,
 }
 
 fn desc_of(
@@ -191,7 +195,7 @@ fn check_plan(plan: &Plan, rank: usize, world: usize) -> Result<(), ExecError> {
     Ok(())
 }
 
-fn check_grads(plan: &Plan, rank: usize, grads: &[HostBuffer]) -> Result<(), ExecError> {
+fn check_grads(plan: &Plan, rank: usize, grads: &[Grad]) -> Result<(), ExecError> {
     if grads.len() != plan.slots.len() {
         return Err(ExecError::Plan {
             plan: plan.name.clone(),
@@ -211,7 +215,7 @@ fn check_grads(plan: &Plan, rank: usize, grads: &[HostBuffer]) -> Result<(), Exe
 fn check_slot(
     s: &crate::codegen::plan::Slot,
     rank: usize,
-    g: &HostBuffer,
+    g: &Grad,
 ) -> Result<(), ExecError> {
     if g.dtype() != s.ty.dtype || g.len() as u64 != s.ty.numel() {
         return Err(ExecError::Gradient {
@@ -249,14 +253,23 @@ pub fn execute(
     hooks: &mut dyn StepHooks,
     opts: ExecOptions,
 ) -> Result<ExecReport, ExecError> {
-    execute_in(plan, comm, grads, hooks, opts, &mut Workspace::default())
+    let mut slots: Vec<Grad> = grads.iter_mut().map(|g| Grad::Host(std::mem::take(g))).collect();
+    let r = execute_in(plan, comm, &mut slots, hooks, opts, &mut Workspace::default());
+    for (g, s) in grads.iter_mut().zip(slots) {
+        *g = s.into_host().map_err(|source| ExecError::Kernel {
+            rank: comm.rank(),
+            source,
+        })?;
+    }
+    r
 }
 
-/// [`execute`], packing into the buffers of `ws` (kept for the next step of the same plan).
+/// [`execute`] on gradient slots that may be device buffers, packing host buckets into the
+/// buffers of `ws` (kept for the next step of the same plan).
 pub fn execute_in(
     plan: &Plan,
     comm: &dyn Communicator,
-    grads: &mut [HostBuffer],
+    grads: &mut [Grad],
     hooks: &mut dyn StepHooks,
     opts: ExecOptions,
     ws: &mut Workspace,
@@ -346,7 +359,7 @@ impl Execution {
         &mut self,
         plan: &Plan,
         comm: &dyn Communicator,
-        grads: &mut [HostBuffer],
+        grads: &mut [Grad],
         ready: &[bool],
         hooks: &mut dyn StepHooks,
         opts: ExecOptions,
@@ -373,7 +386,7 @@ impl Execution {
         &mut self,
         plan: &Plan,
         comm: &dyn Communicator,
-        grads: &mut [HostBuffer],
+        grads: &mut [Grad],
         opts: ExecOptions,
         ws: &mut Workspace,
     ) -> Result<Vec<u32>, ExecError> {
@@ -432,7 +445,7 @@ impl Execution {
         plan: &Plan,
         step: &Step,
         comm: &dyn Communicator,
-        grads: &mut [HostBuffer],
+        grads: &mut [Grad],
         hooks: &mut dyn StepHooks,
         opts: ExecOptions,
         ws: &mut Workspace,
@@ -469,10 +482,38 @@ impl Execution {
             }
             Step::Pack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let members: Vec<&HostBuffer> =
-                    c.slots.iter().map(|s| &grads[*s as usize]).collect();
-                let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
-                host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf).map_err(kerr)?;
+                let on_device: Option<Vec<&dyn DeviceGrad>> =
+                    c.slots.iter().map(|s| grads[*s as usize].device()).collect();
+                let device = match on_device.as_deref() {
+                    Some(m @ [first, ..]) => first.pack(&c.layout, m, c.layout.scale_div),
+                    _ => Ok(None),
+                }
+                .map_err(kerr)?;
+                let buf = match device {
+                    Some(buf) => {
+                        report.device_packs += 1;
+                        buf
+                    }
+                    None => {
+                        // Host kernels; device members are read into host memory first, so the
+                        // unpack runs on the host too.
+                        for s in &c.slots {
+                            grads[*s as usize].host_mut().map_err(kerr)?;
+                        }
+                        let members: Vec<&HostBuffer> = c
+                            .slots
+                            .iter()
+                            .filter_map(|s| match &grads[*s as usize] {
+                                Grad::Host(b) => Some(b),
+                                Grad::Device(_) => None,
+                            })
+                            .collect();
+                        let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
+                        host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf)
+                            .map_err(kerr)?;
+                        buf
+                    }
+                };
                 self.packed[c.id as usize] = Some(buf);
                 span(report, "compute", format!("pack {}", bucket_name(c)));
             }
@@ -490,7 +531,9 @@ impl Execution {
                 } else {
                     let mut calls = Vec::with_capacity(c.slots.len());
                     for s in &c.slots {
-                        let buf = std::mem::take(&mut grads[*s as usize]);
+                        let buf = std::mem::take(&mut grads[*s as usize])
+                            .into_host()
+                            .map_err(kerr)?;
                         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
                         calls.push((*s, comm.all_reduce(buf, what)?));
                     }
@@ -511,7 +554,7 @@ impl Execution {
                         for (slot, p) in calls {
                             let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                             comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
-                            grads[slot as usize] = buf;
+                            grads[slot as usize] = Grad::Host(buf);
                         }
                     }
                     None => {
@@ -531,12 +574,27 @@ impl Execution {
                         plan: plan.name.clone(),
                         why: format!("unpack of collective #{} before it finished", c.id),
                     })?;
-                let mut members = disjoint_mut(grads, &c.slots).ok_or_else(|| ExecError::Plan {
-                    plan: plan.name.clone(),
-                    why: format!("collective #{} lists a slot twice", c.id),
-                })?;
-                host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
-                ws.buffers[c.id as usize] = buf;
+                let on_device: Option<Vec<&dyn DeviceGrad>> =
+                    c.slots.iter().map(|s| grads[*s as usize].device()).collect();
+                if let Some(m @ [first, ..]) = on_device.as_deref() {
+                    // Packed on the device (a host pack leaves no device member behind).
+                    let out = first.unpack(&c.layout, m, &buf).map_err(kerr)?;
+                    for (s, g) in c.slots.iter().zip(out) {
+                        grads[*s as usize] = Grad::Device(g);
+                    }
+                } else {
+                    let members = disjoint_mut(grads, &c.slots).ok_or_else(|| ExecError::Plan {
+                        plan: plan.name.clone(),
+                        why: format!("collective #{} lists a slot twice", c.id),
+                    })?;
+                    let mut members: Vec<&mut HostBuffer> = members
+                        .into_iter()
+                        .map(Grad::host_mut)
+                        .collect::<Result<_, _>>()
+                        .map_err(kerr)?;
+                    host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
+                    ws.buffers[c.id as usize] = buf;
+                }
                 span(report, "compute", format!("unpack {}", bucket_name(c)));
             }
             Step::Sync { .. } => {}
@@ -560,7 +618,7 @@ fn bucket_name(c: &PlanCollective) -> String {
 
 /// Mutable references to `slots` of `grads`, in that order; `None` if a slot repeats or is out
 /// of range.
-fn disjoint_mut<'a>(grads: &'a mut [HostBuffer], slots: &[u32]) -> Option<Vec<&'a mut HostBuffer>> {
+fn disjoint_mut<'a, T>(grads: &'a mut [T], slots: &[u32]) -> Option<Vec<&'a mut T>> {
     let mut order: Vec<(usize, usize)> = slots
         .iter()
         .enumerate()
@@ -572,8 +630,8 @@ fn disjoint_mut<'a>(grads: &'a mut [HostBuffer], slots: &[u32]) -> Option<Vec<&'
     {
         return None;
     }
-    let mut out: Vec<Option<&'a mut HostBuffer>> = (0..slots.len()).map(|_| None).collect();
-    let mut rest: &'a mut [HostBuffer] = grads;
+    let mut out: Vec<Option<&'a mut T>> = (0..slots.len()).map(|_| None).collect();
+    let mut rest: &'a mut [T] = grads;
     let mut base = 0;
     for (s, i) in order {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(s - base);

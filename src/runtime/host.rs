@@ -23,6 +23,14 @@ pub enum KernelError {
         /// What was given.
         got: String,
     },
+    /// A device kernel, read or write failed.
+    #[error("{what}: {why}")]
+    Device {
+        /// What was being done (names the bucket or the gradient).
+        what: String,
+        /// The device's error.
+        why: String,
+    },
     /// A dtype the host path does not handle.
     #[error("bucket {bucket}: dtype {dtype} is not supported by the host bucket kernels")]
     Dtype {

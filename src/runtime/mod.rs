@@ -7,6 +7,7 @@
 //! - [`comm`]: the [`Communicator`] trait, collective descriptors, errors, pending handles.
 //! - [`inprocess`]: N ranks as threads of one process; deterministic rank-order reduction.
 //! - [`recording`]: a communicator wrapper that records every call, for tests.
+//! - [`grad`]: a gradient slot in host memory or in a device buffer ([`DeviceGrad`]).
 //! - [`exec`]: runs a plan on a rank (compute stream here, comm stream on the communicator).
 //! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
 //! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
@@ -19,6 +20,7 @@ pub mod cache;
 pub mod comm;
 pub mod cube;
 pub mod exec;
+pub mod grad;
 pub mod host;
 pub mod inprocess;
 #[cfg(feature = "cuda")]
@@ -28,6 +30,7 @@ pub mod rendezvous;
 pub mod synthetic;
 
 pub use buffer::{Element, HostBuffer};
+pub use grad::{DeviceGrad, Grad};
 pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
 pub use exec::{
     ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,
