@@ -2,6 +2,10 @@
 //! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks
 //!   (algorithm bandwidth: bytes of one rank's buffer per unit time).
 //! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket.
+//! - `bucket_io/{bytes}`: a 16-member bucket of wgpu gradients, from device buffers to a flat host
+//!   buffer (what the communicator takes) and back into device buffers: staged (each gradient
+//!   read into host memory, host pack and unpack, each written back) vs device buckets (CubeCL
+//!   pack and unpack on the device, one read and one write of the flat bucket).
 //!
 //! Run with `cargo bench --bench runtime`; criterion prints each throughput, the ratios are
 //! throughput(x) / throughput(memcpy) within one group.
@@ -12,8 +16,8 @@ use std::time::Duration;
 use collective_fusion::codegen::layout::{BucketLayout, MemberLayout};
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
-use collective_fusion::runtime::cube::{self, DeviceMember};
-use collective_fusion::runtime::{HostBuffer, InProcessGroup, host};
+use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
+use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, host};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use cubecl::prelude::*;
@@ -134,5 +138,54 @@ fn pack(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, allreduce, pack);
+fn bucket_io(c: &mut Criterion) {
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    for bytes in SIZES {
+        let n = bytes / 4;
+        let l = layout(n, 16);
+        let mut g = c.benchmark_group(format!("bucket_io/{}KiB", bytes >> 10));
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.measurement_time(Duration::from_secs(3)).sample_size(10);
+        let grads: Vec<CubeGrad<WgpuRuntime>> = (0..16)
+            .map(|i| {
+                let h = HostBuffer::F32(vec![1.5 + i as f32; n / 16]);
+                CubeGrad {
+                    client: client.clone(),
+                    handle: client.create_from_slice(h.as_bytes()),
+                    len: h.len(),
+                    dtype: DType::F32,
+                }
+            })
+            .collect();
+        let members: Vec<&dyn DeviceGrad> = grads.iter().map(|g| g as &dyn DeviceGrad).collect();
+        g.bench_function("host_staged", |b| {
+            b.iter(|| {
+                let mut host: Vec<HostBuffer> = members.iter().map(|m| m.read().unwrap()).collect();
+                let flat = {
+                    let refs: Vec<&HostBuffer> = host.iter().collect();
+                    host::pack(&l, &refs, Some(4)).unwrap()
+                };
+                let mut outs: Vec<&mut HostBuffer> = host.iter_mut().collect();
+                host::unpack(&l, &flat, &mut outs).unwrap();
+                let back: Vec<_> = host
+                    .iter()
+                    .map(|h| client.create_from_slice(h.as_bytes()))
+                    .collect();
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(back);
+            })
+        });
+        g.bench_function("device_buckets", |b| {
+            b.iter(|| {
+                let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
+                let back = members[0].unpack(&l, &members, &flat).unwrap();
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(back);
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, allreduce, pack, bucket_io);
 criterion_main!(benches);

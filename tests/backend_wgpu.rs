@@ -138,7 +138,11 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     let (host, host_stats, _) = distributed(&devices, false);
     assert_eq!(host_stats.device_buckets, 0, "{host_stats:?}");
     for (i, (a, b)) in ranks[0].iter().zip(&host[0]).enumerate() {
-        assert_eq!(a.to_bits(), b.to_bits(), "weight {i}: device {a} vs host {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "weight {i}: device {a} vs host {b}"
+        );
     }
     let reference = train(
         init(&devices[0]),

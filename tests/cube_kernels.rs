@@ -91,3 +91,10 @@ fn a_bucket_with_more_members_than_one_launch_binds_is_packed_in_several_launche
         assert!(a.bits_eq(b));
     }
 }
+
+#[test]
+fn a_plan_over_device_gradients_gives_the_bits_of_the_host_path() {
+    if let Some(c) = client() {
+        common::cube::check_plan_on_device(&c);
+    }
+}

@@ -76,6 +76,13 @@ mod kernels {
         }
     }
 
+    #[test]
+    fn a_plan_over_cuda_gradients_gives_the_bits_of_the_host_path() {
+        if let Some(c) = client() {
+            super::common::cube::check_plan_on_device(&c);
+        }
+    }
+
     fn sync(c: &ComputeClient<CudaRuntime>) {
         cubecl::future::block_on(c.sync()).expect("device sync");
     }
@@ -324,7 +331,10 @@ mod training {
 
     use super::gpu_or_skip;
 
-    fn steps<I: burn_backend::Backend>(dev: I::Device, init: Vec<Vec<f32>>) -> Vec<f32> {
+    fn steps<I: burn_backend::Backend>(
+        dev: I::Device,
+        init: Vec<Vec<f32>>,
+    ) -> (Vec<f32>, collective_fusion::backend::SyncStats) {
         type Bk<I> = Autodiff<Collective<I>>;
         let d = CollectiveDevice::new(dev, 0);
         Collective::<I>::start_communication_server(
@@ -361,7 +371,7 @@ mod training {
         let stats = sync_stats::<I>(0);
         Collective::<I>::close_communication_server(&d);
         assert_eq!(stats.eager_steps + stats.flushed_steps, 3, "{stats:?}");
-        module_weights::<Bk<I>, _>(&m)
+        (module_weights::<Bk<I>, _>(&m), stats)
     }
 
     #[test]
@@ -376,8 +386,12 @@ mod training {
                 .collect()
         };
         let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
-        let gpu = steps::<Cuda>(CudaDevice::default(), init.clone());
-        let cpu = steps::<NdArray>(NdArrayDevice::Cpu, init);
+        let (gpu, gpu_stats) = steps::<Cuda>(CudaDevice::default(), init.clone());
+        let (cpu, cpu_stats) = steps::<NdArray>(NdArrayDevice::Cpu, init);
+        // The CUDA gradients were packed by the kernels on their own buffers; NdArray's on the
+        // host.
+        assert!(gpu_stats.device_buckets >= 3, "{gpu_stats:?}");
+        assert_eq!(cpu_stats.device_buckets, 0, "{cpu_stats:?}");
         assert_eq!(gpu.len(), cpu.len());
         for (i, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
             assert!(

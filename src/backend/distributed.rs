@@ -427,7 +427,10 @@ impl<I: Backend> Session<I> {
             && !self.options.check_finite
             && !st.no_sync
             && !st.accumulated.contains_key(&name);
-        let grad = match on_device.then(|| super::device::device_grad(&inner)).flatten() {
+        let grad = match on_device
+            .then(|| super::device::device_grad(&inner))
+            .flatten()
+        {
             Some(g) => Grad::Device(g),
             None => {
                 let data = match cubecl::future::block_on(I::float_into_data(inner)) {
@@ -763,9 +766,11 @@ impl<I: Backend> Session<I> {
         let mut reduced: Vec<Option<Grad>> = (0..n).map(|_| None).collect();
         let mut zero: Vec<String> = Vec::new();
         let zeros = |ty: &TensorType, name: &str| {
-            HostBuffer::zeros(ty.dtype, ty.numel() as usize).map(Grad::Host).ok_or_else(|| {
-                format!("cannot zero-fill the gradient of {name}: {ty} is not a float type")
-            })
+            HostBuffer::zeros(ty.dtype, ty.numel() as usize)
+                .map(Grad::Host)
+                .ok_or_else(|| {
+                    format!("cannot zero-fill the gradient of {name}: {ty} is not a float type")
+                })
         };
         if let Some(plan) = st.expected.clone() {
             let mut live = match st.live.take() {

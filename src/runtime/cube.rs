@@ -377,7 +377,10 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
 
     fn read(&self) -> Result<HostBuffer, KernelError> {
         read_back(&self.client, &self.handle, self.dtype, self.len, || {
-            format!("reading a {}[{}] gradient from the device", self.dtype, self.len)
+            format!(
+                "reading a {}[{}] gradient from the device",
+                self.dtype, self.len
+            )
         })
     }
 
@@ -389,7 +392,11 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
     ) -> Result<Option<HostBuffer>, KernelError> {
         let Some(ours) = members
             .iter()
-            .map(|m| m.as_any().downcast_ref::<CubeGrad<R>>().map(CubeGrad::member))
+            .map(|m| {
+                m.as_any()
+                    .downcast_ref::<CubeGrad<R>>()
+                    .map(CubeGrad::member)
+            })
             .collect::<Option<Vec<_>>>()
         else {
             return Ok(None);

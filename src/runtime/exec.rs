@@ -212,11 +212,7 @@ fn check_grads(plan: &Plan, rank: usize, grads: &[Grad]) -> Result<(), ExecError
     Ok(())
 }
 
-fn check_slot(
-    s: &crate::codegen::plan::Slot,
-    rank: usize,
-    g: &Grad,
-) -> Result<(), ExecError> {
+fn check_slot(s: &crate::codegen::plan::Slot, rank: usize, g: &Grad) -> Result<(), ExecError> {
     if g.dtype() != s.ty.dtype || g.len() as u64 != s.ty.numel() {
         return Err(ExecError::Gradient {
             rank,
@@ -253,8 +249,18 @@ pub fn execute(
     hooks: &mut dyn StepHooks,
     opts: ExecOptions,
 ) -> Result<ExecReport, ExecError> {
-    let mut slots: Vec<Grad> = grads.iter_mut().map(|g| Grad::Host(std::mem::take(g))).collect();
-    let r = execute_in(plan, comm, &mut slots, hooks, opts, &mut Workspace::default());
+    let mut slots: Vec<Grad> = grads
+        .iter_mut()
+        .map(|g| Grad::Host(std::mem::take(g)))
+        .collect();
+    let r = execute_in(
+        plan,
+        comm,
+        &mut slots,
+        hooks,
+        opts,
+        &mut Workspace::default(),
+    );
     for (g, s) in grads.iter_mut().zip(slots) {
         *g = s.into_host().map_err(|source| ExecError::Kernel {
             rank: comm.rank(),
@@ -482,8 +488,11 @@ impl Execution {
             }
             Step::Pack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let on_device: Option<Vec<&dyn DeviceGrad>> =
-                    c.slots.iter().map(|s| grads[*s as usize].device()).collect();
+                let on_device: Option<Vec<&dyn DeviceGrad>> = c
+                    .slots
+                    .iter()
+                    .map(|s| grads[*s as usize].device())
+                    .collect();
                 let device = match on_device.as_deref() {
                     Some(m @ [first, ..]) => first.pack(&c.layout, m, c.layout.scale_div),
                     _ => Ok(None),
@@ -574,8 +583,11 @@ impl Execution {
                         plan: plan.name.clone(),
                         why: format!("unpack of collective #{} before it finished", c.id),
                     })?;
-                let on_device: Option<Vec<&dyn DeviceGrad>> =
-                    c.slots.iter().map(|s| grads[*s as usize].device()).collect();
+                let on_device: Option<Vec<&dyn DeviceGrad>> = c
+                    .slots
+                    .iter()
+                    .map(|s| grads[*s as usize].device())
+                    .collect();
                 if let Some(m @ [first, ..]) = on_device.as_deref() {
                     // Packed on the device (a host pack leaves no device member behind).
                     let out = first.unpack(&c.layout, m, &buf).map_err(kerr)?;

@@ -30,9 +30,9 @@ pub mod rendezvous;
 pub mod synthetic;
 
 pub use buffer::{Element, HostBuffer};
-pub use grad::{DeviceGrad, Grad};
 pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
 pub use exec::{
     ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,
 };
+pub use grad::{DeviceGrad, Grad};
 pub use inprocess::{InProcessComm, InProcessGroup};

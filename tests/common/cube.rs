@@ -172,3 +172,163 @@ pub fn check_cast<R: Runtime>(client: &ComputeClient<R>, wire: DType, mantissa_b
         }
     }
 }
+
+/// Runs `plan` on its group's ranks in process, each rank's gradients as `make` turns them into
+/// slots; returns each rank's reduced gradients (read into host memory) and its device packs.
+pub fn run_plan_slots(
+    plan: &collective_fusion::codegen::plan::Plan,
+    inputs: Vec<Vec<HostBuffer>>,
+    make: impl Fn(usize, HostBuffer) -> collective_fusion::runtime::Grad + Sync,
+) -> Vec<(Vec<HostBuffer>, u32)> {
+    use collective_fusion::runtime::exec::{ExecOptions, NoHooks, Workspace, execute_in};
+    let opts = ExecOptions::default();
+    let comms = collective_fusion::runtime::InProcessGroup::ranks(inputs.len(), opts.timeout);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(inputs)
+            .map(|(comm, grads)| {
+                let make = &make;
+                s.spawn(move || {
+                    let mut slots: Vec<_> = grads
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, g)| make(i, g))
+                        .collect();
+                    let report = execute_in(
+                        plan,
+                        comm,
+                        &mut slots,
+                        &mut NoHooks,
+                        opts,
+                        &mut Workspace::default(),
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                    let host = slots
+                        .into_iter()
+                        .map(|g| g.into_host().unwrap_or_else(|e| panic!("{e}")))
+                        .collect();
+                    (host, report.device_packs)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A plan of `sizes` f32 gradients on `world` ranks (mean), bucketed by `policy` under a small
+/// cap so that there are several buckets.
+pub fn small_plan(
+    sizes: &[u64],
+    world: u32,
+    policy: collective_fusion::config::BucketPolicy,
+) -> collective_fusion::codegen::plan::Plan {
+    use collective_fusion::graph::parse::parse;
+    let mut text = format!(
+        "graph \"device\" {{\n  group g0 size={world}\n  %0 = input \"loss.grad\" : f32[8]\n"
+    );
+    let mut syncs = Vec::new();
+    for (i, n) in sizes.iter().enumerate() {
+        let b = 1 + 3 * i;
+        text.push_str(&format!(
+            "  %{b} = compute \"p{i}.bwd\" kind=matmul flops=1000000 (%{}) : f32[8]\n",
+            if i == 0 { 0 } else { b - 3 }
+        ));
+        text.push_str(&format!(
+            "  %{} = gradient \"p{i}\" (%{b}) : f32[{n}]\n",
+            b + 1
+        ));
+        text.push_str(&format!(
+            "  %{} = grad_sync \"p{i}\" reduce=mean group=g0 ready={i} (%{}) : f32[{n}]\n",
+            b + 2,
+            b + 1
+        ));
+        syncs.push(format!("%{}", b + 2));
+    }
+    text.push_str(&format!(
+        "  %{} = sync ({})\n}}\n",
+        1 + 3 * sizes.len(),
+        syncs.join(", ")
+    ));
+    let mut g = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let config = collective_fusion::config::CompileConfig {
+        bucket: collective_fusion::config::BucketConfig {
+            policy,
+            cap_bytes: 16 << 10,
+            first_bucket_bytes: 4 << 10,
+        },
+        overlap: true,
+        verify: true,
+        ..Default::default()
+    };
+    collective_fusion::passes::compile(&mut g, &config).unwrap_or_else(|e| panic!("{e}"));
+    collective_fusion::codegen::plan::lower(&g).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A plan whose gradients are device buffers gives the bits of the same plan on host buffers:
+/// packed buckets (on the device), a bucket with one host member (packed on the host), and one
+/// all-reduce per gradient (each read to the host).
+pub fn check_plan_on_device<R: Runtime>(client: &ComputeClient<R>) {
+    use collective_fusion::config::BucketPolicy;
+    use collective_fusion::runtime::Grad;
+    use collective_fusion::runtime::cube::CubeGrad;
+    let sizes = [300u64, 1000, 17, 2048, 3, 900, 4096, 64];
+    let world = 2;
+    let to_device = |g: HostBuffer| {
+        Grad::Device(Box::new(CubeGrad {
+            client: client.clone(),
+            handle: client.create_from_slice(g.as_bytes()),
+            len: g.len(),
+            dtype: g.dtype(),
+        }))
+    };
+    for policy in [BucketPolicy::Ddp, BucketPolicy::PerParam] {
+        let plan = small_plan(&sizes, world, policy);
+        let inputs: Vec<Vec<HostBuffer>> = (0..world as usize)
+            .map(|r| collective_fusion::runtime::synthetic::seeded_gradients(&plan, r, 11))
+            .collect();
+        let host = run_plan_slots(&plan, inputs.clone(), |_, g| Grad::Host(g));
+        let device = run_plan_slots(&plan, inputs.clone(), |_, g| to_device(g));
+        // Slot 0 stays in host memory: its bucket is packed on the host.
+        let mixed = run_plan_slots(&plan, inputs, |i, g| {
+            if i == 0 { Grad::Host(g) } else { to_device(g) }
+        });
+        let packed = plan.collectives.iter().filter(|c| c.packed).count() as u32;
+        let packed_without_slot_0 = plan
+            .collectives
+            .iter()
+            .filter(|c| c.packed && !c.slots.contains(&0))
+            .count() as u32;
+        assert_eq!(host[0].1, 0);
+        match policy {
+            BucketPolicy::PerParam => assert_eq!(device[0].1, 0, "per-param packs nothing"),
+            _ => {
+                assert!(packed >= 2, "the test plan should have several buckets");
+                assert_eq!(device[0].1, packed, "every bucket packed on the device");
+                assert!(
+                    packed_without_slot_0 < packed,
+                    "slot 0 is in a packed bucket"
+                );
+                assert_eq!(
+                    mixed[0].1, packed_without_slot_0,
+                    "the mixed bucket packed on the host"
+                );
+            }
+        }
+        for (r, ((h, _), ((d, _), (m, _)))) in
+            host.iter().zip(device.iter().zip(&mixed)).enumerate()
+        {
+            for (s, ((a, b), c)) in h.iter().zip(d).zip(m).enumerate() {
+                let p = &plan.slots[s].param;
+                assert!(
+                    a.bits_eq(b),
+                    "{policy:?} rank {r} {p}: device differs from host"
+                );
+                assert!(
+                    a.bits_eq(c),
+                    "{policy:?} rank {r} {p}: mixed differs from host"
+                );
+            }
+        }
+    }
+}
