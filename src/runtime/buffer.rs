@@ -278,4 +278,19 @@ impl HostBuffer {
         }
         with_host_buffer!(self, v => bytes(v))
     }
+
+    /// The raw bytes, writable (every bit pattern is a valid element).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        fn bytes<T>(v: &mut [T]) -> &mut [u8] {
+            // SAFETY: every element type here is plain old data without padding, and any bit
+            // pattern is a valid value of it.
+            unsafe {
+                std::slice::from_raw_parts_mut(
+                    v.as_mut_ptr().cast::<u8>(),
+                    std::mem::size_of_val(v),
+                )
+            }
+        }
+        with_host_buffer!(self, v => bytes(v))
+    }
 }

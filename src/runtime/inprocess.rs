@@ -525,3 +525,31 @@ impl Drop for InProcessComm {
         }
     }
 }
+
+/// Reduces `bufs` (one per rank, in rank order) into `bufs[0]` with the in-process group's
+/// arithmetic: every element summed in rank order, each contribution divided by the group size
+/// first for a mean. Other transports that gather the buffers in one place use it, so their
+/// results are bitwise those of the in-process group. `false` (nothing changed) when the
+/// buffers differ in dtype or length.
+pub(crate) fn reduce_in_rank_order(bufs: &mut [HostBuffer], op: ReduceOp) -> bool {
+    let Some(first) = bufs.first() else {
+        return true;
+    };
+    let (dtype, count) = (first.dtype(), first.len());
+    if bufs.iter().any(|b| b.dtype() != dtype || b.len() != count) {
+        return false;
+    }
+    let ptrs: Vec<RawBuf> = bufs.iter_mut().map(with_buf_ptr).collect();
+    // SAFETY: every buffer holds `count` elements of `dtype` (checked above), they are distinct
+    // allocations, and the exclusive borrow of `bufs` keeps anyone else off them.
+    unsafe {
+        match dtype {
+            crate::graph::DType::F32 => reduce_chunk::<f32>(&ptrs, 0, count, op),
+            crate::graph::DType::F64 => reduce_chunk::<f64>(&ptrs, 0, count, op),
+            crate::graph::DType::F16 => reduce_chunk::<half::f16>(&ptrs, 0, count, op),
+            crate::graph::DType::BF16 => reduce_chunk::<half::bf16>(&ptrs, 0, count, op),
+            _ => return false,
+        }
+    }
+    true
+}

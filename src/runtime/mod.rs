@@ -12,6 +12,7 @@
 //! - [`cache`]: compiled plans keyed by the structural hash of the recorded graph.
 //! - [`cube`]: launches the CubeCL bucket kernels on a CubeCL runtime.
 //! - `nccl` (feature `cuda`): the NCCL communicator, libraries loaded at run time.
+//! - [`tcp`]: one rank per process over TCP (a star through rank 0, in-process arithmetic).
 //! - [`rendezvous`]: multi-process start-up: rank 0 shares bytes (the NCCL id) over TCP.
 
 pub mod agree;
@@ -28,6 +29,7 @@ pub mod nccl;
 pub mod recording;
 pub mod rendezvous;
 pub mod synthetic;
+pub mod tcp;
 
 pub use buffer::{Element, HostBuffer};
 pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};

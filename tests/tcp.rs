@@ -1,0 +1,187 @@
+//! The TCP communicator over loopback, ranks as threads here (each with its own connections, as
+//! separate processes would have): results bitwise those of the in-process group, and the
+//! failures (a peer that never calls, ranks that disagree) are typed errors, not hangs.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use collective_fusion::graph::{DType, ReduceOp};
+use collective_fusion::runtime::comm::{CollectiveDesc, CommError, Communicator};
+use collective_fusion::runtime::rendezvous::RendezvousConfig;
+use collective_fusion::runtime::synthetic::SplitMix64;
+use collective_fusion::runtime::tcp::TcpComm;
+use collective_fusion::runtime::{HostBuffer, InProcessGroup};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap()
+}
+
+fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
+    RendezvousConfig {
+        rank,
+        world,
+        local_rank: rank,
+        addr: "127.0.0.1".into(),
+        port,
+        timeout: Duration::from_secs(20),
+    }
+}
+
+fn desc(collective: u32, op: ReduceOp, dtype: DType, count: usize) -> CollectiveDesc {
+    CollectiveDesc {
+        collective,
+        bucket: Some(collective),
+        op,
+        dtype,
+        count: count as u64,
+        params: Vec::new(),
+    }
+}
+
+fn data(rank: usize, dtype: DType, n: usize, seed: u64) -> HostBuffer {
+    let mut r = SplitMix64(seed * 131 + rank as u64);
+    let v: Vec<f64> = (0..n).map(|_| r.next_value()).collect();
+    HostBuffer::from_f64(dtype, &v).unwrap()
+}
+
+/// Runs `f(comm)` on `world` TCP ranks, one thread each.
+fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(&TcpComm) -> T + Sync) -> Vec<T> {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    let c = TcpComm::connect(&cfg(r, world, port), timeout)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    f(&c)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn tcp_results_are_bitwise_those_of_the_in_process_group() {
+    let cases = [
+        (ReduceOp::Sum, DType::F32, 100_003),
+        (ReduceOp::Mean, DType::F32, 7),
+        (ReduceOp::Mean, DType::BF16, 4099),
+        (ReduceOp::Sum, DType::F64, 1),
+        (ReduceOp::Mean, DType::F16, 0),
+    ];
+    for world in [1usize, 2, 3] {
+        let tcp = on_tcp(world, Duration::from_secs(20), |c| {
+            // Several collectives in flight at once, completed in order.
+            let pending: Vec<_> = cases
+                .iter()
+                .enumerate()
+                .map(|(i, (op, dt, n))| {
+                    c.all_reduce(
+                        data(c.rank(), *dt, *n, i as u64),
+                        desc(i as u32, *op, *dt, *n),
+                    )
+                    .unwrap()
+                })
+                .collect();
+            pending
+                .into_iter()
+                .map(|p| p.wait(Duration::from_secs(60)).unwrap().0)
+                .collect::<Vec<_>>()
+        });
+        let group = InProcessGroup::ranks(world, Duration::from_secs(20));
+        let local: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
+            let hs: Vec<_> = group
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        cases
+                            .iter()
+                            .enumerate()
+                            .map(|(i, (op, dt, n))| {
+                                c.all_reduce(
+                                    data(c.rank(), *dt, *n, i as u64),
+                                    desc(i as u32, *op, *dt, *n),
+                                )
+                                .unwrap()
+                                .wait(Duration::from_secs(60))
+                                .unwrap()
+                                .0
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in 0..world {
+            for (i, (a, b)) in tcp[r].iter().zip(&local[r]).enumerate() {
+                assert!(a.bits_eq(b), "world {world} rank {r} case {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_never_calls_is_a_timeout_naming_it() {
+    let t0 = Instant::now();
+    let out = on_tcp(3, Duration::from_millis(500), |c| {
+        if c.rank() == 2 {
+            // Joined, but never calls; it keeps its connection open past the others' timeout.
+            std::thread::sleep(Duration::from_secs(3));
+            return None;
+        }
+        let p = c
+            .all_reduce(
+                data(c.rank(), DType::F32, 8, 1),
+                desc(0, ReduceOp::Sum, DType::F32, 8),
+            )
+            .unwrap();
+        Some(p.wait(Duration::from_secs(10)).unwrap_err())
+    });
+    match &out[0] {
+        Some(CommError::Timeout { missing, .. }) => assert_eq!(missing, &vec![2]),
+        e => panic!("rank 0: {e:?}"),
+    }
+    let e1 = out[1].as_ref().unwrap().to_string();
+    assert!(
+        e1.contains("rank 1") && e1.contains("rank 0 reports"),
+        "{e1}"
+    );
+    assert!(e1.contains("ranks [2] never arrived"), "{e1}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn ranks_that_call_different_collectives_fail_with_a_mismatch() {
+    let out = on_tcp(2, Duration::from_secs(5), |c| {
+        let n = if c.rank() == 0 { 8 } else { 9 };
+        c.all_reduce(
+            data(c.rank(), DType::F32, n, 1),
+            desc(3, ReduceOp::Sum, DType::F32, n),
+        )
+        .unwrap()
+        .wait(Duration::from_secs(20))
+        .unwrap_err()
+        .to_string()
+    });
+    assert!(out[0].contains("collective mismatch"), "{}", out[0]);
+    assert!(out[0].contains("f32×9"), "{}", out[0]);
+    assert!(out[1].contains("collective mismatch"), "{}", out[1]);
+}
+
+#[test]
+fn a_rank_that_never_joins_fails_the_start_up_with_its_number() {
+    let port = free_port();
+    let mut c = cfg(0, 2, port);
+    c.timeout = Duration::from_millis(300);
+    let e = TcpComm::connect(&c, Duration::from_secs(1))
+        .err()
+        .expect("rank 1 never joins")
+        .to_string();
+    assert!(e.contains("[1]") && e.contains("never joined"), "{e}");
+}
