@@ -43,6 +43,19 @@ enum RunModelArg {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    /// Every rank a thread of this process (`--world` ranks).
+    Inprocess,
+    /// This process is one rank, over TCP: the launcher's RANK, WORLD_SIZE, MASTER_ADDR and
+    /// MASTER_PORT say which and where (as torchrun sets them).
+    Tcp,
+    /// This process is one rank, over NCCL on GPU LOCAL_RANK (feature `cuda`); the same
+    /// environment as `tcp`.
+    #[cfg(feature = "cuda")]
+    Nccl,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum ProfilePolicy {
     /// One all-reduce per parameter.
     None,
@@ -104,6 +117,9 @@ enum Command {
         /// graph text form; `profile --model FILE --print-graph` compiles and simulates it.
         #[arg(long)]
         step_graph: Option<std::path::PathBuf>,
+        /// How the ranks talk: threads of this process, or one rank per process.
+        #[arg(long, value_enum, default_value = "inprocess")]
+        transport: TransportArg,
     },
     /// Simulate one training step of a model under every bucketing policy, side by side against
     /// a lower bound; optionally write the chosen policy's step as a trace.
@@ -245,6 +261,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             trace,
             svg,
             step_graph,
+            transport,
         } => run_cmd(RunArgs {
             world,
             model,
@@ -256,6 +273,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             trace,
             svg,
             step_graph,
+            transport,
         }),
         Command::Profile {
             model,
@@ -505,10 +523,11 @@ struct RunArgs {
     trace: Option<std::path::PathBuf>,
     svg: Option<std::path::PathBuf>,
     step_graph: Option<std::path::PathBuf>,
+    transport: TransportArg,
 }
 
 fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use collective_fusion::backend::CollectiveOptions;
+    use collective_fusion::backend::{CollectiveOptions, Transport};
     use collective_fusion::train::{RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
@@ -531,6 +550,14 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         RunModelArg::Mlp => RunModel::Mlp,
         RunModelArg::Convnet => RunModel::ConvNet,
     };
+    let timeout = collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT;
+    let from_env = || collective_fusion::runtime::rendezvous::RendezvousConfig::from_env(timeout);
+    let transport = match a.transport {
+        TransportArg::Inprocess => Transport::InProcess,
+        TransportArg::Tcp => Transport::Tcp(from_env()?),
+        #[cfg(feature = "cuda")]
+        TransportArg::Nccl => Transport::Nccl(from_env()?),
+    };
     let opts = RunOptions {
         world: a.world,
         model,
@@ -538,8 +565,9 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         batch: a.batch,
         collective: CollectiveOptions {
             config: config.clone(),
-            timeout: collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT,
+            timeout,
             trace: a.trace.is_some() || a.svg.is_some(),
+            transport,
             ..CollectiveOptions::default()
         },
     };
@@ -563,9 +591,14 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut out = String::new();
     writeln!(
         out,
-        "run {} · {} ranks · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
+        "run {} · {} ranks{} · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
         model.name(),
-        a.world,
+        report.world,
+        if report.local_ranks.len() == report.world as usize {
+            String::new()
+        } else {
+            format!(" (this process: rank {:?})", report.local_ranks)
+        },
         report.params,
         fmt_bytes(report.bytes),
         a.batch,
@@ -607,6 +640,11 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         s0.compiled,
         if report.ranks_agree { "yes" } else { "NO" }
     )?;
+    writeln!(
+        out,
+        "weights digest (rank {}): {:016x}",
+        report.local_ranks[0], report.weights_digest
+    )?;
     let l = &report.lazy[0];
     writeln!(
         out,
@@ -643,7 +681,7 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     let title = format!(
         "run {} · {} ranks · {}",
         model.name(),
-        a.world,
+        report.world,
         config.bucket.policy.name()
     );
     if let Some(p) = &a.trace {

@@ -16,7 +16,7 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, lazy_stats,
+    Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, Transport, lazy_stats,
     mark_distributed, recorded_step_graph, sync_stats, take_trace, trace_span,
 };
 use crate::config::CompileConfig;
@@ -51,7 +51,8 @@ impl RunModel {
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
-    /// Ranks (threads).
+    /// Ranks (threads), with the in-process transport; with a multi-process transport the group
+    /// size comes from its configuration and this process runs its one rank.
     pub world: u32,
     /// Model.
     pub model: RunModel,
@@ -91,8 +92,24 @@ pub struct RunReport {
     pub step: Option<RecordedStep>,
     /// The trace (empty unless `collective.trace`).
     pub trace: Vec<TraceSpan>,
-    /// Whether every rank ended with the same weights.
+    /// Whether every rank of this process ended with the same weights.
     pub ranks_agree: bool,
+    /// Ranks in the group.
+    pub world: u32,
+    /// The ranks this process ran (the first one's numbers are the ones reported).
+    pub local_ranks: Vec<u32>,
+    /// FNV-1a over the bits of the first local rank's final weights: equal digests, equal
+    /// weights, across processes and runs.
+    pub weights_digest: u64,
+}
+
+/// FNV-1a (64-bit) over the bits of `w`.
+pub fn weights_digest(w: &[f32]) -> u64 {
+    w.iter()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 /// A recorded step, compiled with the run's options.
@@ -245,11 +262,19 @@ fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tenso
 }
 
 fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
-    let devices: Vec<Dev> = (0..opts.world)
-        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+    let (world, local): (u32, Vec<u32>) = match &opts.collective.transport {
+        Transport::InProcess => (opts.world, (0..opts.world).collect()),
+        Transport::Tcp(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
+        #[cfg(feature = "cuda")]
+        Transport::Nccl(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
+    };
+    let first = local[0];
+    let devices: Vec<Dev> = local
+        .iter()
+        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, *r))
         .collect();
     opts.collective.clone().install::<NdArray>();
-    let lazy_before: Vec<LazyStats> = (0..opts.world).map(lazy_stats).collect();
+    let lazy_before: Vec<LazyStats> = local.iter().map(|r| lazy_stats(*r)).collect();
     Inner::start_communication_server(
         &devices,
         DistributedConfig {
@@ -290,7 +315,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
                             backward_secs: (t2 - t1).as_secs_f64(),
                             loss: lv.first().copied().unwrap_or(f32::NAN),
                         });
-                        if rank == 0 {
+                        if rank == first as usize {
                             progress(step + 1);
                         }
                     }
@@ -303,18 +328,25 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    let stats = (0..opts.world as usize)
-        .map(sync_stats::<NdArray>)
+    let stats = local
+        .iter()
+        .map(|r| sync_stats::<NdArray>(*r as usize))
         .collect();
-    let lazy = (0..opts.world)
-        .map(|r| lazy_stats(r).since(&lazy_before[r as usize]))
+    let lazy = local
+        .iter()
+        .zip(&lazy_before)
+        .map(|(r, before)| lazy_stats(*r).since(before))
         .collect();
-    let step = recorded_step_graph::<NdArray>(0)
+    let step = recorded_step_graph::<NdArray>(first as usize)
         .and_then(|g| RecordedStep::of(g, &opts.collective.config).ok());
     let trace = take_trace::<NdArray>();
     Inner::close_communication_server(&devices[0]);
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
+    let weights_digest = weights_digest(&results[0].1);
     RunReport {
+        world,
+        local_ranks: local,
+        weights_digest,
         steps: results.into_iter().next().map(|r| r.0).unwrap_or_default(),
         params,
         bytes: params as u64 * 4,

@@ -32,7 +32,8 @@ use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::{CollectiveDesc, Communicator};
 use crate::runtime::exec::ExecReport;
 use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
-use crate::runtime::{Grad, HostBuffer, InProcessComm, InProcessGroup};
+use crate::runtime::rendezvous::RendezvousConfig;
+use crate::runtime::{Grad, HostBuffer, InProcessGroup};
 use crate::trace::TraceSpan;
 
 /// How `Collective<I>` compiles and runs its gradient sync.
@@ -55,6 +56,26 @@ pub struct CollectiveOptions {
     /// or for any other inner backend, every gradient is read into host memory on arrival. A
     /// step under [`no_sync`], or with `check_finite`, reads gradients into host memory anyway.
     pub device_buckets: bool,
+    /// How the ranks talk: threads of this process, or one rank per process.
+    pub transport: Transport,
+}
+
+/// How the ranks of a communication server talk to each other.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Every rank is a thread of this process: `start_communication_server` gets every rank's
+    /// device, ranks `0..n` once each.
+    #[default]
+    InProcess,
+    /// One rank per process over TCP ([`TcpComm`](crate::runtime::tcp::TcpComm)), joining the
+    /// group the configuration names (usually [`RendezvousConfig::from_env`], the launcher's
+    /// `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`): `start_communication_server` gets this
+    /// process's one device, whose rank is the configuration's.
+    Tcp(RendezvousConfig),
+    /// One rank per process over NCCL on GPU `local_rank`, rank 0's NCCL id shared through the
+    /// rendezvous; otherwise as [`Transport::Tcp`].
+    #[cfg(feature = "cuda")]
+    Nccl(RendezvousConfig),
 }
 
 /// What a step does about a parameter whose gradient did not arrive on a rank: a registered
@@ -85,6 +106,7 @@ impl Default for CollectiveOptions {
             check_finite: false,
             unused: UnusedParameters::Error,
             device_buckets: true,
+            transport: Transport::InProcess,
         }
     }
 }
@@ -190,7 +212,8 @@ struct Session<I: Backend> {
     world: usize,
     reduce: ReduceOp,
     options: CollectiveOptions,
-    comms: Vec<InProcessComm>,
+    /// By rank; `None` for the ranks of other processes.
+    comms: Vec<Option<Box<dyn Communicator>>>,
     ranks: Vec<Mutex<RankState<I>>>,
     /// Buckets each rank packed on the device.
     device_packs: Vec<std::sync::atomic::AtomicU64>,
@@ -277,10 +300,28 @@ impl<I: Backend> Session<I> {
     /// Fails the whole group with `msg`, then panics on this rank.
     fn fail(&self, rank: usize, msg: String) -> ! {
         self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.comms[rank].abort(&msg);
+        if let Some(Some(c)) = self.comms.get(rank) {
+            c.abort(&msg);
+        }
         let prefix = format!("rank {rank}: ");
         let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
         panic!("collective-fusion: rank {rank}: {msg}");
+    }
+
+    /// The communicator of `rank`, which must be one of this process's.
+    fn comm(&self, rank: usize) -> &dyn Communicator {
+        match self.comms.get(rank) {
+            Some(Some(c)) => c.as_ref(),
+            _ => {
+                let here: Vec<usize> = (0..self.comms.len())
+                    .filter(|r| self.comms[*r].is_some())
+                    .collect();
+                panic!(
+                    "collective-fusion: rank {rank} is not a rank of this process (this process has rank(s) {here:?} of {})",
+                    self.world
+                )
+            }
+        }
     }
 
     fn state(&self, rank: usize, what: &str) -> MutexGuard<'_, RankState<I>> {
@@ -521,7 +562,7 @@ impl<I: Backend> Session<I> {
     fn advance_live(&self, rank: usize, live: &mut Live, ws: &mut Workspace, to_end: bool) {
         if let Err(e) = live.exec.run(
             &live.plan,
-            &self.comms[rank],
+            self.comm(rank),
             &mut live.grads,
             &live.ready,
             &mut NoHooks,
@@ -535,7 +576,7 @@ impl<I: Backend> Session<I> {
 
     /// Starts running `plan` (the expected plan) for this step.
     fn start_live(&self, rank: usize, st: &mut RankState<I>, plan: Arc<Plan>) -> Live {
-        match Execution::new(&plan, &self.comms[rank], &mut st.workspace, self.opts()) {
+        match Execution::new(&plan, self.comm(rank), &mut st.workspace, self.opts()) {
             Ok(exec) => {
                 let n = plan.slots.len();
                 Live {
@@ -663,7 +704,7 @@ impl<I: Backend> Session<I> {
             return Vec::new();
         }
         let opts = self.opts();
-        let comm = &self.comms[rank];
+        let comm = self.comm(rank);
         // Reduced gradients by submission index.
         let mut reduced: Vec<Option<Grad>> = (0..st.submitted.len()).map(|_| None).collect();
         if let Some(mut live) = st.live.take() {
@@ -761,7 +802,7 @@ impl<I: Backend> Session<I> {
     /// rank, then the union.
     fn reduce_zero_fill(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
         let opts = self.opts();
-        let comm = &self.comms[rank];
+        let comm = self.comm(rank);
         let n = st.submitted.len();
         let mut reduced: Vec<Option<Grad>> = (0..n).map(|_| None).collect();
         let mut zero: Vec<String> = Vec::new();
@@ -1022,20 +1063,69 @@ pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
     st.last_step.clone()
 }
 
-impl<I: Backend> DistributedBackend for Collective<I> {
-    fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
-        let world = devices.len();
-        let mut ranks: Vec<u32> = devices.iter().map(|d| d.rank).collect();
-        ranks.sort_unstable();
-        if ranks != (0..world as u32).collect::<Vec<_>>() {
+/// The group's size and this process's communicators by rank, as `options.transport` says; a
+/// start-up failure panics with the typed error's message.
+fn communicators<D>(
+    devices: &[CollectiveDevice<D>],
+    options: &CollectiveOptions,
+) -> (usize, Vec<Option<Box<dyn Communicator>>>) {
+    let given: Vec<u32> = devices.iter().map(|d| d.rank).collect();
+    let one_rank = |cfg: &RendezvousConfig, transport: &str| {
+        if given != [cfg.rank as u32] {
             panic!(
-                "collective-fusion: start_communication_server needs the ranks 0..{world} once each, got {:?}",
-                devices.iter().map(|d| d.rank).collect::<Vec<_>>()
+                "collective-fusion: start_communication_server over {transport} takes this process's one device, of rank {} (RANK), got devices of ranks {given:?}",
+                cfg.rank
             );
         }
+    };
+    let fail = |e: &dyn std::fmt::Display| -> ! {
+        panic!("collective-fusion: start_communication_server: {e}")
+    };
+    let place = |world: usize, rank: usize, c: Box<dyn Communicator>| {
+        let mut v: Vec<Option<Box<dyn Communicator>>> = (0..world).map(|_| None).collect();
+        v[rank] = Some(c);
+        (world, v)
+    };
+    match &options.transport {
+        Transport::InProcess => {
+            let world = devices.len();
+            let mut ranks = given.clone();
+            ranks.sort_unstable();
+            if ranks != (0..world as u32).collect::<Vec<_>>() {
+                panic!(
+                    "collective-fusion: start_communication_server needs the ranks 0..{world} once each, got {given:?}"
+                );
+            }
+            let comms = InProcessGroup::ranks(world, options.timeout)
+                .into_iter()
+                .map(|c| Some(Box::new(c) as Box<dyn Communicator>))
+                .collect();
+            (world, comms)
+        }
+        Transport::Tcp(cfg) => {
+            one_rank(cfg, "TCP");
+            match crate::runtime::tcp::TcpComm::connect(cfg, options.timeout) {
+                Ok(c) => place(cfg.world, cfg.rank, Box::new(c)),
+                Err(e) => fail(&e),
+            }
+        }
+        #[cfg(feature = "cuda")]
+        Transport::Nccl(cfg) => {
+            one_rank(cfg, "NCCL");
+            match crate::runtime::nccl::NcclComm::join(cfg, options.timeout) {
+                Ok(c) => place(cfg.world, cfg.rank, Box::new(c)),
+                Err(e) => fail(&e),
+            }
+        }
+    }
+}
+
+impl<I: Backend> DistributedBackend for Collective<I> {
+    fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
         let options = lock(next_options())
             .remove(&TypeId::of::<I>())
             .unwrap_or_default();
+        let (world, comms) = communicators(devices, &options);
         let reduce = match config.all_reduce_op {
             ReduceOperation::Sum => ReduceOp::Sum,
             ReduceOperation::Mean => ReduceOp::Mean,
@@ -1046,7 +1136,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             trace: Mutex::new(Vec::new()),
             world,
             reduce,
-            comms: InProcessGroup::ranks(world, options.timeout),
+            comms,
             device_packs: (0..world)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
@@ -1118,7 +1208,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             .collect();
         if !late.is_empty() {
             for (r, c) in s.comms.iter().enumerate() {
-                c.abort(&format!("rank {r}: communication server closed"));
+                if let Some(c) = c {
+                    c.abort(&format!("rank {r}: communication server closed"));
+                }
             }
             panic!(
                 "collective-fusion: close_communication_server: gradients were submitted after the last sync point and never reduced ({})",
@@ -1187,7 +1279,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             count: buf.len() as u64,
             params: Vec::new(),
         };
-        let reduced = s.comms[rank]
+        let reduced = s
+            .comm(rank)
             .all_reduce(buf, what)
             .and_then(|p| p.wait(crate::runtime::comm::wait_bound(s.options.timeout)));
         let out = match reduced {

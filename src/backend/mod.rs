@@ -37,9 +37,9 @@ use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
-    CollectiveOptions, NoSync, SyncStats, UnusedParameters, expected_plan, gradient_syncs_total,
-    last_zero_filled, mark_distributed, no_sync, recorded_step_graph, sync_stats, take_trace,
-    trace_span,
+    CollectiveOptions, NoSync, SyncStats, Transport, UnusedParameters, expected_plan,
+    gradient_syncs_total, last_zero_filled, mark_distributed, no_sync, recorded_step_graph,
+    sync_stats, take_trace, trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 

@@ -201,8 +201,17 @@ impl NcclComm {
             return Err(NcclInitError::Unavailable);
         }
         let cfg = RendezvousConfig::from_env(timeout)?;
+        NcclComm::join(&cfg, timeout)
+    }
+
+    /// Joins the group `cfg` describes: rank 0's NCCL id is shared through the rendezvous, and
+    /// this rank joins on CUDA device `cfg.local_rank`.
+    pub fn join(cfg: &RendezvousConfig, timeout: Duration) -> Result<Self, NcclInitError> {
+        if !nccl_available() {
+            return Err(NcclInitError::Unavailable);
+        }
         let mut id_err = None;
-        let id = rendezvous(&cfg, || match unique_id() {
+        let id = rendezvous(cfg, || match unique_id() {
             Ok(id) => id,
             Err(e) => {
                 id_err = Some(e);
