@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with an NVIDIA GPU, libcuda and libnccl: builds with `cuda`,
 # runs the GPU tests with skipping turned into failure, and a two-process rendezvous smoke test
-# that shares a real NCCL id. Prints what it ran; exits non-zero on the first failure.
+# that shares a real NCCL id, and a one-rank NCCL training run through the launcher environment. Prints what it ran; exits non-zero on the first failure.
 # Usage: scripts/gpu-check.sh   (from the repository root; about 5 minutes on 16 cores, cold)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +23,7 @@ for r in 1 0; do
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
+echo "== one rank over NCCL through the launcher environment (run --transport nccl)"
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((port + 1)) \
+  timeout 120 "$bin" run --transport nccl --world 1 --steps 3 --batch 8 | tail -4
 echo "== gpu-check: all passed"
