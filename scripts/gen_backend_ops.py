@@ -69,6 +69,11 @@ LAZY.update({
     "float_cast": ("tensor.shape_hint()", "Some(DType::from(dtype))"),
     "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
     "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
+    # Cross-entropy's gather and its backward; embeddings' select and its backward.
+    "float_gather": ("indices.shape_hint()", "tensor.dtype_hint()"),
+    "float_scatter_add": same("tensor"),
+    "float_select": ("rules::select(tensor.shape_hint(), dim, indices.shape_hint())", "tensor.dtype_hint()"),
+    "float_select_add": same("tensor"),
     "conv2d": ("rules::conv(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
     "conv_transpose2d": ("rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
 })

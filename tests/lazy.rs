@@ -108,8 +108,36 @@ fn recorded_shapes_and_dtypes_match_what_the_ops_compute() {
         .with_dilation([2, 1])
         .with_groups(1)
         .init::<C>(&d);
+    let idx3 = Tensor::<C, 3, burn_core::tensor::Int>::from_data(
+        TensorData::new((0..12).map(|i| (i * 7 % 4) as i64).collect(), [2, 3, 2]),
+        &d,
+    );
+    let idx1 = Tensor::<C, 1, burn_core::tensor::Int>::from_data(
+        TensorData::new(vec![2i64, 0, 1, 1, 2], [5]),
+        &d,
+    );
+    let vals: Tensor<C, 3> = Tensor::from_data(data(12, vec![2, 3, 2], 8), &d);
+    let rows: Tensor<C, 3> = Tensor::from_data(data(40, vec![2, 5, 4], 9), &d);
     let before = lazy_stats(103);
     let outs: Vec<(&str, CTensor<_>)> = vec![
+        ("gather", prim(&a.clone().gather(2, idx3.clone()))),
+        (
+            "scatter add",
+            prim(
+                &a.clone()
+                    .scatter(2, idx3, vals, burn_backend::tensor::IndexingUpdateOp::Add),
+            ),
+        ),
+        ("select", prim(&a.clone().select(1, idx1.clone()))),
+        (
+            "select add",
+            prim(&a.clone().select_assign(
+                1,
+                idx1,
+                rows,
+                burn_backend::tensor::IndexingUpdateOp::Add,
+            )),
+        ),
         ("broadcast add", prim(&(a.clone() + row.clone()))),
         ("matmul", prim(&a.clone().matmul(b.clone()))),
         ("swap_dims", prim(&a.clone().swap_dims(0, 2))),
@@ -245,4 +273,50 @@ fn an_op_that_panics_when_it_runs_fails_every_reader_with_its_name_and_no_hang()
     // The rank's queue still works.
     let ok = (a + 1.0).sum().into_data().to_vec::<f32>().unwrap();
     assert_eq!(ok.len(), 1);
+}
+
+#[test]
+fn a_step_with_norms_an_embedding_and_cross_entropy_records_no_eager_op() {
+    use burn_autodiff::Autodiff;
+    use burn_core::tensor::Int;
+    use burn_nn::loss::CrossEntropyLossConfig;
+    use burn_nn::{BatchNormConfig, EmbeddingConfig, LayerNormConfig};
+    type A = Autodiff<C>;
+    let d = dev(108);
+    let conv = Conv2dConfig::new([2, 4], [3, 3])
+        .with_padding(PaddingConfig2d::Same)
+        .init::<A>(&d);
+    let bn = BatchNormConfig::new(4).init::<A>(&d);
+    let ln = LayerNormConfig::new(64).init::<A>(&d);
+    let emb = EmbeddingConfig::new(10, 64).init::<A>(&d);
+    let lin: Linear<A> = LinearConfig::new(64, 5).init(&d);
+    let x: Tensor<A, 4> = Tensor::from_data(data(2 * 2 * 4 * 4, vec![2, 2, 4, 4], 3), &d);
+    let tokens = Tensor::<A, 2, Int>::from_data(TensorData::new(vec![4i64, 7], [2, 1]), &d);
+    let targets = Tensor::<A, 1, Int>::from_data(TensorData::new(vec![1i64, 3], [2]), &d);
+    // Parameters initialize lazily; materialize them first.
+    for w in [lin.weight.val().into_data(), emb.weight.val().into_data()] {
+        assert!(!w.as_slice::<f32>().unwrap().is_empty());
+    }
+    let _ = conv.weight.val().into_data();
+    let before = lazy_stats(108);
+    let h = relu(bn.forward(conv.forward(x))).reshape([2, 64]);
+    let h = ln.forward(h) + emb.forward(tokens).reshape([2, 64]);
+    let logits = lin.forward(h);
+    let loss = CrossEntropyLossConfig::new()
+        .init(&d)
+        .forward(logits, targets);
+    let grads = loss.backward();
+    let g = emb.weight.grad(&grads).unwrap().into_data();
+    let after = lazy_stats(108).since(&before);
+    // Conv, batch norm, relu, layer norm, embedding, linear, cross entropy and their backward
+    // all recorded: the only thing that ran the queue is the read of the gradient.
+    let forced: Vec<&str> = after.forced_by.keys().copied().collect();
+    assert_eq!(forced, ["float_into_data"], "{after:?}");
+    assert_eq!(after.forced_by_metadata, 0, "{after:?}");
+    // The embedding's gradient is non-zero exactly on the two rows the tokens used.
+    let g = g.to_vec::<f32>().unwrap();
+    for row in 0..10 {
+        let used = g[row * 64..][..64].iter().any(|v| *v != 0.0);
+        assert_eq!(used, row == 4 || row == 7, "embedding row {row}");
+    }
 }

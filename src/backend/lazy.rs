@@ -588,6 +588,16 @@ pub(crate) mod rules {
         a?.reduce(dim).ok()
     }
 
+    /// Dim `dim` of `a` replaced by the length of the one-dimensional `indices`.
+    pub fn select(a: Option<Shape>, dim: usize, indices: Option<Shape>) -> Option<Shape> {
+        let (mut a, indices) = (a?, indices?);
+        if indices.num_dims() != 1 || dim >= a.num_dims() {
+            return None;
+        }
+        a[dim] = indices[0];
+        Some(a)
+    }
+
     /// The input and weight shapes of an `N`-d convolution, if both are known and of rank
     /// `N + 2`.
     fn conv_operands<const N: usize>(

@@ -464,29 +464,24 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let tensor_seq = tensor.seq();
-        let indices_seq = indices.seq();
-        {
-            let p = I::float_gather(
-                dim,
-                tensor.into_inner_for("float_gather"),
-                indices.into_inner_for("float_gather"),
-            );
-            let device: AnyDevice = Arc::new(I::float_device(&p));
-            CTensor::eager(
-                rank,
-                Record {
-                    op: "float_gather",
-                    kind: "opaque",
-                    device,
-                    shape: None,
-                    dtype: None,
-                    inputs: rules::inputs([tensor_seq, indices_seq]),
-                    flops: 0,
-                },
-                p,
-            )
-        }
+        let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), indices.seq()]);
+        let node_shape = indices.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
+        CTensor::lazy(
+            rank,
+            Record {
+                op: "float_gather",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
+            move || I::float_gather(dim, tensor.into_inner(), indices.into_inner()),
+        )
     }
     fn float_scatter_add(
         dim: usize,
@@ -495,31 +490,31 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let tensor_seq = tensor.seq();
-        let indices_seq = indices.seq();
-        let value_seq = value.seq();
-        {
-            let p = I::float_scatter_add(
-                dim,
-                tensor.into_inner_for("float_scatter_add"),
-                indices.into_inner_for("float_scatter_add"),
-                value.into_inner_for("float_scatter_add"),
-            );
-            let device: AnyDevice = Arc::new(I::float_device(&p));
-            CTensor::eager(
-                rank,
-                Record {
-                    op: "float_scatter_add",
-                    kind: "opaque",
-                    device,
-                    shape: None,
-                    dtype: None,
-                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
-                    flops: 0,
-                },
-                p,
-            )
-        }
+        let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), indices.seq(), value.seq()]);
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
+        CTensor::lazy(
+            rank,
+            Record {
+                op: "float_scatter_add",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
+            move || {
+                I::float_scatter_add(
+                    dim,
+                    tensor.into_inner(),
+                    indices.into_inner(),
+                    value.into_inner(),
+                )
+            },
+        )
     }
     fn float_select(
         tensor: FloatTensor<Self>,
@@ -527,29 +522,24 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let tensor_seq = tensor.seq();
-        let indices_seq = indices.seq();
-        {
-            let p = I::float_select(
-                tensor.into_inner_for("float_select"),
-                dim,
-                indices.into_inner_for("float_select"),
-            );
-            let device: AnyDevice = Arc::new(I::float_device(&p));
-            CTensor::eager(
-                rank,
-                Record {
-                    op: "float_select",
-                    kind: "opaque",
-                    device,
-                    shape: None,
-                    dtype: None,
-                    inputs: rules::inputs([tensor_seq, indices_seq]),
-                    flops: 0,
-                },
-                p,
-            )
-        }
+        let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), indices.seq()]);
+        let node_shape = rules::select(tensor.shape_hint(), dim, indices.shape_hint());
+        let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
+        CTensor::lazy(
+            rank,
+            Record {
+                op: "float_select",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
+            move || I::float_select(tensor.into_inner(), dim, indices.into_inner()),
+        )
     }
     fn float_select_add(
         tensor: FloatTensor<Self>,
@@ -558,31 +548,31 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let tensor_seq = tensor.seq();
-        let indices_seq = indices.seq();
-        let value_seq = value.seq();
-        {
-            let p = I::float_select_add(
-                tensor.into_inner_for("float_select_add"),
-                dim,
-                indices.into_inner_for("float_select_add"),
-                value.into_inner_for("float_select_add"),
-            );
-            let device: AnyDevice = Arc::new(I::float_device(&p));
-            CTensor::eager(
-                rank,
-                Record {
-                    op: "float_select_add",
-                    kind: "opaque",
-                    device,
-                    shape: None,
-                    dtype: None,
-                    inputs: rules::inputs([tensor_seq, indices_seq, value_seq]),
-                    flops: 0,
-                },
-                p,
-            )
-        }
+        let node_device = tensor.device_handle(|p| I::float_device(p));
+        let node_inputs = rules::inputs([tensor.seq(), indices.seq(), value.seq()]);
+        let node_shape = tensor.shape_hint();
+        let node_dtype = tensor.dtype_hint();
+        let node_flops = rules::numel(&node_shape);
+        CTensor::lazy(
+            rank,
+            Record {
+                op: "float_select_add",
+                kind: "elementwise",
+                device: node_device,
+                shape: node_shape,
+                dtype: node_dtype,
+                inputs: node_inputs,
+                flops: node_flops,
+            },
+            move || {
+                I::float_select_add(
+                    tensor.into_inner(),
+                    dim,
+                    indices.into_inner(),
+                    value.into_inner(),
+                )
+            },
+        )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
