@@ -1,6 +1,7 @@
 //! Runtime throughput, side by side with memcpy of the same bytes on the same machine:
-//! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks
-//!   (algorithm bandwidth: bytes of one rank's buffer per unit time).
+//! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks and
+//!   the TCP all-reduce on 2 ranks over loopback (algorithm bandwidth: bytes of one rank's buffer
+//!   per unit time).
 //! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket.
 //! - `bucket_io/{bytes}`: a 16-member bucket of wgpu gradients, from device buffers to a flat host
 //!   buffer (what the communicator takes) and back into device buffers: staged (each gradient
@@ -17,6 +18,8 @@ use collective_fusion::codegen::layout::{BucketLayout, MemberLayout};
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
+use collective_fusion::runtime::rendezvous::RendezvousConfig;
+use collective_fusion::runtime::tcp::TcpComm;
 use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, host};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
@@ -48,6 +51,33 @@ fn memcpy_baseline(g: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
     });
 }
 
+/// A TCP group of `world` ranks over loopback, each rank's connections its own.
+fn tcp_group(world: usize) -> Vec<Box<dyn Communicator>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                s.spawn(move || {
+                    let cfg = RendezvousConfig {
+                        rank,
+                        world,
+                        local_rank: rank,
+                        addr: "127.0.0.1".into(),
+                        port,
+                        timeout: Duration::from_secs(30),
+                    };
+                    Box::new(TcpComm::connect(&cfg, Duration::from_secs(60)).unwrap())
+                        as Box<dyn Communicator>
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn allreduce(c: &mut Criterion) {
     for bytes in SIZES {
         let n = bytes / 4;
@@ -55,12 +85,19 @@ fn allreduce(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(bytes as u64));
         g.measurement_time(Duration::from_secs(3)).sample_size(20);
         memcpy_baseline(&mut g, n);
-        for world in [2usize, 4] {
-            let comms = InProcessGroup::ranks(world, Duration::from_secs(60));
+        for (transport, world) in [("inprocess", 2usize), ("inprocess", 4), ("tcp", 2)] {
+            let comms: Vec<Box<dyn Communicator>> = if transport == "tcp" {
+                tcp_group(world)
+            } else {
+                InProcessGroup::ranks(world, Duration::from_secs(60))
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn Communicator>)
+                    .collect()
+            };
             let mut bufs: Vec<Option<HostBuffer>> = (0..world)
                 .map(|_| Some(HostBuffer::F32(vec![1.0; n])))
                 .collect();
-            g.bench_function(format!("inprocess_{world}ranks"), |b| {
+            g.bench_function(format!("{transport}_{world}ranks"), |b| {
                 b.iter(|| {
                     let pending: Vec<_> = comms
                         .iter()

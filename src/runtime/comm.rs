@@ -205,6 +205,44 @@ impl PendingReduce {
     }
 }
 
+/// A collective queued on a communicator's stream (its thread).
+pub(crate) struct Job {
+    /// This rank's buffer.
+    pub buffer: HostBuffer,
+    /// What it is.
+    pub what: CollectiveDesc,
+    /// Where the outcome goes.
+    pub reply: mpsc::Sender<CommResult>,
+}
+
+/// Checks that `buffer` is what `what` says (dtype, count), queues it on `stream` and returns
+/// the pending collective; a closed stream (`None`, or its thread gone) is
+/// [`CommError::Closed`].
+pub(crate) fn enqueue(
+    rank: usize,
+    stream: Option<&mpsc::Sender<Job>>,
+    buffer: HostBuffer,
+    what: CollectiveDesc,
+) -> Result<PendingReduce, CommError> {
+    if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
+        return Err(CommError::Unsupported {
+            rank,
+            what,
+            why: format!("the buffer is {}[{}]", buffer.dtype(), buffer.len()),
+        });
+    }
+    let (reply, rx) = mpsc::channel();
+    let job = Job {
+        buffer,
+        what: what.clone(),
+        reply,
+    };
+    match stream {
+        Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(rank, what, rx)),
+        _ => Err(CommError::Closed { rank, what }),
+    }
+}
+
 /// One rank's end of a communication group.
 pub trait Communicator: Send + Sync {
     /// This rank.

@@ -22,7 +22,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::{Element, HostBuffer};
-use super::comm::{CollectiveDesc, CommError, CommResult, CommSpan, Communicator, PendingReduce};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
 use crate::graph::ReduceOp;
 
 /// Default bound on a rank's wait for the others.
@@ -403,12 +403,6 @@ unsafe fn reduce_blocked<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: 
     }
 }
 
-struct Job {
-    buffer: HostBuffer,
-    what: CollectiveDesc,
-    reply: mpsc::Sender<CommResult>,
-}
-
 /// Builds the ranks of an in-process group.
 pub struct InProcessGroup;
 
@@ -486,26 +480,7 @@ impl Communicator for InProcessComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
-            return Err(CommError::Unsupported {
-                rank: self.rank,
-                what,
-                why: format!("the buffer is {}[{}]", buffer.dtype(), buffer.len()),
-            });
-        }
-        let (reply, rx) = mpsc::channel();
-        let job = Job {
-            buffer,
-            what: what.clone(),
-            reply,
-        };
-        match &self.tx {
-            Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(self.rank, what, rx)),
-            _ => Err(CommError::Closed {
-                rank: self.rank,
-                what,
-            }),
-        }
+        super::comm::enqueue(self.rank, self.tx.as_ref(), buffer, what)
     }
 
     fn abort(&self, reason: &str) {

@@ -23,7 +23,7 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommResult, CommSpan, Communicator, PendingReduce};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::ReduceOp;
 
@@ -82,12 +82,6 @@ pub fn unique_id() -> Result<Vec<u8>, NcclInitError> {
         why: format!("{e:?}"),
     })?;
     Ok(id.internal().iter().map(|c| *c as u8).collect())
-}
-
-struct Job {
-    buffer: HostBuffer,
-    what: CollectiveDesc,
-    reply: mpsc::Sender<CommResult>,
 }
 
 /// Shared between the handle and its comm thread.
@@ -357,27 +351,13 @@ impl Communicator for NcclComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        let (tx, rx) = mpsc::channel();
-        let jobs = self.jobs.lock().map_err(|_| CommError::Closed {
-            rank: self.rank,
-            what: what.clone(),
-        })?;
-        let Some(jobs) = jobs.as_ref() else {
-            return Err(CommError::Closed {
+        match self.jobs.lock() {
+            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), buffer, what),
+            Err(_) => Err(CommError::Closed {
                 rank: self.rank,
                 what,
-            });
-        };
-        jobs.send(Job {
-            buffer,
-            what: what.clone(),
-            reply: tx,
-        })
-        .map_err(|_| CommError::Closed {
-            rank: self.rank,
-            what: what.clone(),
-        })?;
-        Ok(PendingReduce::new(self.rank, what, rx))
+            }),
+        }
     }
 
     fn abort(&self, reason: &str) {

@@ -29,7 +29,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommResult, CommSpan, Communicator, PendingReduce};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::{DType, ReduceOp};
 
@@ -140,12 +140,6 @@ enum Links {
     Root(Vec<TcpStream>),
     /// Any other rank: its stream to rank 0.
     Peer(TcpStream),
-}
-
-struct Job {
-    buffer: HostBuffer,
-    what: CollectiveDesc,
-    reply: mpsc::Sender<CommResult>,
 }
 
 /// One rank of a TCP group (one per process).
@@ -467,36 +461,26 @@ fn run_peer(
     // Rank 0 may start this collective up to `timeout` after us and then wait as long for
     // the slowest peer.
     let bound = super::comm::wait_bound(timeout);
+    let lost = |e: std::io::Error| {
+        if timed_out(&e) {
+            CommError::Timeout {
+                rank: shared.rank,
+                what: what.clone(),
+                waited: t0.elapsed(),
+                missing: vec![0],
+            }
+        } else {
+            failure(shared, what, e, 0)
+        }
+    };
     s.set_write_timeout(Some(bound))
         .and_then(|_| s.write_all(&header(what)))
         .and_then(|_| s.write_all(buf.as_bytes()))
-        .map_err(|e| {
-            if timed_out(&e) {
-                CommError::Timeout {
-                    rank: shared.rank,
-                    what: what.clone(),
-                    waited: t0.elapsed(),
-                    missing: vec![0],
-                }
-            } else {
-                failure(shared, what, e, 0)
-            }
-        })?;
+        .map_err(lost)?;
     let mut status = [0u8; 1];
     s.set_read_timeout(Some(bound))
         .and_then(|_| s.read_exact(&mut status))
-        .map_err(|e| {
-            if timed_out(&e) {
-                CommError::Timeout {
-                    rank: shared.rank,
-                    what: what.clone(),
-                    waited: t0.elapsed(),
-                    missing: vec![0],
-                }
-            } else {
-                failure(shared, what, e, 0)
-            }
-        })?;
+        .map_err(lost)?;
     let started = Instant::now();
     if status[0] != 0 {
         let mut len = [0u8; 4];
@@ -537,14 +521,7 @@ impl Communicator for TcpComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
-            return Err(CommError::Unsupported {
-                rank: self.rank,
-                what,
-                why: format!("the buffer is {}[{}]", buffer.dtype(), buffer.len()),
-            });
-        }
-        if self.world == 1 {
+        if self.world == 1 && buffer.dtype() == what.dtype && buffer.len() as u64 == what.count {
             // Nothing to exchange; a mean over one rank divides by one.
             let mut bufs = [buffer];
             super::inprocess::reduce_in_rank_order(&mut bufs, what.op);
@@ -562,19 +539,7 @@ impl Communicator for TcpComm {
                 )),
             ));
         }
-        let (reply, rx) = mpsc::channel();
-        let job = Job {
-            buffer,
-            what: what.clone(),
-            reply,
-        };
-        match &self.tx {
-            Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(self.rank, what, rx)),
-            _ => Err(CommError::Closed {
-                rank: self.rank,
-                what,
-            }),
-        }
+        super::comm::enqueue(self.rank, self.tx.as_ref(), buffer, what)
     }
 
     fn abort(&self, reason: &str) {
