@@ -173,13 +173,6 @@ mod nccl {
 
     use super::gpu_or_skip;
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .unwrap()
-    }
-
     /// Rank 0 of a world of one, through the real rendezvous and a fresh NCCL id.
     fn single_rank() -> NcclComm {
         let cfg = RendezvousConfig {
@@ -187,7 +180,7 @@ mod nccl {
             world: 1,
             local_rank: 0,
             addr: "127.0.0.1".into(),
-            port: free_port(),
+            port: super::common::free_port(),
             timeout: Duration::from_secs(30),
         };
         let id = rendezvous(&cfg, || unique_id().unwrap()).unwrap();

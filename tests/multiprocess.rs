@@ -2,17 +2,13 @@
 //! once per rank with the launcher's environment (as torchrun would), against the same run with
 //! every rank a thread of one process.
 
-use std::net::TcpListener;
+mod common;
+
 use std::process::{Command, Output, Stdio};
 
-const BIN: &str = env!("CARGO_BIN_EXE_collective-fusion");
+use common::free_port;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
+const BIN: &str = env!("CARGO_BIN_EXE_collective-fusion");
 
 const ARGS: [&str; 7] = ["run", "--model", "mlp", "--steps", "3", "--batch", "4"];
 

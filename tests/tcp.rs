@@ -2,7 +2,8 @@
 //! separate processes would have): results bitwise those of the in-process group, and the
 //! failures (a peer that never calls, ranks that disagree) are typed errors, not hangs.
 
-use std::net::TcpListener;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use collective_fusion::graph::{DType, ReduceOp};
@@ -11,13 +12,7 @@ use collective_fusion::runtime::rendezvous::RendezvousConfig;
 use collective_fusion::runtime::synthetic::SplitMix64;
 use collective_fusion::runtime::tcp::TcpComm;
 use collective_fusion::runtime::{HostBuffer, InProcessGroup};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
+use common::free_port;
 
 fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
     RendezvousConfig {
@@ -65,56 +60,42 @@ fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(&TcpComm) -> T + 
     })
 }
 
+const CASES: [(ReduceOp, DType, usize); 5] = [
+    (ReduceOp::Sum, DType::F32, 100_003),
+    (ReduceOp::Mean, DType::F32, 7),
+    (ReduceOp::Mean, DType::BF16, 4099),
+    (ReduceOp::Sum, DType::F64, 1),
+    (ReduceOp::Mean, DType::F16, 0),
+];
+
+/// Every case on `c`, all in flight at once, completed in order.
+fn all_cases(c: &dyn Communicator) -> Vec<HostBuffer> {
+    let pending: Vec<_> = CASES
+        .iter()
+        .enumerate()
+        .map(|(i, (op, dt, n))| {
+            c.all_reduce(
+                data(c.rank(), *dt, *n, i as u64),
+                desc(i as u32, *op, *dt, *n),
+            )
+            .unwrap()
+        })
+        .collect();
+    pending
+        .into_iter()
+        .map(|p| p.wait(Duration::from_secs(60)).unwrap().0)
+        .collect()
+}
+
 #[test]
 fn tcp_results_are_bitwise_those_of_the_in_process_group() {
-    let cases = [
-        (ReduceOp::Sum, DType::F32, 100_003),
-        (ReduceOp::Mean, DType::F32, 7),
-        (ReduceOp::Mean, DType::BF16, 4099),
-        (ReduceOp::Sum, DType::F64, 1),
-        (ReduceOp::Mean, DType::F16, 0),
-    ];
     for world in [1usize, 2, 3] {
-        let tcp = on_tcp(world, Duration::from_secs(20), |c| {
-            // Several collectives in flight at once, completed in order.
-            let pending: Vec<_> = cases
-                .iter()
-                .enumerate()
-                .map(|(i, (op, dt, n))| {
-                    c.all_reduce(
-                        data(c.rank(), *dt, *n, i as u64),
-                        desc(i as u32, *op, *dt, *n),
-                    )
-                    .unwrap()
-                })
-                .collect();
-            pending
-                .into_iter()
-                .map(|p| p.wait(Duration::from_secs(60)).unwrap().0)
-                .collect::<Vec<_>>()
-        });
+        let tcp = on_tcp(world, Duration::from_secs(20), |c| all_cases(c));
         let group = InProcessGroup::ranks(world, Duration::from_secs(20));
         let local: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
             let hs: Vec<_> = group
                 .iter()
-                .map(|c| {
-                    s.spawn(move || {
-                        cases
-                            .iter()
-                            .enumerate()
-                            .map(|(i, (op, dt, n))| {
-                                c.all_reduce(
-                                    data(c.rank(), *dt, *n, i as u64),
-                                    desc(i as u32, *op, *dt, *n),
-                                )
-                                .unwrap()
-                                .wait(Duration::from_secs(60))
-                                .unwrap()
-                                .0
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
+                .map(|c| s.spawn(move || all_cases(c)))
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });

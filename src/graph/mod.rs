@@ -82,6 +82,33 @@ impl DType {
         }
     }
 
+    /// A one-byte code for wire formats (the plan agreement, the TCP transport); never 0.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::F32 => 1,
+            DType::F16 => 2,
+            DType::BF16 => 3,
+            DType::F64 => 4,
+            DType::I64 => 5,
+            DType::I32 => 6,
+            DType::Bool => 7,
+        }
+    }
+
+    /// The dtype of a [`code`](Self::code).
+    pub fn from_code(c: u8) -> Option<DType> {
+        Some(match c {
+            1 => DType::F32,
+            2 => DType::F16,
+            3 => DType::BF16,
+            4 => DType::F64,
+            5 => DType::I64,
+            6 => DType::I32,
+            7 => DType::Bool,
+            _ => return None,
+        })
+    }
+
     /// Parses the text-form spelling.
     pub fn from_name(s: &str) -> Option<DType> {
         Some(match s {
@@ -160,6 +187,23 @@ impl ReduceOp {
         match self {
             ReduceOp::Sum => "sum",
             ReduceOp::Mean => "mean",
+        }
+    }
+
+    /// A one-byte code for wire formats; never 0.
+    pub fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Mean => 2,
+        }
+    }
+
+    /// The op of a [`code`](Self::code).
+    pub fn from_code(c: u8) -> Option<ReduceOp> {
+        match c {
+            1 => Some(ReduceOp::Sum),
+            2 => Some(ReduceOp::Mean),
+            _ => None,
         }
     }
 }

@@ -64,39 +64,12 @@ pub fn plan_sequence(plan: &Plan) -> Vec<CollectiveDesc> {
     out
 }
 
-fn dtype_code(d: DType) -> f64 {
-    match d {
-        DType::F32 => 1.0,
-        DType::F16 => 2.0,
-        DType::BF16 => 3.0,
-        DType::F64 => 4.0,
-        DType::I64 => 5.0,
-        DType::I32 => 6.0,
-        DType::Bool => 7.0,
-    }
-}
-
-fn dtype_of(code: f64) -> DType {
-    match code as u32 {
-        2 => DType::F16,
-        3 => DType::BF16,
-        4 => DType::F64,
-        5 => DType::I64,
-        6 => DType::I32,
-        7 => DType::Bool,
-        _ => DType::F32,
-    }
-}
-
 fn encode(d: &CollectiveDesc) -> [f64; FIELDS] {
     [
         f64::from(d.collective),
         d.bucket.map_or(0.0, |b| f64::from(b) + 1.0),
-        match d.op {
-            ReduceOp::Sum => 1.0,
-            ReduceOp::Mean => 2.0,
-        },
-        dtype_code(d.dtype),
+        f64::from(d.op.code()),
+        f64::from(d.dtype.code()),
         d.count as f64,
     ]
 }
@@ -108,12 +81,8 @@ fn decode(f: &[f64]) -> Option<CollectiveDesc> {
     Some(CollectiveDesc {
         collective: f[0] as u32,
         bucket: (f[1] > 0.0).then(|| (f[1] - 1.0) as u32),
-        op: if f[2] == 2.0 {
-            ReduceOp::Mean
-        } else {
-            ReduceOp::Sum
-        },
-        dtype: dtype_of(f[3]),
+        op: ReduceOp::from_code(f[2] as u8).unwrap_or(ReduceOp::Sum),
+        dtype: DType::from_code(f[3] as u8).unwrap_or(DType::F32),
         count: f[4] as u64,
         params: Vec::new(),
     })

@@ -415,13 +415,15 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
                 ));
             }
         }
-        let wire = match dtypes(&self.client, layout) {
-            Ok((_, wire)) => wire,
+        let what = || format!("packing {}", label(layout));
+        let out = match pack(&self.client, layout, &ours, scale_div) {
+            Ok(out) => out,
+            // A dtype this device does not run: the host packs it.
             Err(CubeError::Unsupported { .. }) => return Ok(None),
-            Err(e) => return Err(device_error(format!("packing {}", label(layout)), e)),
+            Err(e) => return Err(device_error(what(), e)),
         };
-        let out = pack(&self.client, layout, &ours, scale_div)
-            .map_err(|e| device_error(format!("packing {}", label(layout)), e))?;
+        // `pack` parsed it already.
+        let wire = dtype_of(layout, &layout.wire_dtype).map_err(|e| device_error(what(), e))?;
         read_back(&self.client, &out, wire, layout.numel as usize, || {
             format!("reading packed bucket {} from the device", label(layout))
         })

@@ -19,7 +19,8 @@
 //!
 //! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`. Per
 //! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, two zero bytes,
-//! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes; rank 0 → peer: status
+//! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes (op and dtype as
+//! `ReduceOp::code` and `DType::code`); rank 0 → peer: status
 //! `u8` (0: ok, then the result's bytes; 1: failed, then a `u32` length and the message).
 
 use std::io::{ErrorKind, Read, Write};
@@ -40,40 +41,12 @@ const HEADER: usize = 24;
 /// Largest failure message accepted from rank 0.
 const MAX_MESSAGE: u32 = 1 << 16;
 
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        DType::F16 => 2,
-        DType::BF16 => 3,
-        DType::I32 => 4,
-        DType::I64 => 5,
-        DType::Bool => 6,
-    }
-}
-
-fn dtype_of(c: u8) -> Option<DType> {
-    Some(match c {
-        0 => DType::F32,
-        1 => DType::F64,
-        2 => DType::F16,
-        3 => DType::BF16,
-        4 => DType::I32,
-        5 => DType::I64,
-        6 => DType::Bool,
-        _ => return None,
-    })
-}
-
 fn header(what: &CollectiveDesc) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
     h[..4].copy_from_slice(CALL);
     h[4..8].copy_from_slice(&what.collective.to_le_bytes());
-    h[8] = match what.op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Mean => 1,
-    };
-    h[9] = dtype_code(what.dtype);
+    h[8] = what.op.code();
+    h[9] = what.dtype.code();
     h[12..20].copy_from_slice(&what.count.to_le_bytes());
     h[20..24].copy_from_slice(&what.bucket.unwrap_or(u32::MAX).to_le_bytes());
     h
@@ -88,12 +61,8 @@ fn parse_header(h: &[u8; HEADER]) -> Option<CollectiveDesc> {
     Some(CollectiveDesc {
         collective: u32_at(4),
         bucket: (bucket != u32::MAX).then_some(bucket),
-        op: match h[8] {
-            0 => ReduceOp::Sum,
-            1 => ReduceOp::Mean,
-            _ => return None,
-        },
-        dtype: dtype_of(h[9])?,
+        op: ReduceOp::from_code(h[8])?,
+        dtype: DType::from_code(h[9])?,
         count: u64::from_le_bytes(h[12..20].try_into().ok()?),
         params: Vec::new(),
     })
@@ -521,24 +490,6 @@ impl Communicator for TcpComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        if self.world == 1 && buffer.dtype() == what.dtype && buffer.len() as u64 == what.count {
-            // Nothing to exchange; a mean over one rank divides by one.
-            let mut bufs = [buffer];
-            super::inprocess::reduce_in_rank_order(&mut bufs, what.op);
-            let [buffer] = bufs;
-            let now = Instant::now();
-            return Ok(PendingReduce::finished(
-                self.rank,
-                what,
-                Ok((
-                    buffer,
-                    CommSpan {
-                        start: now,
-                        end: now,
-                    },
-                )),
-            ));
-        }
         super::comm::enqueue(self.rank, self.tx.as_ref(), buffer, what)
     }
 

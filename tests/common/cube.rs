@@ -58,27 +58,8 @@ pub fn read<R: Runtime>(
     dtype: DType,
 ) -> HostBuffer {
     let bytes = client.read_one(h).expect("reading a device buffer");
-    match dtype {
-        DType::F32 => HostBuffer::F32(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-        DType::F16 => HostBuffer::F16(
-            bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        DType::BF16 => HostBuffer::BF16(
-            bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        d => panic!("unexpected dtype {d}"),
-    }
+    HostBuffer::from_le_bytes(dtype, &bytes)
+        .unwrap_or_else(|| panic!("{} bytes are not a buffer of {dtype}", bytes.len()))
 }
 
 /// Sizes with odd lengths (padding), a large member (grid-stride loop), and many members.
@@ -178,42 +159,24 @@ pub fn check_cast<R: Runtime>(client: &ComputeClient<R>, wire: DType, mantissa_b
 pub fn run_plan_slots(
     plan: &collective_fusion::codegen::plan::Plan,
     inputs: Vec<Vec<HostBuffer>>,
-    make: impl Fn(usize, HostBuffer) -> collective_fusion::runtime::Grad + Sync,
+    make: impl Fn(usize, HostBuffer) -> collective_fusion::runtime::Grad,
 ) -> Vec<(Vec<HostBuffer>, u32)> {
-    use collective_fusion::runtime::exec::{ExecOptions, NoHooks, Workspace, execute_in};
-    let opts = ExecOptions::default();
-    let comms = collective_fusion::runtime::InProcessGroup::ranks(inputs.len(), opts.timeout);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .zip(inputs)
-            .map(|(comm, grads)| {
-                let make = &make;
-                s.spawn(move || {
-                    let mut slots: Vec<_> = grads
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, g)| make(i, g))
-                        .collect();
-                    let report = execute_in(
-                        plan,
-                        comm,
-                        &mut slots,
-                        &mut NoHooks,
-                        opts,
-                        &mut Workspace::default(),
-                    )
-                    .unwrap_or_else(|e| panic!("{e}"));
-                    let host = slots
-                        .into_iter()
-                        .map(|g| g.into_host().unwrap_or_else(|e| panic!("{e}")))
-                        .collect();
-                    (host, report.device_packs)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    use collective_fusion::runtime::exec::{ExecOptions, run_in_process_grads};
+    let slots = inputs
+        .into_iter()
+        .map(|g| g.into_iter().enumerate().map(|(i, g)| make(i, g)).collect())
+        .collect();
+    run_in_process_grads(plan, slots, ExecOptions::default())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .map(|(g, report)| {
+            let host = g
+                .into_iter()
+                .map(|g| g.into_host().unwrap_or_else(|e| panic!("{e}")))
+                .collect();
+            (host, report.device_packs)
+        })
+        .collect()
 }
 
 /// A plan of `sizes` f32 gradients on `world` ranks (mean), bucketed by `policy` under a small
@@ -224,32 +187,16 @@ pub fn small_plan(
     policy: collective_fusion::config::BucketPolicy,
 ) -> collective_fusion::codegen::plan::Plan {
     use collective_fusion::graph::parse::parse;
-    let mut text = format!(
-        "graph \"device\" {{\n  group g0 size={world}\n  %0 = input \"loss.grad\" : f32[8]\n"
-    );
-    let mut syncs = Vec::new();
-    for (i, n) in sizes.iter().enumerate() {
-        let b = 1 + 3 * i;
-        text.push_str(&format!(
-            "  %{b} = compute \"p{i}.bwd\" kind=matmul flops=1000000 (%{}) : f32[8]\n",
-            if i == 0 { 0 } else { b - 3 }
-        ));
-        text.push_str(&format!(
-            "  %{} = gradient \"p{i}\" (%{b}) : f32[{n}]\n",
-            b + 1
-        ));
-        text.push_str(&format!(
-            "  %{} = grad_sync \"p{i}\" reduce=mean group=g0 ready={i} (%{}) : f32[{n}]\n",
-            b + 2,
-            b + 1
-        ));
-        syncs.push(format!("%{}", b + 2));
-    }
-    text.push_str(&format!(
-        "  %{} = sync ({})\n}}\n",
-        1 + 3 * sizes.len(),
-        syncs.join(", ")
-    ));
+    let names: Vec<(String, String)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (format!("p{i}"), format!("f32[{n}]")))
+        .collect();
+    let grads: Vec<super::G<'_>> = names
+        .iter()
+        .map(|(name, ty)| super::G(name, ty, "mean", "g0"))
+        .collect();
+    let text = super::chain_in(world, &grads);
     let mut g = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     let config = collective_fusion::config::CompileConfig {
         bucket: collective_fusion::config::BucketConfig {

@@ -16,7 +16,12 @@ pub struct G<'a>(pub &'a str, pub &'a str, pub &'a str, pub &'a str);
 /// A backward chain in text form: one compute per gradient, then gradient and grad_sync, then a
 /// sync reading every grad_sync. Groups g0 and g1 have 4 ranks.
 pub fn chain(grads: &[G<'_>]) -> String {
-    let mut s = String::from("graph \"t\" {\n  group g0 size=4\n  group g1 size=4\n");
+    chain_in(4, grads)
+}
+
+/// [`chain`] with groups of `world` ranks.
+pub fn chain_in(world: u32, grads: &[G<'_>]) -> String {
+    let mut s = format!("graph \"t\" {{\n  group g0 size={world}\n  group g1 size={world}\n");
     s.push_str("  %0 = input \"loss.grad\" : f32[8]\n");
     let mut n = 1;
     let mut prev = 0;
@@ -40,6 +45,14 @@ pub fn chain(grads: &[G<'_>]) -> String {
     }
     s.push_str(&format!("  %{n} = sync ({})\n}}\n", syncs.join(", ")));
     s
+}
+
+/// A free TCP port on the loopback interface.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
 }
 
 /// Bucketing options.
