@@ -20,7 +20,7 @@ use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
 use collective_fusion::runtime::rendezvous::RendezvousConfig;
 use collective_fusion::runtime::tcp::TcpComm;
-use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, host};
+use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, Packed, host};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use cubecl::prelude::*;
@@ -212,10 +212,24 @@ fn bucket_io(c: &mut Criterion) {
                 black_box(back);
             })
         });
+        // Packed on the device, through host memory (what a host communicator gets).
         g.bench_function("device_buckets", |b| {
             b.iter(|| {
                 let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
+                let flat = Packed::Host(flat.read().unwrap());
                 let back = members[0].unpack(&l, &members, &flat).unwrap();
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(back);
+            })
+        });
+        // Packed and unpacked on the device with nothing crossing to the host (what NCCL's
+        // in-place all-reduce leaves around the call).
+        g.bench_function("device_in_place", |b| {
+            b.iter(|| {
+                let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
+                let back = members[0]
+                    .unpack(&l, &members, &Packed::Device(flat))
+                    .unwrap();
                 cubecl::future::block_on(client.sync()).unwrap();
                 black_box(back);
             })

@@ -185,6 +185,7 @@ fn train_data_parallel_inspect<M: Net>(
                 compiled: 1,
                 zero_filled: 0,
                 device_buckets: 0,
+                device_collectives: 0,
             },
             "rank {r}"
         );

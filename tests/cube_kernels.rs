@@ -98,3 +98,22 @@ fn a_plan_over_device_gradients_gives_the_bits_of_the_host_path() {
         common::cube::check_plan_on_device(&c);
     }
 }
+
+#[test]
+fn collectives_reduced_in_place_on_the_device_give_the_bits_of_the_host_path() {
+    if let Some(c) = client() {
+        let comms = collective_fusion::runtime::InProcessGroup::ranks(
+            2,
+            std::time::Duration::from_secs(60),
+        )
+        .into_iter()
+        .map(|inner| {
+            Box::new(common::cube::DeviceReducing {
+                inner,
+                client: c.clone(),
+            }) as Box<dyn collective_fusion::runtime::Communicator>
+        })
+        .collect();
+        common::cube::check_plan_reduced_on_device(&c, comms);
+    }
+}

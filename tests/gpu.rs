@@ -288,6 +288,20 @@ mod nccl {
         }
     }
 
+    /// A plan over `Collective<Cuda>`-style gradients (CubeCL CUDA buffers) on NCCL: every
+    /// collective is reduced in place in device memory (nothing crosses to the host), and the
+    /// result has the bits of the host path.
+    #[test]
+    fn buckets_of_cuda_gradients_are_reduced_in_place_by_nccl() {
+        if !gpu_or_skip("nccl in place", 1, true) {
+            return;
+        }
+        use cubecl::Runtime;
+        use cubecl::cuda::{CudaDevice, CudaRuntime};
+        let client = CudaRuntime::client(&CudaDevice::new(0));
+        super::common::cube::check_plan_reduced_on_device(&client, vec![Box::new(single_rank())]);
+    }
+
     #[test]
     fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
         if !gpu_or_skip("nccl init timeout", 1, true) {
@@ -319,7 +333,10 @@ mod training {
     use burn_nn::loss::{MseLoss, Reduction};
     use burn_nn::{Linear, LinearConfig};
     use burn_optim::{GradientsParams, Optimizer, SgdConfig};
-    use collective_fusion::backend::{Collective, CollectiveDevice, mark_distributed, sync_stats};
+    use collective_fusion::backend::{
+        Collective, CollectiveDevice, CollectiveOptions, Transport, mark_distributed, sync_stats,
+    };
+    use collective_fusion::runtime::rendezvous::RendezvousConfig;
     use collective_fusion::train::{module_weights, synthetic_batch};
 
     use super::gpu_or_skip;
@@ -327,8 +344,14 @@ mod training {
     fn steps<I: burn_backend::Backend>(
         dev: I::Device,
         init: Vec<Vec<f32>>,
+        transport: Transport,
     ) -> (Vec<f32>, collective_fusion::backend::SyncStats) {
         type Bk<I> = Autodiff<Collective<I>>;
+        CollectiveOptions {
+            transport,
+            ..CollectiveOptions::default()
+        }
+        .install::<I>();
         let d = CollectiveDevice::new(dev, 0);
         Collective::<I>::start_communication_server(
             std::slice::from_ref(&d),
@@ -379,17 +402,64 @@ mod training {
                 .collect()
         };
         let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
-        let (gpu, gpu_stats) = steps::<Cuda>(CudaDevice::default(), init.clone());
-        let (cpu, cpu_stats) = steps::<NdArray>(NdArrayDevice::Cpu, init);
+        let (gpu, gpu_stats) =
+            steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
+        let (cpu, cpu_stats) = steps::<NdArray>(NdArrayDevice::Cpu, init, Transport::InProcess);
         // The CUDA gradients were packed by the kernels on their own buffers; NdArray's on the
         // host.
         assert!(gpu_stats.device_buckets >= 3, "{gpu_stats:?}");
+        assert_eq!(gpu_stats.device_collectives, 0, "{gpu_stats:?}");
         assert_eq!(cpu_stats.device_buckets, 0, "{cpu_stats:?}");
-        assert_eq!(gpu.len(), cpu.len());
-        for (i, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
+        close(&gpu, &cpu, "ndarray");
+    }
+
+    fn close(gpu: &[f32], other: &[f32], what: &str) {
+        assert_eq!(gpu.len(), other.len());
+        for (i, (a, b)) in gpu.iter().zip(other).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1e-2),
-                "weight {i}: cuda {a} vs ndarray {b}"
+                "weight {i}: cuda {a} vs {what} {b}"
+            );
+        }
+    }
+
+    /// The same steps with NCCL as the transport (one rank, through the rendezvous): the
+    /// gradients are reduced in place on the GPU, and the weights match the in-process run bit
+    /// for bit (a one-rank mean is exact either way).
+    #[test]
+    fn a_collective_cuda_step_over_nccl_reduces_its_buckets_in_place() {
+        if !gpu_or_skip("Collective<Cuda> over NCCL", 1, true) {
+            return;
+        }
+        let mut rng = collective_fusion::runtime::synthetic::SplitMix64(4);
+        let mut w = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (rng.next_u64() % 2001) as f32 / 10_000.0 - 0.1)
+                .collect()
+        };
+        let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
+        let cfg = RendezvousConfig {
+            rank: 0,
+            world: 1,
+            local_rank: 0,
+            addr: "127.0.0.1".into(),
+            port: super::common::free_port(),
+            timeout: std::time::Duration::from_secs(30),
+        };
+        let (nccl, stats) =
+            steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::Nccl(cfg));
+        assert!(stats.device_buckets >= 3, "{stats:?}");
+        // Every bucket, and the gradients with an all-reduce of their own.
+        assert!(
+            stats.device_collectives >= stats.device_buckets,
+            "{stats:?}"
+        );
+        let (threads, _) = steps::<Cuda>(CudaDevice::default(), init, Transport::InProcess);
+        for (i, (a, b)) in nccl.iter().zip(&threads).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "weight {i}: nccl {a} vs in-process {b}"
             );
         }
     }

@@ -217,6 +217,8 @@ struct Session<I: Backend> {
     ranks: Vec<Mutex<RankState<I>>>,
     /// Buckets each rank packed on the device.
     device_packs: Vec<std::sync::atomic::AtomicU64>,
+    /// Collectives each rank's communicator reduced in place on the device.
+    device_collectives: Vec<std::sync::atomic::AtomicU64>,
 }
 
 type Sessions = Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
@@ -336,11 +338,13 @@ impl<I: Backend> Session<I> {
 
     /// Adds a run's spans to the trace, when tracing.
     fn record(&self, rank: usize, report: &ExecReport) {
-        if let Some(n) = self.device_packs.get(rank) {
-            n.fetch_add(
-                u64::from(report.device_packs),
-                std::sync::atomic::Ordering::Relaxed,
-            );
+        for (counts, n) in [
+            (&self.device_packs, report.device_packs),
+            (&self.device_collectives, report.device_collectives),
+        ] {
+            if let Some(c) = counts.get(rank) {
+                c.fetch_add(u64::from(n), std::sync::atomic::Ordering::Relaxed);
+            }
         }
         if !self.options.trace {
             return;
@@ -993,6 +997,11 @@ pub struct SyncStats {
     /// Buckets packed and unpacked by the CubeCL kernels on the gradients' device buffers
     /// (see [`CollectiveOptions::device_buckets`]); the rest were packed in host memory.
     pub device_buckets: u64,
+    /// Collectives the communicator reduced in place in device memory (NCCL on the gradients'
+    /// GPU: nothing crossed to the host): device-packed buckets, and device copies of the
+    /// gradients that have an all-reduce of their own. Every other collective went through
+    /// host memory.
+    pub device_collectives: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -1005,6 +1014,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         compiled: st.cache.misses(),
         zero_filled: st.zero_filled,
         device_buckets: s.device_packs[rank].load(std::sync::atomic::Ordering::Relaxed),
+        device_collectives: s.device_collectives[rank].load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 
@@ -1138,6 +1148,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             reduce,
             comms,
             device_packs: (0..world)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            device_collectives: (0..world)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
             ranks: (0..world)

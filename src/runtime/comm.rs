@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
+use super::grad::DeviceBucket;
 use crate::graph::{DType, ReduceOp};
 
 /// What a collective is, for matching across ranks and for error messages.
@@ -151,8 +152,9 @@ pub struct CommSpan {
     pub end: Instant,
 }
 
-/// The outcome a communicator sends back for one collective.
-pub type CommResult = Result<(HostBuffer, CommSpan), CommError>;
+/// The outcome a communicator sends back for one collective: the reduced buffer (host memory
+/// by default; a [`DeviceBucket`] for a collective reduced in place on the device).
+pub type CommResult<T = HostBuffer> = Result<(T, CommSpan), CommError>;
 
 /// How long a caller waits for a pending collective whose communicator bounds each collective
 /// by `timeout` from its start: long enough that the communicator's own, more precise error
@@ -162,20 +164,20 @@ pub fn wait_bound(timeout: Duration) -> Duration {
 }
 
 /// A collective in flight.
-pub struct PendingReduce {
+pub struct PendingReduce<T = HostBuffer> {
     rank: usize,
     what: CollectiveDesc,
-    rx: mpsc::Receiver<CommResult>,
+    rx: mpsc::Receiver<CommResult<T>>,
 }
 
-impl PendingReduce {
+impl<T> PendingReduce<T> {
     /// A pending collective whose result arrives on `rx`.
-    pub fn new(rank: usize, what: CollectiveDesc, rx: mpsc::Receiver<CommResult>) -> Self {
+    pub fn new(rank: usize, what: CollectiveDesc, rx: mpsc::Receiver<CommResult<T>>) -> Self {
         PendingReduce { rank, what, rx }
     }
 
     /// A collective that already finished.
-    pub fn finished(rank: usize, what: CollectiveDesc, result: CommResult) -> Self {
+    pub fn finished(rank: usize, what: CollectiveDesc, result: CommResult<T>) -> Self {
         let (tx, rx) = mpsc::channel();
         let _ = tx.send(result);
         PendingReduce { rank, what, rx }
@@ -187,7 +189,7 @@ impl PendingReduce {
     }
 
     /// Waits for the reduced buffer, at most `timeout`.
-    pub fn wait(self, timeout: Duration) -> Result<(HostBuffer, CommSpan), CommError> {
+    pub fn wait(self, timeout: Duration) -> CommResult<T> {
         let t0 = Instant::now();
         match self.rx.recv_timeout(timeout) {
             Ok(r) => r,
@@ -205,6 +207,15 @@ impl PendingReduce {
     }
 }
 
+/// What [`Communicator::all_reduce_device`] did with a packed device bucket.
+pub enum DeviceLaunch {
+    /// Enqueued, to be reduced in place in device memory; the bucket comes back reduced.
+    Launched(PendingReduce<Box<dyn DeviceBucket>>),
+    /// This communicator does not reduce that device's memory: the bucket is handed back, for
+    /// the caller to read into host memory and pass to [`Communicator::all_reduce`].
+    Declined(Box<dyn DeviceBucket>),
+}
+
 /// A collective queued on a communicator's stream (its thread).
 pub(crate) struct Job {
     /// This rank's buffer.
@@ -218,9 +229,9 @@ pub(crate) struct Job {
 /// Checks that `buffer` is what `what` says (dtype, count), queues it on `stream` and returns
 /// the pending collective; a closed stream (`None`, or its thread gone) is
 /// [`CommError::Closed`].
-pub(crate) fn enqueue(
+pub(crate) fn enqueue<J: From<Job>>(
     rank: usize,
-    stream: Option<&mpsc::Sender<Job>>,
+    stream: Option<&mpsc::Sender<J>>,
     buffer: HostBuffer,
     what: CollectiveDesc,
 ) -> Result<PendingReduce, CommError> {
@@ -238,7 +249,7 @@ pub(crate) fn enqueue(
         reply,
     };
     match stream {
-        Some(tx) if tx.send(job).is_ok() => Ok(PendingReduce::new(rank, what, rx)),
+        Some(tx) if tx.send(job.into()).is_ok() => Ok(PendingReduce::new(rank, what, rx)),
         _ => Err(CommError::Closed { rank, what }),
     }
 }
@@ -257,6 +268,24 @@ pub trait Communicator: Send + Sync {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError>;
+    /// Whether [`Communicator::all_reduce_device`] may reduce device memory in place (else it
+    /// always declines). The executor copies a device gradient that has an all-reduce of its
+    /// own into a bucket only for such a communicator.
+    fn reduces_device_memory(&self) -> bool {
+        false
+    }
+    /// Enqueues an all-reduce of a bucket packed in device memory, in place, when this
+    /// communicator reduces that device's memory (NCCL on the bucket's GPU); otherwise hands
+    /// it back ([`DeviceLaunch::Declined`], the default). Same ordering, op and checks as
+    /// [`Communicator::all_reduce`].
+    fn all_reduce_device(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<DeviceLaunch, CommError> {
+        let _ = what;
+        Ok(DeviceLaunch::Declined(bucket))
+    }
     /// Fails the group: every rank's pending and future collectives return
     /// [`CommError::Aborted`] with `reason`, instead of waiting for this rank.
     fn abort(&self, reason: &str);

@@ -10,7 +10,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::buffer::HostBuffer;
-use super::grad::DeviceGrad;
+use super::grad::{CudaMemory, DeviceBucket, DeviceGrad, Packed};
 use super::host::KernelError;
 use crate::codegen::kernels::{bucket_pack, bucket_unpack};
 use crate::codegen::layout::BucketLayout;
@@ -389,7 +389,7 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
         scale_div: Option<u32>,
-    ) -> Result<Option<HostBuffer>, KernelError> {
+    ) -> Result<Option<Box<dyn DeviceBucket>>, KernelError> {
         let Some(ours) = members
             .iter()
             .map(|m| {
@@ -424,24 +424,67 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
         };
         // `pack` parsed it already.
         let wire = dtype_of(layout, &layout.wire_dtype).map_err(|e| device_error(what(), e))?;
-        read_back(&self.client, &out, wire, layout.numel as usize, || {
-            format!("reading packed bucket {} from the device", label(layout))
-        })
-        .map(Some)
+        Ok(Some(Box::new(CubeBucket {
+            client: self.client.clone(),
+            handle: out,
+            len: layout.numel as usize,
+            dtype: wire,
+            label: label(layout),
+        })))
+    }
+
+    fn copy_to_bucket(&self) -> Result<Option<Box<dyn DeviceBucket>>, KernelError> {
+        if self.len == 0 {
+            return Ok(None);
+        }
+        // A bucket of one member at offset 0, no scale, no cast: the pack kernel is the copy.
+        let n = self.len as u64;
+        let bytes = n * self.dtype.size();
+        let layout = BucketLayout {
+            bucket: None,
+            reduce: "sum".into(),
+            scale_div: None,
+            group: 0,
+            wire_dtype: self.dtype.name().to_string(),
+            members: vec![crate::codegen::layout::MemberLayout {
+                param: None,
+                offset: 0,
+                numel: n,
+                dtype: self.dtype.name().to_string(),
+            }],
+            numel: n,
+            padding: 0,
+            bytes,
+            member_bytes: bytes,
+        };
+        match pack(&self.client, &layout, &[self.member()], None) {
+            Ok(handle) => Ok(Some(Box::new(CubeBucket {
+                client: self.client.clone(),
+                handle,
+                len: self.len,
+                dtype: self.dtype,
+                label: format!("{}[{}] gradient", self.dtype, self.len),
+            }))),
+            Err(CubeError::Unsupported { .. }) => Ok(None),
+            Err(e) => Err(device_error(
+                format!("copying a {}[{}] gradient", self.dtype, self.len),
+                e,
+            )),
+        }
     }
 
     fn unpack(
         &self,
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
-        reduced: &HostBuffer,
+        reduced: &Packed,
     ) -> Result<Vec<Box<dyn DeviceGrad>>, KernelError> {
         let what = || format!("unpacking {}", label(layout));
         if reduced.len() as u64 != layout.numel || reduced.dtype().name() != layout.wire_dtype {
             return Err(device_error(
                 what(),
                 format!(
-                    "the reduced buffer is {}[{}], the layout is {}[{}]",
+                    "the reduced bucket is {}[{}], the layout is {}[{}]",
                     reduced.dtype(),
                     reduced.len(),
                     layout.wire_dtype,
@@ -449,7 +492,13 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
                 ),
             ));
         }
-        let flat = self.client.create_from_slice(reduced.as_bytes());
+        let flat = match reduced {
+            Packed::Host(b) => self.client.create_from_slice(b.as_bytes()),
+            Packed::Device(d) => match d.as_any().downcast_ref::<CubeBucket<R>>() {
+                Some(b) => b.handle.clone(),
+                None => self.client.create_from_slice(d.read()?.as_bytes()),
+            },
+        };
         let fresh: Vec<CubeGrad<R>> = members
             .iter()
             .map(|m| CubeGrad {
@@ -467,5 +516,71 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
             .into_iter()
             .map(|g| Box::new(g) as Box<dyn DeviceGrad>)
             .collect())
+    }
+}
+
+/// A bucket packed by the kernels above: a CubeCL handle of `len` wire elements.
+pub struct CubeBucket<R: Runtime> {
+    /// The runtime's client (the members').
+    pub client: ComputeClient<R>,
+    /// The flat buffer.
+    pub handle: Handle,
+    /// Elements.
+    pub len: usize,
+    /// Wire element type.
+    pub dtype: DType,
+    /// The bucket's label (`b3`), for errors.
+    pub label: String,
+}
+
+impl<R: Runtime> DeviceBucket for CubeBucket<R> {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn read(&self) -> Result<HostBuffer, KernelError> {
+        read_back(&self.client, &self.handle, self.dtype, self.len, || {
+            format!("reading packed bucket {} from the device", self.label)
+        })
+    }
+
+    fn into_grad(self: Box<Self>) -> Box<dyn DeviceGrad> {
+        Box::new(CubeGrad {
+            client: self.client,
+            handle: self.handle,
+            len: self.len,
+            dtype: self.dtype,
+        })
+    }
+
+    fn cuda_memory(&self) -> Result<Option<CudaMemory>, KernelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(client) = (&self.client as &dyn std::any::Any)
+            .downcast_ref::<ComputeClient<cubecl::cuda::CudaRuntime>>()
+        {
+            let what = || format!("handing packed bucket {} to NCCL", self.label);
+            // CubeCL does not expose its streams, so the pack kernel is waited for here (this
+            // thread's stream) rather than by an event on the communicator's stream.
+            cubecl::future::block_on(client.sync())
+                .map_err(|e| device_error(what(), format!("{e:?}")))?;
+            let resource = client
+                .get_resource(self.handle.clone())
+                .map_err(|e| device_error(what(), format!("{e:?}")))?;
+            let ptr = resource.resource().ptr;
+            return Ok(Some(CudaMemory {
+                ptr,
+                bytes: self.len as u64 * self.dtype.size(),
+                keep_alive: Box::new((self.handle.clone(), resource)),
+            }));
+        }
+        Ok(None)
     }
 }

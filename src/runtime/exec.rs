@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, PendingReduce};
-use super::grad::{DeviceGrad, Grad};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, DeviceLaunch, PendingReduce};
+use super::grad::{DeviceBucket, DeviceGrad, Grad, Packed};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::graph::DType;
@@ -116,6 +116,10 @@ pub struct ExecReport {
     pub launched: Vec<u32>,
     /// Buckets packed (and unpacked) by the device's kernels on the gradients' own buffers.
     pub device_packs: u32,
+    /// Collectives the communicator reduced in place in device memory (NCCL on the
+    /// gradients' GPU): device-packed buckets, and copies of device gradients that have an
+    /// all-reduce of their own. Every other collective crossed to the host and back.
+    pub device_collectives: u32,
 }
 
 fn desc_of(
@@ -227,8 +231,18 @@ fn check_slot(s: &crate::codegen::plan::Slot, rank: usize, g: &Grad) -> Result<(
 enum InFlight {
     /// One packed bucket.
     Bucket(PendingReduce),
+    /// One packed bucket, reduced in place in device memory.
+    DeviceBucket(PendingReduce<Box<dyn DeviceBucket>>),
     /// One call per slot.
-    Slots(Vec<(u32, PendingReduce)>),
+    Slots(Vec<(u32, SlotFlight)>),
+}
+
+/// One slot's collective in flight.
+enum SlotFlight {
+    /// Its gradient in host memory.
+    Host(PendingReduce),
+    /// A device copy of its gradient, reduced in place.
+    Device(PendingReduce<Box<dyn DeviceBucket>>),
 }
 
 /// Bucket buffers kept from one step to the next, so a steady-state step allocates nothing.
@@ -297,7 +311,7 @@ pub struct Execution {
     rank: usize,
     /// Next compute-stream step.
     pc: usize,
-    packed: Vec<Option<HostBuffer>>,
+    packed: Vec<Option<Packed>>,
     flight: Vec<Option<InFlight>>,
     report: ExecReport,
 }
@@ -326,7 +340,7 @@ impl Execution {
             steps: plan.compute.len(),
             rank: comm.rank(),
             pc: 0,
-            packed: vec![None; plan.collectives.len()],
+            packed: (0..plan.collectives.len()).map(|_| None).collect(),
             flight: (0..plan.collectives.len()).map(|_| None).collect(),
             report: ExecReport::default(),
         })
@@ -498,10 +512,10 @@ impl Execution {
                     _ => Ok(None),
                 }
                 .map_err(kerr)?;
-                let buf = match device {
-                    Some(buf) => {
+                let packed = match device {
+                    Some(bucket) => {
                         report.device_packs += 1;
-                        buf
+                        Packed::Device(bucket)
                     }
                     None => {
                         // Host kernels; device members are read into host memory first, so the
@@ -520,10 +534,10 @@ impl Execution {
                         let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
                         host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf)
                             .map_err(kerr)?;
-                        buf
+                        Packed::Host(buf)
                     }
                 };
-                self.packed[c.id as usize] = Some(buf);
+                self.packed[c.id as usize] = Some(packed);
                 span(report, "compute", format!("pack {}", bucket_name(c)));
             }
             Step::Record(Event::Ready(cid)) => {
@@ -536,15 +550,53 @@ impl Execution {
                             why: format!("collective #{} is ready before its pack", c.id),
                         })?;
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
-                    InFlight::Bucket(comm.all_reduce(buf, what)?)
+                    match buf {
+                        Packed::Host(buf) => InFlight::Bucket(comm.all_reduce(buf, what)?),
+                        Packed::Device(bucket) => {
+                            match comm.all_reduce_device(bucket, what.clone())? {
+                                DeviceLaunch::Launched(p) => {
+                                    report.device_collectives += 1;
+                                    InFlight::DeviceBucket(p)
+                                }
+                                // A host communicator: the bucket crosses to the host here.
+                                DeviceLaunch::Declined(bucket) => {
+                                    let buf = bucket.read().map_err(kerr)?;
+                                    InFlight::Bucket(comm.all_reduce(buf, what)?)
+                                }
+                            }
+                        }
+                    }
                 } else {
                     let mut calls = Vec::with_capacity(c.slots.len());
                     for s in &c.slots {
-                        let buf = std::mem::take(&mut grads[*s as usize])
-                            .into_host()
-                            .map_err(kerr)?;
+                        let g = std::mem::take(&mut grads[*s as usize]);
+                        // A device gradient goes to a communicator that reduces device memory
+                        // as a copy (its buffer may be shared), else to the host.
+                        let copy = match g.device() {
+                            Some(d) if comm.reduces_device_memory() => {
+                                d.copy_to_bucket().map_err(kerr)?
+                            }
+                            _ => None,
+                        };
+                        let buf = match copy {
+                            Some(bucket) => {
+                                let what =
+                                    desc_of(plan, c, bucket.len() as u64, bucket.dtype(), &[*s]);
+                                match comm.all_reduce_device(bucket, what)? {
+                                    DeviceLaunch::Launched(p) => {
+                                        report.device_collectives += 1;
+                                        calls.push((*s, SlotFlight::Device(p)));
+                                        continue;
+                                    }
+                                    DeviceLaunch::Declined(bucket) => {
+                                        bucket.read().map_err(kerr)?
+                                    }
+                                }
+                            }
+                            None => g.into_host().map_err(kerr)?,
+                        };
                         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
-                        calls.push((*s, comm.all_reduce(buf, what)?));
+                        calls.push((*s, SlotFlight::Host(comm.all_reduce(buf, what)?)));
                     }
                     InFlight::Slots(calls)
                 };
@@ -557,13 +609,40 @@ impl Execution {
                     Some(InFlight::Bucket(p)) => {
                         let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                         comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
-                        self.packed[c.id as usize] = Some(buf);
+                        self.packed[c.id as usize] = Some(Packed::Host(buf));
+                    }
+                    Some(InFlight::DeviceBucket(p)) => {
+                        let (bucket, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
+                        comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                        self.packed[c.id as usize] = Some(Packed::Device(bucket));
                     }
                     Some(InFlight::Slots(calls)) => {
                         for (slot, p) in calls {
-                            let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
+                            let bound = super::comm::wait_bound(opts.timeout);
+                            let (g, s) = match p {
+                                SlotFlight::Host(p) => {
+                                    let (buf, s) = p.wait(bound)?;
+                                    (Grad::Host(buf), s)
+                                }
+                                SlotFlight::Device(p) => {
+                                    let (bucket, s) = p.wait(bound)?;
+                                    if bucket.len() != plan.slots[slot as usize].ty.numel() as usize
+                                    {
+                                        return Err(ExecError::Plan {
+                                            plan: plan.name.clone(),
+                                            why: format!(
+                                                "collective #{} returned {}[{}] for slot {slot}",
+                                                c.id,
+                                                bucket.dtype(),
+                                                bucket.len()
+                                            ),
+                                        });
+                                    }
+                                    (Grad::Device(bucket.into_grad()), s)
+                                }
+                            };
                             comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
-                            grads[slot as usize] = Grad::Host(buf);
+                            grads[slot as usize] = g;
                         }
                     }
                     None => {
@@ -604,6 +683,7 @@ impl Execution {
                         .map(Grad::host_mut)
                         .collect::<Result<_, _>>()
                         .map_err(kerr)?;
+                    let buf = buf.into_host().map_err(kerr)?;
                     host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
                     ws.buffers[c.id as usize] = buf;
                 }

@@ -7,6 +7,11 @@
 //! device runs the bucket's dtypes; otherwise it reads the device members into host memory and
 //! packs there. Either way the numbers are the same: the kernels and the host path share their
 //! arithmetic (checked bitwise in the kernel tests).
+//!
+//! A bucket packed on the device stays there ([`DeviceBucket`]) until its collective: a
+//! communicator that reduces that device's memory (NCCL on the bucket's GPU) reduces it in
+//! place, and the unpack reads it on the device; any other communicator gets it read into host
+//! memory, and the unpack writes the reduced bucket back first.
 
 use std::any::Any;
 
@@ -32,25 +37,105 @@ pub trait DeviceGrad: Send + 'static {
     fn into_any(self: Box<Self>) -> Box<dyn Any>;
     /// Copies it into host memory.
     fn read(&self) -> Result<HostBuffer, KernelError>;
-    /// Packs `members` (this one among them, in layout order) on the device into a flat buffer
-    /// of the layout's wire dtype, dividing by `scale_div` when set, and returns that buffer
-    /// read back to the host. `Ok(None)`: this device cannot (a member of another kind, or a
-    /// dtype it does not run), and the caller packs on the host.
+    /// Packs `members` (this one among them, in layout order) on the device into a new flat
+    /// buffer of the layout's wire dtype, dividing by `scale_div` when set. `Ok(None)`: this
+    /// device cannot (a member of another kind, or a dtype it does not run), and the caller
+    /// packs on the host.
     fn pack(
         &self,
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
         scale_div: Option<u32>,
-    ) -> Result<Option<HostBuffer>, KernelError>;
-    /// Writes the reduced flat buffer to the device and unpacks it into new device buffers, one
-    /// per member, in layout order (the members' own buffers may be shared with other tensors,
-    /// so they are not written).
+    ) -> Result<Option<Box<dyn DeviceBucket>>, KernelError>;
+    /// A copy of it as a flat bucket of its own dtype (its buffer may be shared with other
+    /// tensors), for a communicator that reduces device memory in place to reduce a gradient
+    /// that has an all-reduce of its own. `Ok(None)`: this device cannot.
+    fn copy_to_bucket(&self) -> Result<Option<Box<dyn DeviceBucket>>, KernelError> {
+        Ok(None)
+    }
+    /// Unpacks the reduced flat buffer into new device buffers, one per member, in layout
+    /// order (the members' own buffers may be shared with other tensors, so they are not
+    /// written). A bucket in host memory is written to the device first.
     fn unpack(
         &self,
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
-        reduced: &HostBuffer,
+        reduced: &Packed,
     ) -> Result<Vec<Box<dyn DeviceGrad>>, KernelError>;
+}
+
+/// A bucket packed in device memory: the flat buffer a collective reduces.
+pub trait DeviceBucket: Send + 'static {
+    /// Wire element type.
+    fn dtype(&self) -> DType;
+    /// Element count.
+    fn len(&self) -> usize;
+    /// Whether it holds no elements.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The concrete value, for the implementation's own downcasts.
+    fn as_any(&self) -> &dyn Any;
+    /// Copies it into host memory (after the kernels that wrote it).
+    fn read(&self) -> Result<HostBuffer, KernelError>;
+    /// The bucket as a device gradient of its own dtype and length (the reduced copy of a
+    /// gradient with an all-reduce of its own).
+    fn into_grad(self: Box<Self>) -> Box<dyn DeviceGrad>;
+    /// Its CUDA device memory, for a communicator that reduces it in place, once the kernels
+    /// that wrote it have finished (this waits for them, so call it on the thread that
+    /// launched them). `Ok(None)`: it is not CUDA memory.
+    fn cuda_memory(&self) -> Result<Option<CudaMemory>, KernelError> {
+        Ok(None)
+    }
+}
+
+/// A device bucket's CUDA memory, ready to be reduced in place.
+pub struct CudaMemory {
+    /// The device pointer (a `CUdeviceptr`) of its first element.
+    pub ptr: u64,
+    /// Bytes from `ptr` that belong to the bucket.
+    pub bytes: u64,
+    /// Keeps the allocation alive (and out of the allocator's reuse) while it is held.
+    pub keep_alive: Box<dyn Any + Send>,
+}
+
+/// A packed bucket: in host memory, or in device memory.
+pub enum Packed {
+    /// Packed on the host, or read there for a host communicator.
+    Host(HostBuffer),
+    /// Packed on the device.
+    Device(Box<dyn DeviceBucket>),
+}
+
+impl Packed {
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Packed::Host(b) => b.dtype(),
+            Packed::Device(d) => d.dtype(),
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            Packed::Host(b) => b.len(),
+            Packed::Device(d) => d.len(),
+        }
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Into host memory.
+    pub fn into_host(self) -> Result<HostBuffer, KernelError> {
+        match self {
+            Packed::Host(b) => Ok(b),
+            Packed::Device(d) => d.read(),
+        }
+    }
 }
 
 /// One gradient slot of a plan.

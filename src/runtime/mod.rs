@@ -32,9 +32,9 @@ pub mod synthetic;
 pub mod tcp;
 
 pub use buffer::{Element, HostBuffer};
-pub use comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
+pub use comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingReduce};
 pub use exec::{
     ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,
 };
-pub use grad::{DeviceGrad, Grad};
+pub use grad::{CudaMemory, DeviceBucket, DeviceGrad, Grad, Packed};
 pub use inprocess::{InProcessComm, InProcessGroup};

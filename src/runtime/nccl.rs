@@ -3,10 +3,17 @@
 //! over GPUs unchanged. libcuda and libnccl are loaded at run time ([`nccl_available`] says
 //! whether they are there); nothing links against them at build time.
 //!
-//! This path reduces host buffers (the gradients of a host inner backend such as NdArray): a
-//! comm thread per rank copies each buffer to the device on the communicator's stream, calls
-//! `ncclAllReduce` in place (`ncclSum`, or `ncclAvg` for a mean), and copies the result back.
-//! Collectives run in the order they were enqueued, as NCCL requires of every rank.
+//! Two kinds of buffer, one comm thread per rank that runs them in the order they were enqueued,
+//! as NCCL requires of every rank:
+//! - a bucket packed in CUDA memory on this communicator's GPU (the gradients of
+//!   `Collective<Cuda>`, [`Communicator::all_reduce_device`]) is reduced in place: the caller
+//!   waits for the pack kernel (CubeCL does not expose its stream for an event), and
+//!   `ncclAllReduce` runs on the communicator's stream over the bucket's own memory; nothing
+//!   crosses to the host;
+//! - a host buffer (the gradients of a host inner backend such as NdArray) is copied to the
+//!   device on the communicator's stream, reduced in place, and copied back.
+//!
+//! Either way the call is `ncclSum`, or `ncclAvg` for a mean.
 //!
 //! Nothing waits unbounded: after the call the thread records an event and polls it against
 //! the timeout; on expiry (a peer that never called, a dead rank) it aborts the NCCL
@@ -19,12 +26,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use std::marker::PhantomData;
+
+use cudarc::driver::{
+    CudaContext, CudaStream, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits,
+};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
+use half::{bf16, f16};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
+use super::comm::{
+    CollectiveDesc, CommError, CommResult, CommSpan, Communicator, DeviceLaunch, Job, PendingReduce,
+};
+use super::grad::{CudaMemory, DeviceBucket};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
+use crate::graph::DType;
 use crate::graph::ReduceOp;
 
 /// Whether the CUDA driver and NCCL libraries can be loaded on this machine.
@@ -90,11 +106,32 @@ struct Control {
     reason: Mutex<String>,
 }
 
+/// A collective queued on the comm thread.
+enum NcclJob {
+    /// A host buffer: copied over, reduced, copied back.
+    Host(Job),
+    /// A device bucket, reduced in place.
+    Device {
+        bucket: Box<dyn DeviceBucket>,
+        memory: CudaMemory,
+        what: CollectiveDesc,
+        reply: mpsc::Sender<CommResult<Box<dyn DeviceBucket>>>,
+    },
+}
+
+impl From<Job> for NcclJob {
+    fn from(job: Job) -> Self {
+        NcclJob::Host(job)
+    }
+}
+
 /// One rank's NCCL communicator.
 pub struct NcclComm {
     rank: usize,
     world: usize,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The CUDA device it runs on.
+    device: usize,
+    jobs: Mutex<Option<mpsc::Sender<NcclJob>>>,
     control: Arc<Control>,
 }
 
@@ -126,7 +163,7 @@ impl NcclComm {
             aborted: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
         });
-        let (jobs, rx) = mpsc::channel::<Job>();
+        let (jobs, rx) = mpsc::channel::<NcclJob>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), NcclInitError>>();
         let ctl = control.clone();
         std::thread::Builder::new()
@@ -182,6 +219,7 @@ impl NcclComm {
         Ok(NcclComm {
             rank,
             world,
+            device,
             jobs: Mutex::new(Some(jobs)),
             control,
         })
@@ -224,70 +262,119 @@ fn serve(
     rank: usize,
     stream: Arc<CudaStream>,
     comm: Comm,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<NcclJob>,
     control: &Control,
     timeout: Duration,
 ) {
     let mut comm = Some(comm);
     for job in rx {
         let start = Instant::now();
-        let Job {
-            mut buffer,
+        match job {
+            NcclJob::Host(Job {
+                mut buffer,
+                what,
+                reply,
+            }) => {
+                let done = comm.as_ref().map(|c| {
+                    let op = nccl_op(what.op);
+                    match &mut buffer {
+                        HostBuffer::F32(v) => reduce_host(&stream, c, v, &op, control, timeout),
+                        HostBuffer::F64(v) => reduce_host(&stream, c, v, &op, control, timeout),
+                        HostBuffer::F16(v) => reduce_host(&stream, c, v, &op, control, timeout),
+                        HostBuffer::BF16(v) => reduce_host(&stream, c, v, &op, control, timeout),
+                    }
+                });
+                let _ = reply.send(outcome(rank, &mut comm, done, buffer, what, start, control));
+            }
+            NcclJob::Device {
+                bucket,
+                memory,
+                what,
+                reply,
+            } => {
+                let done = comm.as_ref().map(|c| {
+                    let op = nccl_op(what.op);
+                    let (ptr, len) = (memory.ptr, bucket.len());
+                    match bucket.dtype() {
+                        DType::F32 => {
+                            reduce_device::<f32>(&stream, c, ptr, len, &op, control, timeout)
+                        }
+                        DType::F64 => {
+                            reduce_device::<f64>(&stream, c, ptr, len, &op, control, timeout)
+                        }
+                        DType::F16 => {
+                            reduce_device::<f16>(&stream, c, ptr, len, &op, control, timeout)
+                        }
+                        DType::BF16 => {
+                            reduce_device::<bf16>(&stream, c, ptr, len, &op, control, timeout)
+                        }
+                        other => Err(Failure::Call(format!(
+                            "an {other} bucket cannot be reduced in place"
+                        ))),
+                    }
+                });
+                // The memory stays held until NCCL is done with it.
+                drop(memory);
+                let _ = reply.send(outcome(rank, &mut comm, done, bucket, what, start, control));
+            }
+        }
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Mean => NcclOp::Avg,
+    }
+}
+
+/// The reply for one job: its buffer, or the typed error. A timeout or abort drops the NCCL
+/// communicator (`comm = None`: aborted, so the pending kernel returns and nothing more runs).
+fn outcome<T>(
+    rank: usize,
+    comm: &mut Option<Comm>,
+    done: Option<Result<(), Failure>>,
+    value: T,
+    what: CollectiveDesc,
+    start: Instant,
+    control: &Control,
+) -> CommResult<T> {
+    let reason = || control.reason.lock().map(|r| r.clone()).unwrap_or_default();
+    match done {
+        None => Err(CommError::Aborted {
+            rank,
             what,
-            reply,
-        } = job;
-        let result = match comm.as_ref() {
-            None => Err(CommError::Aborted {
+            reason: reason(),
+        }),
+        Some(Ok(())) => Ok((
+            value,
+            CommSpan {
+                start,
+                end: Instant::now(),
+            },
+        )),
+        Some(Err(Failure::Call(why))) => Err(CommError::Unsupported { rank, what, why }),
+        Some(Err(Failure::Timeout)) => {
+            *comm = None;
+            if let Ok(mut r) = control.reason.lock() {
+                *r = format!("rank {rank} timed out in NCCL");
+            }
+            control.aborted.store(true, Ordering::SeqCst);
+            Err(CommError::Timeout {
                 rank,
                 what,
-                reason: control.reason.lock().map(|r| r.clone()).unwrap_or_default(),
-            }),
-            Some(c) => {
-                let op = match what.op {
-                    ReduceOp::Sum => NcclOp::Sum,
-                    ReduceOp::Mean => NcclOp::Avg,
-                };
-                let done = match &mut buffer {
-                    HostBuffer::F32(v) => reduce(&stream, c, v, &op, control, timeout),
-                    HostBuffer::F64(v) => reduce(&stream, c, v, &op, control, timeout),
-                    HostBuffer::F16(v) => reduce(&stream, c, v, &op, control, timeout),
-                    HostBuffer::BF16(v) => reduce(&stream, c, v, &op, control, timeout),
-                };
-                match done {
-                    Ok(()) => Ok((
-                        buffer,
-                        CommSpan {
-                            start,
-                            end: Instant::now(),
-                        },
-                    )),
-                    Err(Failure::Call(why)) => Err(CommError::Unsupported { rank, what, why }),
-                    Err(Failure::Timeout) => {
-                        // Abort, so that the pending NCCL kernel returns and nothing more runs.
-                        comm = None;
-                        if let Ok(mut r) = control.reason.lock() {
-                            *r = format!("rank {rank} timed out in NCCL");
-                        }
-                        control.aborted.store(true, Ordering::SeqCst);
-                        Err(CommError::Timeout {
-                            rank,
-                            what,
-                            waited: start.elapsed(),
-                            missing: Vec::new(),
-                        })
-                    }
-                    Err(Failure::Aborted) => {
-                        comm = None;
-                        Err(CommError::Aborted {
-                            rank,
-                            what,
-                            reason: control.reason.lock().map(|r| r.clone()).unwrap_or_default(),
-                        })
-                    }
-                }
-            }
-        };
-        let _ = reply.send(result);
+                waited: start.elapsed(),
+                missing: Vec::new(),
+            })
+        }
+        Some(Err(Failure::Aborted)) => {
+            *comm = None;
+            Err(CommError::Aborted {
+                rank,
+                what,
+                reason: reason(),
+            })
+        }
     }
 }
 
@@ -297,30 +384,19 @@ enum Failure {
     Aborted,
 }
 
-/// Host → device, `ncclAllReduce` in place, wait (bounded), device → host.
-fn reduce<T: DeviceRepr + ValidAsZeroBits + NcclType>(
+fn call_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Failure + '_ {
+    move |e| Failure::Call(format!("{what}: {e:?}"))
+}
+
+/// Waits (bounded, abortable) for everything queued on `stream` so far.
+fn await_stream(
     stream: &Arc<CudaStream>,
-    comm: &Comm,
-    host: &mut [T],
-    op: &NcclOp,
     control: &Control,
     timeout: Duration,
 ) -> Result<(), Failure> {
-    if host.is_empty() {
-        return Ok(());
-    }
-    let call = |what: &str| {
-        let what = what.to_string();
-        move |e: cudarc::driver::DriverError| Failure::Call(format!("{what}: {e:?}"))
-    };
-    let mut dev = stream
-        .clone_htod(host)
-        .map_err(call("copying the buffer to the device"))?;
-    comm.all_reduce_in_place(&mut dev, op)
-        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
     let done = stream
         .record_event(None)
-        .map_err(call("recording the completion event"))?;
+        .map_err(call_failed("recording the completion event"))?;
     let deadline = Instant::now() + timeout;
     while !done.is_complete() {
         if control.aborted.load(Ordering::SeqCst) {
@@ -331,10 +407,98 @@ fn reduce<T: DeviceRepr + ValidAsZeroBits + NcclType>(
         }
         std::thread::sleep(Duration::from_micros(50));
     }
+    Ok(())
+}
+
+/// Host → device, `ncclAllReduce` in place, wait (bounded), device → host.
+fn reduce_host<T: DeviceRepr + ValidAsZeroBits + NcclType>(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    host: &mut [T],
+    op: &NcclOp,
+    control: &Control,
+    timeout: Duration,
+) -> Result<(), Failure> {
+    if host.is_empty() {
+        return Ok(());
+    }
+    let mut dev = stream
+        .clone_htod(host)
+        .map_err(call_failed("copying the buffer to the device"))?;
+    comm.all_reduce_in_place(&mut dev, op)
+        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
+    await_stream(stream, control, timeout)?;
     stream
         .memcpy_dtoh(&dev, host)
-        .map_err(call("copying the result to the host"))?;
+        .map_err(call_failed("copying the result to the host"))?;
     Ok(())
+}
+
+/// Device memory NCCL reduces in place: a bucket's own buffer, which another allocator owns.
+struct InPlace<T> {
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _elem: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for InPlace<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtrMut<T> for InPlace<T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        // The writer (the pack kernel) was waited for before the job was queued.
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+/// `ncclAllReduce` in place on a bucket's device memory, then wait (bounded).
+fn reduce_device<T: NcclType>(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    ptr: u64,
+    len: usize,
+    op: &NcclOp,
+    control: &Control,
+    timeout: Duration,
+) -> Result<(), Failure> {
+    if len == 0 {
+        return Ok(());
+    }
+    let mut buf = InPlace::<T> {
+        ptr,
+        len,
+        stream: stream.clone(),
+        _elem: PhantomData,
+    };
+    comm.all_reduce_in_place(&mut buf, op)
+        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
+    await_stream(stream, control, timeout)
+}
+
+/// The CUDA device that owns `ptr`, if the driver can say.
+fn device_of(ptr: u64) -> Option<usize> {
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: the driver writes one int for this attribute; `ptr` is only looked up.
+    let status = unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut std::ffi::c_int).cast(),
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (status == cudarc::driver::sys::CUresult::CUDA_SUCCESS && ordinal >= 0)
+        .then_some(ordinal as usize)
 }
 
 impl Communicator for NcclComm {
@@ -357,6 +521,64 @@ impl Communicator for NcclComm {
                 rank: self.rank,
                 what,
             }),
+        }
+    }
+
+    fn reduces_device_memory(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_device(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<DeviceLaunch, CommError> {
+        let rank = self.rank;
+        if bucket.dtype() != what.dtype || bucket.len() as u64 != what.count {
+            return Err(CommError::Unsupported {
+                rank,
+                what,
+                why: format!("the bucket is {}[{}]", bucket.dtype(), bucket.len()),
+            });
+        }
+        let memory = match bucket.cuda_memory() {
+            Ok(Some(m)) => m,
+            // Not CUDA memory: the host path.
+            Ok(None) => return Ok(DeviceLaunch::Declined(bucket)),
+            Err(e) => {
+                return Err(CommError::Unsupported {
+                    rank,
+                    what,
+                    why: e.to_string(),
+                });
+            }
+        };
+        // Memory of another GPU than this communicator's, and a dtype NCCL is not given here
+        // (the buckets are float), go through the host.
+        let float = matches!(
+            bucket.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        );
+        if !float || bucket.is_empty() || device_of(memory.ptr) != Some(self.device) {
+            return Ok(DeviceLaunch::Declined(bucket));
+        }
+        let (reply, rx) = mpsc::channel();
+        let job = NcclJob::Device {
+            bucket,
+            memory,
+            what: what.clone(),
+            reply,
+        };
+        let sent = self
+            .jobs
+            .lock()
+            .ok()
+            .and_then(|jobs| jobs.as_ref().map(|tx| tx.send(job).is_ok()))
+            .unwrap_or(false);
+        if sent {
+            Ok(DeviceLaunch::Launched(PendingReduce::new(rank, what, rx)))
+        } else {
+            Err(CommError::Closed { rank, what })
         }
     }
 

@@ -4,7 +4,8 @@
 use std::sync::Mutex;
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, Communicator, PendingReduce};
+use super::comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingReduce};
+use super::grad::DeviceBucket;
 
 /// Records calls, delegates work.
 pub struct Recording<C> {
@@ -46,6 +47,26 @@ impl<C: Communicator> Communicator for Recording<C> {
             .unwrap_or_else(|e| e.into_inner())
             .push(what.clone());
         self.inner.all_reduce(buffer, what)
+    }
+
+    fn reduces_device_memory(&self) -> bool {
+        self.inner.reduces_device_memory()
+    }
+
+    fn all_reduce_device(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<DeviceLaunch, CommError> {
+        let launch = self.inner.all_reduce_device(bucket, what.clone())?;
+        // A declined bucket comes back through `all_reduce`, which records it then.
+        if let DeviceLaunch::Launched(_) = launch {
+            self.calls
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(what);
+        }
+        Ok(launch)
     }
 
     fn abort(&self, reason: &str) {

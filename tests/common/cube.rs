@@ -279,3 +279,175 @@ pub fn check_plan_on_device<R: Runtime>(client: &ComputeClient<R>) {
         }
     }
 }
+
+/// A test double of a communicator that reduces device buckets "in place": it reads the bucket,
+/// has the wrapped host communicator reduce it, and hands back a new device bucket holding the
+/// result, so the executor's device-collective path (the bucket stays a device bucket through
+/// the collective and the unpack reads it on the device) runs without NCCL.
+pub struct DeviceReducing<R: Runtime> {
+    pub inner: collective_fusion::runtime::InProcessComm,
+    pub client: ComputeClient<R>,
+}
+
+impl<R: Runtime> collective_fusion::runtime::Communicator for DeviceReducing<R> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: collective_fusion::runtime::CollectiveDesc,
+    ) -> Result<collective_fusion::runtime::PendingReduce, collective_fusion::runtime::CommError>
+    {
+        self.inner.all_reduce(buffer, what)
+    }
+
+    fn reduces_device_memory(&self) -> bool {
+        true
+    }
+
+    fn all_reduce_device(
+        &self,
+        bucket: Box<dyn collective_fusion::runtime::DeviceBucket>,
+        what: collective_fusion::runtime::CollectiveDesc,
+    ) -> Result<collective_fusion::runtime::DeviceLaunch, collective_fusion::runtime::CommError>
+    {
+        use collective_fusion::runtime::cube::CubeBucket;
+        use collective_fusion::runtime::{DeviceLaunch, PendingReduce};
+        let Some(b) = bucket.as_any().downcast_ref::<CubeBucket<R>>() else {
+            return Ok(DeviceLaunch::Declined(bucket));
+        };
+        let label = b.label.clone();
+        let host = bucket.read().unwrap_or_else(|e| panic!("{e}"));
+        let pending = self.inner.all_reduce(host, what.clone())?;
+        let client = self.client.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let result = pending
+                .wait(std::time::Duration::from_secs(60))
+                .map(|(reduced, span)| {
+                    let out: Box<dyn collective_fusion::runtime::DeviceBucket> =
+                        Box::new(CubeBucket {
+                            handle: client.create_from_slice(reduced.as_bytes()),
+                            client,
+                            len: reduced.len(),
+                            dtype: reduced.dtype(),
+                            label,
+                        });
+                    (out, span)
+                });
+            let _ = tx.send(result);
+        });
+        Ok(DeviceLaunch::Launched(PendingReduce::new(
+            self.rank(),
+            what,
+            rx,
+        )))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+/// A plan over device gradients, run through `comms` (one per rank, each reducing device
+/// memory in place), gives the bits of the same plan on host buffers in process, with every
+/// collective reduced on the device (packed buckets, and copies of the gradients that have an
+/// all-reduce of their own) and every reduced gradient still on the device.
+pub fn check_plan_reduced_on_device<R: Runtime>(
+    client: &ComputeClient<R>,
+    comms: Vec<Box<dyn collective_fusion::runtime::Communicator>>,
+) {
+    use collective_fusion::config::BucketPolicy;
+    for policy in [BucketPolicy::Ddp, BucketPolicy::PerParam] {
+        reduced_on_device(client, &comms, policy);
+    }
+}
+
+fn reduced_on_device<R: Runtime>(
+    client: &ComputeClient<R>,
+    comms: &[Box<dyn collective_fusion::runtime::Communicator>],
+    policy: collective_fusion::config::BucketPolicy,
+) {
+    use collective_fusion::runtime::Grad;
+    use collective_fusion::runtime::cube::CubeGrad;
+    use collective_fusion::runtime::exec::{
+        ExecOptions, NoHooks, Workspace, execute_in, run_in_process_grads,
+    };
+    let sizes = [300u64, 1000, 17, 2048, 3, 900, 4096, 64];
+    let world = comms.len();
+    let plan = small_plan(&sizes, world as u32, policy);
+    let packed = plan.collectives.iter().filter(|c| c.packed).count() as u32;
+    let calls: u32 = plan
+        .collectives
+        .iter()
+        .map(|c| if c.packed { 1 } else { c.slots.len() as u32 })
+        .sum();
+    let inputs: Vec<Vec<HostBuffer>> = (0..world)
+        .map(|r| collective_fusion::runtime::synthetic::seeded_gradients(&plan, r, 5))
+        .collect();
+    let host = run_in_process_grads(
+        &plan,
+        inputs
+            .iter()
+            .map(|g| g.iter().cloned().map(Grad::Host).collect())
+            .collect(),
+        ExecOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let device: Vec<(Vec<Grad>, collective_fusion::runtime::ExecReport)> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .zip(&inputs)
+                .map(|(comm, ins)| {
+                    let plan = &plan;
+                    scope.spawn(move || {
+                        let mut grads: Vec<Grad> = ins
+                            .iter()
+                            .map(|g| {
+                                Grad::Device(Box::new(CubeGrad {
+                                    client: client.clone(),
+                                    handle: client.create_from_slice(g.as_bytes()),
+                                    len: g.len(),
+                                    dtype: g.dtype(),
+                                }))
+                            })
+                            .collect();
+                        let report = execute_in(
+                            plan,
+                            comm.as_ref(),
+                            &mut grads,
+                            &mut NoHooks,
+                            ExecOptions::default(),
+                            &mut Workspace::default(),
+                        )
+                        .unwrap_or_else(|e| panic!("{e}"));
+                        (grads, report)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+    for (r, ((h, _), (d, report))) in host.into_iter().zip(device).enumerate() {
+        assert_eq!(report.device_packs, packed, "{policy:?} rank {r}");
+        assert_eq!(report.device_collectives, calls, "{policy:?} rank {r}");
+        for (s, (a, b)) in h.into_iter().zip(d).enumerate() {
+            assert!(
+                matches!(b, Grad::Device(_)),
+                "{policy:?} rank {r} slot {s}: the reduced gradient left the device"
+            );
+            let (a, b) = (a.into_host().unwrap(), b.into_host().unwrap());
+            assert!(
+                a.bits_eq(&b),
+                "{policy:?} rank {r} {}: reduced on the device differs from host",
+                plan.slots[s].param
+            );
+        }
+    }
+}
