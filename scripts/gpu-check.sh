@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with an NVIDIA GPU, libcuda and libnccl: builds with `cuda`,
-# runs the GPU tests with skipping turned into failure, and a two-process rendezvous smoke test
-# that shares a real NCCL id, and a one-rank NCCL training run through the launcher environment. Prints what it ran; exits non-zero on the first failure.
+# runs the GPU tests with skipping turned into failure (kernels against the host path, NCCL
+# through the rendezvous, buckets of CUDA gradients reduced in place by NCCL, `Collective<Cuda>`
+# training in process and over NCCL; and two printed benches: pack bandwidth against the
+# device copy, and whether an NCCL call overlaps the compute queued after it, by CUDA event
+# timestamps), a two-process rendezvous smoke test that shares a real NCCL id, and a one-rank
+# NCCL training run through the launcher environment. Prints what it ran; exits non-zero on the
+# first failure.
 # Usage: scripts/gpu-check.sh   (from the repository root; about 5 minutes on 16 cores, cold)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -302,6 +302,56 @@ mod nccl {
         super::common::cube::check_plan_reduced_on_device(&client, vec![Box::new(single_rank())]);
     }
 
+    /// Not a pass/fail test: whether an NCCL all-reduce queued on a communication stream runs
+    /// concurrently with the kernels queued on a compute stream after it, on the device's own
+    /// timeline (CUDA event timestamps). The streams are set up as `NcclComm` and CubeCL set up
+    /// theirs (two non-blocking streams of the primary context); the compute stand-in is a
+    /// series of device-to-device copies, since CubeCL does not expose its stream for events.
+    /// With one GPU the group has one rank, so the all-reduce (not in place) is NCCL's copy.
+    #[test]
+    fn bench_an_nccl_call_overlaps_the_compute_queued_after_it() {
+        if !gpu_or_skip("nccl overlap", 1, true) {
+            return;
+        }
+        use cudarc::driver::sys::CUevent_flags;
+        use cudarc::driver::{CudaContext, CudaEvent};
+        use cudarc::nccl::{Comm, Id, ReduceOp as Op};
+        let ctx = CudaContext::new(0).unwrap();
+        let comm_stream = ctx.new_stream().unwrap();
+        let compute = ctx.new_stream().unwrap();
+        let comm = Comm::from_rank(comm_stream.clone(), 0, 1, Id::new().unwrap()).unwrap();
+        let n = 128usize << 20; // 512 MiB of f32 per buffer
+        let send = comm_stream.alloc_zeros::<f32>(n).unwrap();
+        let mut recv = comm_stream.alloc_zeros::<f32>(n).unwrap();
+        let a = compute.alloc_zeros::<f32>(n).unwrap();
+        let mut b = compute.alloc_zeros::<f32>(n).unwrap();
+        let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        for round in 0..3 {
+            comm_stream.synchronize().unwrap();
+            compute.synchronize().unwrap();
+            // One origin for both streams' timestamps.
+            let origin = compute.record_event(timed).unwrap();
+            comm_stream.wait(&origin).unwrap();
+            let n0 = comm_stream.record_event(timed).unwrap();
+            comm.all_reduce(&send, &mut recv, &Op::Sum).unwrap();
+            let n1 = comm_stream.record_event(timed).unwrap();
+            let c0 = compute.record_event(timed).unwrap();
+            for _ in 0..4 {
+                compute.memcpy_dtod(&a, &mut b).unwrap();
+            }
+            let c1 = compute.record_event(timed).unwrap();
+            let at = |e: &CudaEvent| f64::from(origin.elapsed_ms(e).unwrap());
+            let (n0, n1, c0, c1) = (at(&n0), at(&n1), at(&c0), at(&c1));
+            let overlap = (n1.min(c1) - n0.max(c0)).max(0.0);
+            eprintln!(
+                "overlap round {round}: NCCL all-reduce of 512 MiB {n0:.3}..{n1:.3} ms, compute \
+                 queued after it {c0:.3}..{c1:.3} ms: overlapped {overlap:.3} ms ({:.0}% of the \
+                 NCCL call)",
+                100.0 * overlap / (n1 - n0).max(1e-9)
+            );
+        }
+    }
+
     #[test]
     fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
         if !gpu_or_skip("nccl init timeout", 1, true) {

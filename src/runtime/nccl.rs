@@ -131,6 +131,11 @@ pub struct NcclComm {
     world: usize,
     /// The CUDA device it runs on.
     device: usize,
+    /// That device's primary context (CubeCL's too), bound on a caller's thread before a
+    /// device pointer is looked up there.
+    ctx: Arc<CudaContext>,
+    /// Whether the "bucket on another GPU" warning was given.
+    warned: AtomicBool,
     jobs: Mutex<Option<mpsc::Sender<NcclJob>>>,
     control: Arc<Control>,
 }
@@ -205,6 +210,11 @@ impl NcclComm {
                 what: "starting the comm thread",
                 why: e.to_string(),
             })?;
+        let ctx = CudaContext::new(device).map_err(|e| NcclInitError::Cuda {
+            rank,
+            what: "creating the CUDA context",
+            why: format!("{e:?}"),
+        })?;
         let t0 = Instant::now();
         match ready_rx.recv_timeout(timeout) {
             Ok(Ok(())) => {}
@@ -220,6 +230,8 @@ impl NcclComm {
             rank,
             world,
             device,
+            ctx,
+            warned: AtomicBool::new(false),
             jobs: Mutex::new(Some(jobs)),
             control,
         })
@@ -541,6 +553,15 @@ impl Communicator for NcclComm {
                 why: format!("the bucket is {}[{}]", bucket.dtype(), bucket.len()),
             });
         }
+        // A dtype NCCL is not given here (the buckets are float), and an empty bucket, go
+        // through the host.
+        let float = matches!(
+            bucket.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        );
+        if !float || bucket.is_empty() {
+            return Ok(DeviceLaunch::Declined(bucket));
+        }
         let memory = match bucket.cuda_memory() {
             Ok(Some(m)) => m,
             // Not CUDA memory: the host path.
@@ -553,13 +574,20 @@ impl Communicator for NcclComm {
                 });
             }
         };
-        // Memory of another GPU than this communicator's, and a dtype NCCL is not given here
-        // (the buckets are float), go through the host.
-        let float = matches!(
-            bucket.dtype(),
-            DType::F32 | DType::F64 | DType::F16 | DType::BF16
-        );
-        if !float || bucket.is_empty() || device_of(memory.ptr) != Some(self.device) {
+        // Memory of another GPU than this communicator's goes through the host.
+        let owner = self
+            .ctx
+            .bind_to_thread()
+            .ok()
+            .and_then(|()| device_of(memory.ptr));
+        if owner != Some(self.device) {
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    rank,
+                    "NCCL runs on GPU {} but {what} is in memory of GPU {owner:?}: it goes through the host",
+                    self.device
+                );
+            }
             return Ok(DeviceLaunch::Declined(bucket));
         }
         let (reply, rx) = mpsc::channel();
