@@ -264,6 +264,9 @@ fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tenso
 fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
     let (world, local): (u32, Vec<u32>) = match &opts.collective.transport {
         Transport::InProcess => (opts.world, (0..opts.world).collect()),
+        // Needs CUDA devices: starting the server says so for these NdArray ones.
+        #[cfg(feature = "cuda")]
+        Transport::NcclLocal => (opts.world, (0..opts.world).collect()),
         Transport::Tcp(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
         #[cfg(feature = "cuda")]
         Transport::Nccl(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),

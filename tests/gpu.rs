@@ -352,6 +352,19 @@ mod nccl {
         }
     }
 
+    /// Runs everywhere the feature is on, GPU or not: the check comes before NCCL is loaded.
+    #[test]
+    fn two_ranks_of_one_process_on_one_gpu_are_refused_by_name() {
+        let err = NcclComm::group(&[0, 1, 0], Duration::from_secs(1))
+            .err()
+            .expect("two ranks cannot share GPU 0");
+        assert!(
+            matches!(&err, NcclInitError::SharedDevice { device: 0, ranks } if ranks == &[0, 2]),
+            "{err}"
+        );
+        assert!(err.to_string().contains("ranks [0, 2]"), "{err}");
+    }
+
     #[test]
     fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
         if !gpu_or_skip("nccl init timeout", 1, true) {
@@ -496,21 +509,25 @@ mod training {
             port: super::common::free_port(),
             timeout: std::time::Duration::from_secs(30),
         };
-        let (nccl, stats) =
-            steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::Nccl(cfg));
-        assert!(stats.device_buckets >= 3, "{stats:?}");
-        // Every bucket, and the gradients with an all-reduce of their own.
-        assert!(
-            stats.device_collectives >= stats.device_buckets,
-            "{stats:?}"
-        );
-        let (threads, _) = steps::<Cuda>(CudaDevice::default(), init, Transport::InProcess);
-        for (i, (a, b)) in nccl.iter().zip(&threads).enumerate() {
-            assert_eq!(
-                a.to_bits(),
-                b.to_bits(),
-                "weight {i}: nccl {a} vs in-process {b}"
+        let (threads, _) = steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
+        // Across processes (one here, through the rendezvous), and single-process multi-GPU
+        // (one GPU here).
+        for transport in [Transport::Nccl(cfg), Transport::NcclLocal] {
+            let name = format!("{transport:?}");
+            let (nccl, stats) = steps::<Cuda>(CudaDevice::default(), init.clone(), transport);
+            assert!(stats.device_buckets >= 3, "{name}: {stats:?}");
+            // Every bucket, and the gradients with an all-reduce of their own.
+            assert!(
+                stats.device_collectives >= stats.device_buckets,
+                "{name}: {stats:?}"
             );
+            for (i, (a, b)) in nccl.iter().zip(&threads).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{name}: weight {i}: {a} vs in-process {b}"
+                );
+            }
         }
     }
 }

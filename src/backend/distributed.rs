@@ -76,6 +76,11 @@ pub enum Transport {
     /// rendezvous; otherwise as [`Transport::Tcp`].
     #[cfg(feature = "cuda")]
     Nccl(RendezvousConfig),
+    /// Single-process multi-GPU over NCCL: every rank is a thread of this process, as with
+    /// [`Transport::InProcess`], and each rank's device is a CUDA device of its own
+    /// (`Collective<Cuda>`), whose NCCL communicator the rank gets.
+    #[cfg(feature = "cuda")]
+    NcclLocal,
 }
 
 /// What a step does about a parameter whose gradient did not arrive on a rank: a registered
@@ -1075,7 +1080,7 @@ pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
 
 /// The group's size and this process's communicators by rank, as `options.transport` says; a
 /// start-up failure panics with the typed error's message.
-fn communicators<D>(
+fn communicators<D: 'static>(
     devices: &[CollectiveDevice<D>],
     options: &CollectiveOptions,
 ) -> (usize, Vec<Option<Box<dyn Communicator>>>) {
@@ -1096,16 +1101,20 @@ fn communicators<D>(
         v[rank] = Some(c);
         (world, v)
     };
+    let every_rank = || {
+        let world = devices.len();
+        let mut ranks = given.clone();
+        ranks.sort_unstable();
+        if ranks != (0..world as u32).collect::<Vec<_>>() {
+            panic!(
+                "collective-fusion: start_communication_server needs the ranks 0..{world} once each, got {given:?}"
+            );
+        }
+        world
+    };
     match &options.transport {
         Transport::InProcess => {
-            let world = devices.len();
-            let mut ranks = given.clone();
-            ranks.sort_unstable();
-            if ranks != (0..world as u32).collect::<Vec<_>>() {
-                panic!(
-                    "collective-fusion: start_communication_server needs the ranks 0..{world} once each, got {given:?}"
-                );
-            }
+            let world = every_rank();
             let comms = InProcessGroup::ranks(world, options.timeout)
                 .into_iter()
                 .map(|c| Some(Box::new(c) as Box<dyn Communicator>))
@@ -1116,6 +1125,31 @@ fn communicators<D>(
             one_rank(cfg, "TCP");
             match crate::runtime::tcp::TcpComm::connect(cfg, options.timeout) {
                 Ok(c) => place(cfg.world, cfg.rank, Box::new(c)),
+                Err(e) => fail(&e),
+            }
+        }
+        #[cfg(feature = "cuda")]
+        Transport::NcclLocal => {
+            let world = every_rank();
+            let mut gpus = vec![0usize; world];
+            for d in devices {
+                match (&d.inner as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>() {
+                    Some(c) => gpus[d.rank as usize] = c.index,
+                    None => panic!(
+                        "collective-fusion: start_communication_server over in-process NCCL needs a CUDA device per rank (Collective<Cuda>); rank {} is on {}",
+                        d.rank,
+                        std::any::type_name::<D>()
+                    ),
+                }
+            }
+            match crate::runtime::nccl::NcclComm::group(&gpus, options.timeout) {
+                Ok(comms) => (
+                    world,
+                    comms
+                        .into_iter()
+                        .map(|c| Some(Box::new(c) as Box<dyn Communicator>))
+                        .collect(),
+                ),
                 Err(e) => fail(&e),
             }
         }

@@ -77,6 +77,14 @@ pub enum NcclInitError {
         /// The driver's or NCCL's error.
         why: String,
     },
+    /// Two ranks of one process were given the same GPU (NCCL allows one rank per GPU).
+    #[error("NCCL: ranks {ranks:?} are all on CUDA device {device}; each rank needs its own GPU")]
+    SharedDevice {
+        /// The device.
+        device: usize,
+        /// The ranks on it.
+        ranks: Vec<usize>,
+    },
     /// `ncclCommInitRank` did not return within the timeout (a rank never called it).
     #[error("NCCL: rank {rank}: ncclCommInitRank did not complete within {waited:?}")]
     InitTimeout {
@@ -235,6 +243,47 @@ impl NcclComm {
             jobs: Mutex::new(Some(jobs)),
             control,
         })
+    }
+
+    /// Every rank of a group in this process (single-process multi-GPU): rank `r` on CUDA device
+    /// `devices[r]`, a fresh NCCL id, the ranks joining concurrently (`ncclCommInitRank` waits
+    /// for all of them), each wait bounded by `timeout`.
+    pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<Self>, NcclInitError> {
+        for (r, d) in devices.iter().enumerate() {
+            let ranks: Vec<usize> = (0..devices.len()).filter(|q| devices[*q] == *d).collect();
+            if ranks.len() > 1 && ranks[0] == r {
+                return Err(NcclInitError::SharedDevice { device: *d, ranks });
+            }
+        }
+        if !nccl_available() {
+            return Err(NcclInitError::Unavailable);
+        }
+        let id = unique_id()?;
+        let world = devices.len();
+        let joined: Vec<Result<NcclComm, NcclInitError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = devices
+                .iter()
+                .enumerate()
+                .map(|(rank, device)| {
+                    let id = &id;
+                    scope.spawn(move || NcclComm::new(*device, rank, world, id, timeout))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(NcclInitError::Cuda {
+                            rank,
+                            what: "joining the group",
+                            why: "the joining thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        joined.into_iter().collect()
     }
 
     /// The multi-process start: reads the launcher's environment (`RANK`, `WORLD_SIZE`,
