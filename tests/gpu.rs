@@ -458,13 +458,7 @@ mod training {
         if !gpu_or_skip("Collective<Cuda> training", 1, false) {
             return;
         }
-        let mut rng = collective_fusion::runtime::synthetic::SplitMix64(3);
-        let mut w = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| (rng.next_u64() % 2001) as f32 / 10_000.0 - 0.1)
-                .collect()
-        };
-        let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
+        let init = initial_weights(3);
         let (gpu, gpu_stats) =
             steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
         let (cpu, cpu_stats) = steps::<NdArray>(NdArrayDevice::Cpu, init, Transport::InProcess);
@@ -474,6 +468,17 @@ mod training {
         assert_eq!(gpu_stats.device_collectives, 0, "{gpu_stats:?}");
         assert_eq!(cpu_stats.device_buckets, 0, "{cpu_stats:?}");
         close(&gpu, &cpu, "ndarray");
+    }
+
+    /// Seeded weights and biases of the two layers, in [-0.1, 0.1].
+    fn initial_weights(seed: u64) -> Vec<Vec<f32>> {
+        let mut rng = collective_fusion::runtime::synthetic::SplitMix64(seed);
+        let mut w = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (rng.next_u64() % 2001) as f32 / 10_000.0 - 0.1)
+                .collect()
+        };
+        vec![w(32 * 64), w(64), w(64 * 8), w(8)]
     }
 
     fn close(gpu: &[f32], other: &[f32], what: &str) {
@@ -494,13 +499,7 @@ mod training {
         if !gpu_or_skip("Collective<Cuda> over NCCL", 1, true) {
             return;
         }
-        let mut rng = collective_fusion::runtime::synthetic::SplitMix64(4);
-        let mut w = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| (rng.next_u64() % 2001) as f32 / 10_000.0 - 0.1)
-                .collect()
-        };
-        let init = vec![w(32 * 64), w(64), w(64 * 8), w(8)];
+        let init = initial_weights(4);
         let cfg = RendezvousConfig {
             rank: 0,
             world: 1,
