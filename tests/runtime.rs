@@ -493,3 +493,80 @@ fn the_in_process_all_reduce_adds_in_rank_order_for_every_group_size() {
         }
     }
 }
+
+/// Without the fused pack, a bucket is one all-reduce per gradient: the executor brackets
+/// those calls as one group (one `ncclGroupStart`/`ncclGroupEnd` on NCCL), and nothing else.
+#[test]
+fn the_calls_of_one_unpacked_collective_are_one_group() {
+    let profile = ModelProfile::load("resnet50").unwrap();
+    let mut g = build_step_graph(
+        &profile,
+        &BuildOptions {
+            world: 2,
+            batch: 8,
+            reduce: ReduceOp::Mean,
+        },
+    );
+    let mut cfg = config(bucket(Ddp, MIB, 25 * MIB), true);
+    cfg.disabled_passes = vec!["fuse-bucket-io".into()];
+    compile(&mut g, &cfg).unwrap();
+    let plan = lower(&g).unwrap();
+    assert!(plan.collectives.iter().all(|c| !c.packed));
+    let multi = plan
+        .collectives
+        .iter()
+        .filter(|c| c.slots.len() > 1)
+        .count();
+    assert!(
+        multi >= 2,
+        "the plan should have several multi-gradient buckets"
+    );
+    let comms: Vec<Recording<_>> = InProcessGroup::ranks(2, Duration::from_secs(30))
+        .into_iter()
+        .map(Recording::new)
+        .collect();
+    let reduced: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let plan = &plan;
+                s.spawn(move || {
+                    let mut g = seeded_gradients(plan, c.rank(), 9);
+                    execute(plan, c, &mut g, &mut NoHooks, ExecOptions::default()).unwrap();
+                    g
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for c in &comms {
+        let calls = c.calls();
+        // Every multi-gradient collective's calls, and nothing else, form one group each.
+        let mut want = Vec::new();
+        let mut i = calls.iter().take_while(|d| is_agreement(d)).count();
+        for k in &plan.collectives {
+            if k.slots.len() > 1 {
+                want.push(i..i + k.slots.len());
+            }
+            i += k.slots.len();
+        }
+        assert_eq!(i, calls.len(), "rank {}", c.rank());
+        assert_eq!(c.groups(), want, "rank {}", c.rank());
+        for r in &want {
+            let ids: Vec<u32> = calls[r.clone()].iter().map(|d| d.collective).collect();
+            assert!(ids.windows(2).all(|w| w[0] == w[1]), "{ids:?}");
+        }
+    }
+    // Grouping changes nothing in the numbers.
+    let reference = run_in_process(
+        &plan,
+        (0..2).map(|r| seeded_gradients(&plan, r, 9)).collect(),
+        ExecOptions::default(),
+    )
+    .unwrap();
+    for (r, (got, (want, _))) in reduced.iter().zip(&reference).enumerate() {
+        for (s, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(a.bits_eq(b), "rank {r} slot {s}");
+        }
+    }
+}

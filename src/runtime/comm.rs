@@ -268,6 +268,12 @@ pub trait Communicator: Send + Sync {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError>;
+    /// Opens (`true`) or closes (`false`) a group: the collectives enqueued in between launch
+    /// together, as one `ncclGroupStart`/`ncclGroupEnd` on NCCL. The executor brackets the
+    /// calls of one plan collective, so every rank groups the same calls. Default: nothing.
+    fn group(&self, open: bool) {
+        let _ = open;
+    }
     /// Whether [`Communicator::all_reduce_device`] may reduce device memory in place (else it
     /// always declines). The executor copies a device gradient that has an all-reduce of its
     /// own into a bucket only for such a communicator.

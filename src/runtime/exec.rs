@@ -567,38 +567,16 @@ impl Execution {
                         }
                     }
                 } else {
-                    let mut calls = Vec::with_capacity(c.slots.len());
-                    for s in &c.slots {
-                        let g = std::mem::take(&mut grads[*s as usize]);
-                        // A device gradient goes to a communicator that reduces device memory
-                        // as a copy (its buffer may be shared), else to the host.
-                        let copy = match g.device() {
-                            Some(d) if comm.reduces_device_memory() => {
-                                d.copy_to_bucket().map_err(kerr)?
-                            }
-                            _ => None,
-                        };
-                        let buf = match copy {
-                            Some(bucket) => {
-                                let what =
-                                    desc_of(plan, c, bucket.len() as u64, bucket.dtype(), &[*s]);
-                                match comm.all_reduce_device(bucket, what)? {
-                                    DeviceLaunch::Launched(p) => {
-                                        report.device_collectives += 1;
-                                        calls.push((*s, SlotFlight::Device(p)));
-                                        continue;
-                                    }
-                                    DeviceLaunch::Declined(bucket) => {
-                                        bucket.read().map_err(kerr)?
-                                    }
-                                }
-                            }
-                            None => g.into_host().map_err(kerr)?,
-                        };
-                        let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
-                        calls.push((*s, SlotFlight::Host(comm.all_reduce(buf, what)?)));
+                    // The calls of one collective launch together (one NCCL group).
+                    let grouped = c.slots.len() > 1;
+                    if grouped {
+                        comm.group(true);
                     }
-                    InFlight::Slots(calls)
+                    let launched = launch_slots(plan, c, comm, grads, report, rank);
+                    if grouped {
+                        comm.group(false);
+                    }
+                    InFlight::Slots(launched?)
                 };
                 report.launched.push(c.id);
                 self.flight[c.id as usize] = Some(f);
@@ -699,6 +677,45 @@ impl Execution {
         }
         Ok(())
     }
+}
+
+/// Enqueues one all-reduce per slot of an unpacked collective. A device gradient goes to a
+/// communicator that reduces device memory as a copy (its buffer may be shared), else to the
+/// host.
+fn launch_slots(
+    plan: &Plan,
+    c: &PlanCollective,
+    comm: &dyn Communicator,
+    grads: &mut [Grad],
+    report: &mut ExecReport,
+    rank: usize,
+) -> Result<Vec<(u32, SlotFlight)>, ExecError> {
+    let kerr = |source| ExecError::Kernel { rank, source };
+    let mut calls = Vec::with_capacity(c.slots.len());
+    for s in &c.slots {
+        let g = std::mem::take(&mut grads[*s as usize]);
+        let copy = match g.device() {
+            Some(d) if comm.reduces_device_memory() => d.copy_to_bucket().map_err(kerr)?,
+            _ => None,
+        };
+        let buf = match copy {
+            Some(bucket) => {
+                let what = desc_of(plan, c, bucket.len() as u64, bucket.dtype(), &[*s]);
+                match comm.all_reduce_device(bucket, what)? {
+                    DeviceLaunch::Launched(p) => {
+                        report.device_collectives += 1;
+                        calls.push((*s, SlotFlight::Device(p)));
+                        continue;
+                    }
+                    DeviceLaunch::Declined(bucket) => bucket.read().map_err(kerr)?,
+                }
+            }
+            None => g.into_host().map_err(kerr)?,
+        };
+        let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
+        calls.push((*s, SlotFlight::Host(comm.all_reduce(buf, what)?)));
+    }
+    Ok(calls)
 }
 
 fn bucket_name(c: &PlanCollective) -> String {

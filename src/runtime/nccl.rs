@@ -13,7 +13,9 @@
 //! - a host buffer (the gradients of a host inner backend such as NdArray) is copied to the
 //!   device on the communicator's stream, reduced in place, and copied back.
 //!
-//! Either way the call is `ncclSum`, or `ncclAvg` for a mean.
+//! Either way the call is `ncclSum`, or `ncclAvg` for a mean. The calls of one plan collective
+//! (several gradients reduced without a bucket) launch inside one `ncclGroupStart`/
+//! `ncclGroupEnd` ([`Communicator::group`]) and are waited for once.
 //!
 //! Nothing waits unbounded: after the call the thread records an event and polls it against
 //! the timeout; on expiry (a peer that never called, a dead rank) it aborts the NCCL
@@ -29,7 +31,8 @@ use std::time::{Duration, Instant};
 use std::marker::PhantomData;
 
 use cudarc::driver::{
-    CudaContext, CudaStream, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
+    ValidAsZeroBits,
 };
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 use half::{bf16, f16};
@@ -114,8 +117,12 @@ struct Control {
     reason: Mutex<String>,
 }
 
-/// A collective queued on the comm thread.
+/// A collective queued on the comm thread, or a group bracket.
 enum NcclJob {
+    /// The jobs up to the next `GroupEnd` launch together.
+    GroupStart,
+    /// Closes a group.
+    GroupEnd,
     /// A host buffer: copied over, reduced, copied back.
     Host(Job),
     /// A device bucket, reduced in place.
@@ -318,7 +325,8 @@ impl NcclComm {
     }
 }
 
-/// The comm thread: runs the jobs in order until the handle drops.
+/// The comm thread: runs the jobs in order until the handle drops; the jobs between a
+/// `GroupStart` and a `GroupEnd` launch together (`ncclGroupStart`/`ncclGroupEnd`).
 fn serve(
     rank: usize,
     stream: Arc<CudaStream>,
@@ -328,57 +336,218 @@ fn serve(
     timeout: Duration,
 ) {
     let mut comm = Some(comm);
+    let mut group: Option<Vec<NcclJob>> = None;
     for job in rx {
-        let start = Instant::now();
         match job {
-            NcclJob::Host(Job {
-                mut buffer,
-                what,
-                reply,
-            }) => {
-                let done = comm.as_ref().map(|c| {
-                    let op = nccl_op(what.op);
-                    match &mut buffer {
-                        HostBuffer::F32(v) => reduce_host(&stream, c, v, &op, control, timeout),
-                        HostBuffer::F64(v) => reduce_host(&stream, c, v, &op, control, timeout),
-                        HostBuffer::F16(v) => reduce_host(&stream, c, v, &op, control, timeout),
-                        HostBuffer::BF16(v) => reduce_host(&stream, c, v, &op, control, timeout),
-                    }
-                });
-                let _ = reply.send(outcome(rank, &mut comm, done, buffer, what, start, control));
+            NcclJob::GroupStart => {
+                if let Some(open) = group.replace(Vec::new()) {
+                    // Not closed: those launch on their own.
+                    run_jobs(rank, &stream, &mut comm, open, false, control, timeout);
+                }
             }
-            NcclJob::Device {
+            NcclJob::GroupEnd => {
+                let jobs = group.take().unwrap_or_default();
+                let grouped = jobs.len() > 1;
+                run_jobs(rank, &stream, &mut comm, jobs, grouped, control, timeout);
+            }
+            job => match group.as_mut() {
+                Some(g) => g.push(job),
+                None => run_jobs(rank, &stream, &mut comm, vec![job], false, control, timeout),
+            },
+        }
+    }
+}
+
+/// A job whose NCCL call was issued on the stream.
+enum Issued {
+    Host {
+        job: Job,
+        /// The buffer's device copy, reduced in place (none when empty or not issued).
+        dev: Option<DevBuf>,
+    },
+    Device {
+        bucket: Box<dyn DeviceBucket>,
+        memory: CudaMemory,
+        what: CollectiveDesc,
+        reply: mpsc::Sender<CommResult<Box<dyn DeviceBucket>>>,
+    },
+}
+
+/// A host buffer's device copy.
+enum DevBuf {
+    F32(CudaSlice<f32>),
+    F64(CudaSlice<f64>),
+    F16(CudaSlice<f16>),
+    BF16(CudaSlice<bf16>),
+}
+
+/// Issues each job's NCCL call (inside one NCCL group when `grouped`), waits once for the
+/// stream, then finishes each job (device → host for host buffers) and replies.
+fn run_jobs(
+    rank: usize,
+    stream: &Arc<CudaStream>,
+    comm: &mut Option<Comm>,
+    jobs: Vec<NcclJob>,
+    grouped: bool,
+    control: &Control,
+    timeout: Duration,
+) {
+    let start = Instant::now();
+    let issued: Vec<(Issued, Option<Result<(), Failure>>)> = match comm.as_ref() {
+        None => jobs
+            .into_iter()
+            .filter_map(|j| unissued(j).map(|i| (i, None)))
+            .collect(),
+        Some(c) => {
+            let opened = if grouped {
+                cudarc::nccl::result::group_start()
+                    .map(|_| ())
+                    .map_err(|e| Failure::Call(format!("ncclGroupStart: {e:?}")))
+            } else {
+                Ok(())
+            };
+            let mut issued: Vec<(Issued, Result<(), Failure>)> = jobs
+                .into_iter()
+                .filter_map(|j| {
+                    let i = unissued(j)?;
+                    Some(match &opened {
+                        Ok(()) => issue(stream, c, i),
+                        Err(e) => (i, Err(e.clone())),
+                    })
+                })
+                .collect();
+            if grouped
+                && opened.is_ok()
+                && let Err(e) = cudarc::nccl::result::group_end()
+            {
+                let why = Failure::Call(format!("ncclGroupEnd: {e:?}"));
+                for (_, r) in &mut issued {
+                    *r = Err(why.clone());
+                }
+            }
+            let waited = if issued.iter().any(|(_, r)| r.is_ok()) {
+                await_stream(stream, control, timeout)
+            } else {
+                Ok(())
+            };
+            issued
+                .into_iter()
+                .map(|(i, r)| (i, Some(r.and_then(|()| waited.clone()))))
+                .collect()
+        }
+    };
+    for (i, done) in issued {
+        match i {
+            Issued::Host { mut job, dev } => {
+                let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut job.buffer)));
+                let out = outcome(rank, comm, done, job.buffer, job.what, start, control);
+                let _ = job.reply.send(out);
+            }
+            Issued::Device {
                 bucket,
                 memory,
                 what,
                 reply,
             } => {
-                let done = comm.as_ref().map(|c| {
-                    let op = nccl_op(what.op);
-                    let (ptr, len) = (memory.ptr, bucket.len());
-                    match bucket.dtype() {
-                        DType::F32 => {
-                            reduce_device::<f32>(&stream, c, ptr, len, &op, control, timeout)
-                        }
-                        DType::F64 => {
-                            reduce_device::<f64>(&stream, c, ptr, len, &op, control, timeout)
-                        }
-                        DType::F16 => {
-                            reduce_device::<f16>(&stream, c, ptr, len, &op, control, timeout)
-                        }
-                        DType::BF16 => {
-                            reduce_device::<bf16>(&stream, c, ptr, len, &op, control, timeout)
-                        }
-                        other => Err(Failure::Call(format!(
-                            "an {other} bucket cannot be reduced in place"
-                        ))),
-                    }
-                });
                 // The memory stays held until NCCL is done with it.
                 drop(memory);
-                let _ = reply.send(outcome(rank, &mut comm, done, bucket, what, start, control));
+                let _ = reply.send(outcome(rank, comm, done, bucket, what, start, control));
             }
         }
+    }
+}
+
+/// A job as not yet issued (`None` for the group markers).
+fn unissued(job: NcclJob) -> Option<Issued> {
+    match job {
+        NcclJob::Host(job) => Some(Issued::Host { job, dev: None }),
+        NcclJob::Device {
+            bucket,
+            memory,
+            what,
+            reply,
+        } => Some(Issued::Device {
+            bucket,
+            memory,
+            what,
+            reply,
+        }),
+        NcclJob::GroupStart | NcclJob::GroupEnd => None,
+    }
+}
+
+/// Queues a job's work on the stream: host → device and `ncclAllReduce` in place for a host
+/// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
+fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<(), Failure>) {
+    match i {
+        Issued::Host { job, .. } => {
+            let op = nccl_op(job.what.op);
+            let dev = match &job.buffer {
+                b if b.is_empty() => Ok(None),
+                HostBuffer::F32(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F32(d))),
+                HostBuffer::F64(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F64(d))),
+                HostBuffer::F16(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F16(d))),
+                HostBuffer::BF16(v) => {
+                    to_device(stream, comm, v, &op).map(|d| Some(DevBuf::BF16(d)))
+                }
+            };
+            match dev {
+                Ok(dev) => (Issued::Host { job, dev }, Ok(())),
+                Err(e) => (Issued::Host { job, dev: None }, Err(e)),
+            }
+        }
+        Issued::Device {
+            bucket,
+            memory,
+            what,
+            reply,
+        } => {
+            let op = nccl_op(what.op);
+            let (ptr, len) = (memory.ptr, bucket.len());
+            let r = match bucket.dtype() {
+                DType::F32 => in_place::<f32>(stream, comm, ptr, len, &op),
+                DType::F64 => in_place::<f64>(stream, comm, ptr, len, &op),
+                DType::F16 => in_place::<f16>(stream, comm, ptr, len, &op),
+                DType::BF16 => in_place::<bf16>(stream, comm, ptr, len, &op),
+                other => Err(Failure::Call(format!(
+                    "an {other} bucket cannot be reduced in place"
+                ))),
+            };
+            let i = Issued::Device {
+                bucket,
+                memory,
+                what,
+                reply,
+            };
+            (i, r)
+        }
+    }
+}
+
+/// Device → host for a reduced host buffer.
+fn copy_back(
+    stream: &Arc<CudaStream>,
+    dev: Option<DevBuf>,
+    host: &mut HostBuffer,
+) -> Result<(), Failure> {
+    let back = "copying the result to the host";
+    match (dev, host) {
+        (None, _) => Ok(()),
+        (Some(DevBuf::F32(d)), HostBuffer::F32(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+        }
+        (Some(DevBuf::F64(d)), HostBuffer::F64(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+        }
+        (Some(DevBuf::F16(d)), HostBuffer::F16(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+        }
+        (Some(DevBuf::BF16(d)), HostBuffer::BF16(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+        }
+        _ => Err(Failure::Call(
+            "the device copy and the host buffer differ in dtype".into(),
+        )),
     }
 }
 
@@ -439,6 +608,7 @@ fn outcome<T>(
     }
 }
 
+#[derive(Clone)]
 enum Failure {
     Call(String),
     Timeout,
@@ -471,28 +641,19 @@ fn await_stream(
     Ok(())
 }
 
-/// Host → device, `ncclAllReduce` in place, wait (bounded), device → host.
-fn reduce_host<T: DeviceRepr + ValidAsZeroBits + NcclType>(
+/// Host → device and `ncclAllReduce` in place on the copy, queued on the stream.
+fn to_device<T: DeviceRepr + ValidAsZeroBits + NcclType>(
     stream: &Arc<CudaStream>,
     comm: &Comm,
-    host: &mut [T],
+    host: &[T],
     op: &NcclOp,
-    control: &Control,
-    timeout: Duration,
-) -> Result<(), Failure> {
-    if host.is_empty() {
-        return Ok(());
-    }
+) -> Result<CudaSlice<T>, Failure> {
     let mut dev = stream
         .clone_htod(host)
         .map_err(call_failed("copying the buffer to the device"))?;
     comm.all_reduce_in_place(&mut dev, op)
         .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
-    await_stream(stream, control, timeout)?;
-    stream
-        .memcpy_dtoh(&dev, host)
-        .map_err(call_failed("copying the result to the host"))?;
-    Ok(())
+    Ok(dev)
 }
 
 /// Device memory NCCL reduces in place: a bucket's own buffer, which another allocator owns.
@@ -523,15 +684,13 @@ impl<T> DevicePtrMut<T> for InPlace<T> {
     }
 }
 
-/// `ncclAllReduce` in place on a bucket's device memory, then wait (bounded).
-fn reduce_device<T: NcclType>(
+/// `ncclAllReduce` in place on a bucket's device memory, queued on the stream.
+fn in_place<T: NcclType>(
     stream: &Arc<CudaStream>,
     comm: &Comm,
     ptr: u64,
     len: usize,
     op: &NcclOp,
-    control: &Control,
-    timeout: Duration,
 ) -> Result<(), Failure> {
     if len == 0 {
         return Ok(());
@@ -543,8 +702,8 @@ fn reduce_device<T: NcclType>(
         _elem: PhantomData,
     };
     comm.all_reduce_in_place(&mut buf, op)
-        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
-    await_stream(stream, control, timeout)
+        .map(|_| ())
+        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))
 }
 
 /// The CUDA device that owns `ptr`, if the driver can say.
@@ -587,6 +746,20 @@ impl Communicator for NcclComm {
 
     fn reduces_device_memory(&self) -> bool {
         true
+    }
+
+    fn group(&self, open: bool) {
+        let marker = if open {
+            NcclJob::GroupStart
+        } else {
+            NcclJob::GroupEnd
+        };
+        // A closed queue fails the calls themselves, with a typed error.
+        if let Ok(jobs) = self.jobs.lock()
+            && let Some(tx) = jobs.as_ref()
+        {
+            let _ = tx.send(marker);
+        }
     }
 
     fn all_reduce_device(

@@ -11,6 +11,8 @@ use super::grad::DeviceBucket;
 pub struct Recording<C> {
     inner: C,
     calls: Mutex<Vec<CollectiveDesc>>,
+    /// Groups as ranges of call indices; an open one as its start.
+    groups: Mutex<(Vec<std::ops::Range<usize>>, Option<usize>)>,
 }
 
 impl<C: Communicator> Recording<C> {
@@ -19,7 +21,18 @@ impl<C: Communicator> Recording<C> {
         Recording {
             inner,
             calls: Mutex::new(Vec::new()),
+            groups: Mutex::new((Vec::new(), None)),
         }
+    }
+
+    /// The groups closed so far ([`Communicator::group`]), as ranges of indices into
+    /// [`Recording::calls`].
+    pub fn groups(&self) -> Vec<std::ops::Range<usize>> {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()
     }
 
     /// The collectives asked for so far, in order.
@@ -47,6 +60,18 @@ impl<C: Communicator> Communicator for Recording<C> {
             .unwrap_or_else(|e| e.into_inner())
             .push(what.clone());
         self.inner.all_reduce(buffer, what)
+    }
+
+    fn group(&self, open: bool) {
+        let n = self.calls.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        match (open, g.1.take()) {
+            (true, _) => g.1 = Some(n),
+            (false, Some(start)) => g.0.push(start..n),
+            (false, None) => {}
+        }
+        drop(g);
+        self.inner.group(open)
     }
 
     fn reduces_device_memory(&self) -> bool {
