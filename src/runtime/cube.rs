@@ -574,10 +574,10 @@ impl<R: Runtime> DeviceBucket for CubeBucket<R> {
             let resource = client
                 .get_resource(self.handle.clone())
                 .map_err(|e| device_error(what(), format!("{e:?}")))?;
-            let ptr = resource.resource().ptr;
+            let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
             return Ok(Some(CudaMemory {
                 ptr,
-                bytes: self.len as u64 * self.dtype.size(),
+                bytes,
                 keep_alive: Box::new((self.handle.clone(), resource)),
             }));
         }

@@ -93,7 +93,7 @@ pub trait DeviceBucket: Send + 'static {
 pub struct CudaMemory {
     /// The device pointer (a `CUdeviceptr`) of its first element.
     pub ptr: u64,
-    /// Bytes from `ptr` that belong to the bucket.
+    /// Bytes of device memory from `ptr` that the allocation holds (at least the bucket's).
     pub bytes: u64,
     /// Keeps the allocation alive (and out of the allocator's reuse) while it is held.
     pub keep_alive: Box<dyn Any + Send>,

@@ -796,6 +796,17 @@ impl Communicator for NcclComm {
                 });
             }
         };
+        let need = bucket.len() as u64 * bucket.dtype().size();
+        if memory.bytes < need {
+            return Err(CommError::Unsupported {
+                rank,
+                what,
+                why: format!(
+                    "the bucket's device memory holds {} bytes, {need} needed",
+                    memory.bytes
+                ),
+            });
+        }
         // Memory of another GPU than this communicator's goes through the host.
         let owner = self
             .ctx
