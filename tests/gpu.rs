@@ -165,7 +165,7 @@ mod nccl {
     use collective_fusion::passes::compile;
     use collective_fusion::runtime::comm::CollectiveDesc;
     use collective_fusion::runtime::nccl::{NcclComm, NcclInitError, unique_id};
-    use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous};
+    use collective_fusion::runtime::rendezvous::rendezvous;
     use collective_fusion::runtime::synthetic::seeded_gradients;
     use collective_fusion::runtime::{
         Communicator, ExecOptions, HostBuffer, execute, run_in_process,
@@ -175,14 +175,7 @@ mod nccl {
 
     /// Rank 0 of a world of one, through the real rendezvous and a fresh NCCL id.
     fn single_rank() -> NcclComm {
-        let cfg = RendezvousConfig {
-            rank: 0,
-            world: 1,
-            local_rank: 0,
-            addr: "127.0.0.1".into(),
-            port: super::common::free_port(),
-            timeout: Duration::from_secs(30),
-        };
+        let cfg = super::common::world_of_one();
         let id = rendezvous(&cfg, || unique_id().unwrap()).unwrap();
         assert_eq!(id.len(), 128);
         NcclComm::new(0, 0, 1, &id, Duration::from_secs(30)).unwrap()
@@ -399,7 +392,6 @@ mod training {
     use collective_fusion::backend::{
         Collective, CollectiveDevice, CollectiveOptions, Transport, mark_distributed, sync_stats,
     };
-    use collective_fusion::runtime::rendezvous::RendezvousConfig;
     use collective_fusion::train::{module_weights, synthetic_batch};
 
     use super::gpu_or_skip;
@@ -500,14 +492,7 @@ mod training {
             return;
         }
         let init = initial_weights(4);
-        let cfg = RendezvousConfig {
-            rank: 0,
-            world: 1,
-            local_rank: 0,
-            addr: "127.0.0.1".into(),
-            port: super::common::free_port(),
-            timeout: std::time::Duration::from_secs(30),
-        };
+        let cfg = super::common::world_of_one();
         let (threads, _) = steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
         // Across processes (one here, through the rendezvous), and single-process multi-GPU
         // (one GPU here).

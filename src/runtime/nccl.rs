@@ -359,18 +359,11 @@ fn serve(
 }
 
 /// A job whose NCCL call was issued on the stream.
-enum Issued {
-    Host {
-        job: Job,
-        /// The buffer's device copy, reduced in place (none when empty or not issued).
-        dev: Option<DevBuf>,
-    },
-    Device {
-        bucket: Box<dyn DeviceBucket>,
-        memory: CudaMemory,
-        what: CollectiveDesc,
-        reply: mpsc::Sender<CommResult<Box<dyn DeviceBucket>>>,
-    },
+struct Issued {
+    job: NcclJob,
+    /// A host buffer's device copy, reduced in place (none for a device bucket, an empty
+    /// buffer, or a call that was not issued).
+    dev: Option<DevBuf>,
 }
 
 /// A host buffer's device copy.
@@ -396,7 +389,7 @@ fn run_jobs(
     let issued: Vec<(Issued, Option<Result<(), Failure>>)> = match comm.as_ref() {
         None => jobs
             .into_iter()
-            .filter_map(|j| unissued(j).map(|i| (i, None)))
+            .filter_map(|job| unissued(job).map(|i| (i, None)))
             .collect(),
         Some(c) => {
             let opened = if grouped {
@@ -436,14 +429,14 @@ fn run_jobs(
                 .collect()
         }
     };
-    for (i, done) in issued {
-        match i {
-            Issued::Host { mut job, dev } => {
+    for (Issued { job, dev }, done) in issued {
+        match job {
+            NcclJob::Host(mut job) => {
                 let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut job.buffer)));
                 let out = outcome(rank, comm, done, job.buffer, job.what, start, control);
                 let _ = job.reply.send(out);
             }
-            Issued::Device {
+            NcclJob::Device {
                 bucket,
                 memory,
                 what,
@@ -453,6 +446,7 @@ fn run_jobs(
                 drop(memory);
                 let _ = reply.send(outcome(rank, comm, done, bucket, what, start, control));
             }
+            NcclJob::GroupStart | NcclJob::GroupEnd => {}
         }
     }
 }
@@ -460,29 +454,19 @@ fn run_jobs(
 /// A job as not yet issued (`None` for the group markers).
 fn unissued(job: NcclJob) -> Option<Issued> {
     match job {
-        NcclJob::Host(job) => Some(Issued::Host { job, dev: None }),
-        NcclJob::Device {
-            bucket,
-            memory,
-            what,
-            reply,
-        } => Some(Issued::Device {
-            bucket,
-            memory,
-            what,
-            reply,
-        }),
         NcclJob::GroupStart | NcclJob::GroupEnd => None,
+        job => Some(Issued { job, dev: None }),
     }
 }
 
 /// Queues a job's work on the stream: host → device and `ncclAllReduce` in place for a host
 /// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
 fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<(), Failure>) {
-    match i {
-        Issued::Host { job, .. } => {
-            let op = nccl_op(job.what.op);
-            let dev = match &job.buffer {
+    let op = |what: &CollectiveDesc| nccl_op(what.op);
+    let issued = match &i.job {
+        NcclJob::Host(job) => {
+            let op = op(&job.what);
+            match &job.buffer {
                 b if b.is_empty() => Ok(None),
                 HostBuffer::F32(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F32(d))),
                 HostBuffer::F64(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F64(d))),
@@ -490,21 +474,17 @@ fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<()
                 HostBuffer::BF16(v) => {
                     to_device(stream, comm, v, &op).map(|d| Some(DevBuf::BF16(d)))
                 }
-            };
-            match dev {
-                Ok(dev) => (Issued::Host { job, dev }, Ok(())),
-                Err(e) => (Issued::Host { job, dev: None }, Err(e)),
             }
         }
-        Issued::Device {
+        NcclJob::Device {
             bucket,
             memory,
             what,
-            reply,
+            ..
         } => {
-            let op = nccl_op(what.op);
+            let op = op(what);
             let (ptr, len) = (memory.ptr, bucket.len());
-            let r = match bucket.dtype() {
+            match bucket.dtype() {
                 DType::F32 => in_place::<f32>(stream, comm, ptr, len, &op),
                 DType::F64 => in_place::<f64>(stream, comm, ptr, len, &op),
                 DType::F16 => in_place::<f16>(stream, comm, ptr, len, &op),
@@ -512,15 +492,14 @@ fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<()
                 other => Err(Failure::Call(format!(
                     "an {other} bucket cannot be reduced in place"
                 ))),
-            };
-            let i = Issued::Device {
-                bucket,
-                memory,
-                what,
-                reply,
-            };
-            (i, r)
+            }
+            .map(|()| None)
         }
+        NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
+    };
+    match issued {
+        Ok(dev) => (Issued { job: i.job, dev }, Ok(())),
+        Err(e) => (i, Err(e)),
     }
 }
 
