@@ -230,19 +230,51 @@ fn check_slot(s: &crate::codegen::plan::Slot, rank: usize, g: &Grad) -> Result<(
 
 enum InFlight {
     /// One packed bucket.
-    Bucket(PendingReduce),
-    /// One packed bucket, reduced in place in device memory.
-    DeviceBucket(PendingReduce<Box<dyn DeviceBucket>>),
+    Bucket(Pending),
     /// One call per slot.
-    Slots(Vec<(u32, SlotFlight)>),
+    Slots(Vec<(u32, Pending)>),
 }
 
-/// One slot's collective in flight.
-enum SlotFlight {
-    /// Its gradient in host memory.
+/// One all-reduce in flight: of host memory, or in place in device memory.
+enum Pending {
     Host(PendingReduce),
-    /// A device copy of its gradient, reduced in place.
     Device(PendingReduce<Box<dyn DeviceBucket>>),
+}
+
+impl Pending {
+    /// Enqueues the all-reduce of `buf`: a device bucket goes to the communicator in place when
+    /// it reduces that memory, and is read into host memory for it otherwise.
+    fn launch(
+        comm: &dyn Communicator,
+        buf: Packed,
+        what: CollectiveDesc,
+        report: &mut ExecReport,
+        rank: usize,
+    ) -> Result<Self, ExecError> {
+        let bucket = match buf {
+            Packed::Host(b) => return Ok(Pending::Host(comm.all_reduce(b, what)?)),
+            Packed::Device(bucket) => bucket,
+        };
+        match comm.all_reduce_device(bucket, what.clone())? {
+            DeviceLaunch::Launched(p) => {
+                report.device_collectives += 1;
+                Ok(Pending::Device(p))
+            }
+            DeviceLaunch::Declined(bucket) => {
+                let b = bucket
+                    .read()
+                    .map_err(|source| ExecError::Kernel { rank, source })?;
+                Ok(Pending::Host(comm.all_reduce(b, what)?))
+            }
+        }
+    }
+
+    fn wait(self, bound: Duration) -> Result<(Packed, CommSpan), CommError> {
+        match self {
+            Pending::Host(p) => p.wait(bound).map(|(b, s)| (Packed::Host(b), s)),
+            Pending::Device(p) => p.wait(bound).map(|(b, s)| (Packed::Device(b), s)),
+        }
+    }
 }
 
 /// Bucket buffers kept from one step to the next, so a steady-state step allocates nothing.
@@ -550,22 +582,7 @@ impl Execution {
                             why: format!("collective #{} is ready before its pack", c.id),
                         })?;
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
-                    match buf {
-                        Packed::Host(buf) => InFlight::Bucket(comm.all_reduce(buf, what)?),
-                        Packed::Device(bucket) => {
-                            match comm.all_reduce_device(bucket, what.clone())? {
-                                DeviceLaunch::Launched(p) => {
-                                    report.device_collectives += 1;
-                                    InFlight::DeviceBucket(p)
-                                }
-                                // A host communicator: the bucket crosses to the host here.
-                                DeviceLaunch::Declined(bucket) => {
-                                    let buf = bucket.read().map_err(kerr)?;
-                                    InFlight::Bucket(comm.all_reduce(buf, what)?)
-                                }
-                            }
-                        }
-                    }
+                    InFlight::Bucket(Pending::launch(comm, buf, what, report, rank)?)
                 } else {
                     // The calls of one collective launch together (one NCCL group).
                     let grouped = c.slots.len() > 1;
@@ -587,23 +604,14 @@ impl Execution {
                     Some(InFlight::Bucket(p)) => {
                         let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                         comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
-                        self.packed[c.id as usize] = Some(Packed::Host(buf));
-                    }
-                    Some(InFlight::DeviceBucket(p)) => {
-                        let (bucket, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
-                        comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
-                        self.packed[c.id as usize] = Some(Packed::Device(bucket));
+                        self.packed[c.id as usize] = Some(buf);
                     }
                     Some(InFlight::Slots(calls)) => {
                         for (slot, p) in calls {
-                            let bound = super::comm::wait_bound(opts.timeout);
-                            let (g, s) = match p {
-                                SlotFlight::Host(p) => {
-                                    let (buf, s) = p.wait(bound)?;
-                                    (Grad::Host(buf), s)
-                                }
-                                SlotFlight::Device(p) => {
-                                    let (bucket, s) = p.wait(bound)?;
+                            let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
+                            let g = match buf {
+                                Packed::Host(b) => Grad::Host(b),
+                                Packed::Device(bucket) => {
                                     if bucket.len() != plan.slots[slot as usize].ty.numel() as usize
                                     {
                                         return Err(ExecError::Plan {
@@ -616,7 +624,7 @@ impl Execution {
                                             ),
                                         });
                                     }
-                                    (Grad::Device(bucket.into_grad()), s)
+                                    Grad::Device(bucket.into_grad())
                                 }
                             };
                             comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
@@ -689,7 +697,7 @@ fn launch_slots(
     grads: &mut [Grad],
     report: &mut ExecReport,
     rank: usize,
-) -> Result<Vec<(u32, SlotFlight)>, ExecError> {
+) -> Result<Vec<(u32, Pending)>, ExecError> {
     let kerr = |source| ExecError::Kernel { rank, source };
     let mut calls = Vec::with_capacity(c.slots.len());
     for s in &c.slots {
@@ -699,21 +707,11 @@ fn launch_slots(
             _ => None,
         };
         let buf = match copy {
-            Some(bucket) => {
-                let what = desc_of(plan, c, bucket.len() as u64, bucket.dtype(), &[*s]);
-                match comm.all_reduce_device(bucket, what)? {
-                    DeviceLaunch::Launched(p) => {
-                        report.device_collectives += 1;
-                        calls.push((*s, SlotFlight::Device(p)));
-                        continue;
-                    }
-                    DeviceLaunch::Declined(bucket) => bucket.read().map_err(kerr)?,
-                }
-            }
-            None => g.into_host().map_err(kerr)?,
+            Some(bucket) => Packed::Device(bucket),
+            None => Packed::Host(g.into_host().map_err(kerr)?),
         };
         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
-        calls.push((*s, SlotFlight::Host(comm.all_reduce(buf, what)?)));
+        calls.push((*s, Pending::launch(comm, buf, what, report, rank)?));
     }
     Ok(calls)
 }
