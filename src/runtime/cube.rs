@@ -566,21 +566,50 @@ impl<R: Runtime> DeviceBucket for CubeBucket<R> {
         if let Some(client) = (&self.client as &dyn std::any::Any)
             .downcast_ref::<ComputeClient<cubecl::cuda::CudaRuntime>>()
         {
-            let what = || format!("handing packed bucket {} to NCCL", self.label);
-            // CubeCL does not expose its streams, so the pack kernel is waited for here (this
-            // thread's stream) rather than by an event on the communicator's stream.
-            cubecl::future::block_on(client.sync())
-                .map_err(|e| device_error(what(), format!("{e:?}")))?;
-            let resource = client
+            let what = format!("handing packed bucket {} to NCCL", self.label);
+            // CubeCL keeps its CUDA streams to itself, so the NCCL stream cannot wait on an
+            // event of the pack kernel's stream. Instead the bucket is looked up on a stream of
+            // its own (`fence_stream`): CubeCL then records an event on this thread's stream,
+            // right after the pack kernel, and queues a wait for it on that stream. Nothing
+            // blocks here; the communicator's thread blocks on the fence stream later, which
+            // passes once the pack kernel (and what came before it) has run.
+            let mut fence = client.clone();
+            // SAFETY: the fence stream only ever looks buckets up and synchronizes: it
+            // allocates nothing and launches nothing, so no memory of its pool is in use.
+            unsafe { fence.set_stream(fence_stream()) };
+            let resource = fence
                 .get_resource(self.handle.clone())
-                .map_err(|e| device_error(what(), format!("{e:?}")))?;
+                .map_err(|e| device_error(what.clone(), format!("{e:?}")))?;
             let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-            return Ok(Some(CudaMemory {
+            let ready: super::grad::ReadyWait = Box::new(move || {
+                cubecl::future::block_on(fence.sync())
+                    .map_err(|e| format!("{what}: waiting for the pack kernel: {e:?}"))
+            });
+            return Ok(Some(CudaMemory::new(
                 ptr,
                 bytes,
-                keep_alive: Box::new((self.handle.clone(), resource)),
-            }));
+                Box::new((self.handle.clone(), resource)),
+                ready,
+            )));
         }
         Ok(None)
     }
+}
+
+/// The CubeCL stream on which buckets handed to NCCL are waited for: one id for the process,
+/// taken from CubeCL's own counter by a thread that makes no other CubeCL call, so that no
+/// thread computes on it (CubeCL gives every thread the next id of that counter).
+#[cfg(feature = "cuda")]
+fn fence_stream() -> cubecl::stream_id::StreamId {
+    static FENCE: std::sync::OnceLock<cubecl::stream_id::StreamId> = std::sync::OnceLock::new();
+    *FENCE.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("cf-fence-stream-id".into())
+            .spawn(cubecl::stream_id::StreamId::current)
+            .ok()
+            .and_then(|t| t.join().ok())
+            // Without a thread to spare, an id far beyond any thread's (it may share a CUDA
+            // stream with one, which makes the wait longer, never wrong).
+            .unwrap_or(cubecl::stream_id::StreamId { value: u64::MAX })
+    })
 }

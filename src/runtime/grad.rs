@@ -81,15 +81,20 @@ pub trait DeviceBucket: Send + 'static {
     /// The bucket as a device gradient of its own dtype and length (the reduced copy of a
     /// gradient with an all-reduce of its own).
     fn into_grad(self: Box<Self>) -> Box<dyn DeviceGrad>;
-    /// Its CUDA device memory, for a communicator that reduces it in place, once the kernels
-    /// that wrote it have finished (this waits for them, so call it on the thread that
-    /// launched them). `Ok(None)`: it is not CUDA memory.
+    /// Its CUDA device memory, for a communicator that reduces it in place. Call it on the
+    /// thread that launched the kernels that wrote it, right after them: it does not wait for
+    /// them, it orders a wait after them, which [`CudaMemory::wait_ready`] then performs on
+    /// the communicator's thread. `Ok(None)`: it is not CUDA memory.
     fn cuda_memory(&self) -> Result<Option<CudaMemory>, KernelError> {
         Ok(None)
     }
 }
 
-/// A device bucket's CUDA memory, ready to be reduced in place.
+/// Waits until the kernels that wrote a bucket have finished; an error names what failed.
+pub type ReadyWait = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// A device bucket's CUDA memory, to be reduced in place once [`CudaMemory::wait_ready`]
+/// returns.
 pub struct CudaMemory {
     /// The device pointer (a `CUdeviceptr`) of its first element.
     pub ptr: u64,
@@ -97,6 +102,26 @@ pub struct CudaMemory {
     pub bytes: u64,
     /// Keeps the allocation alive (and out of the allocator's reuse) while it is held.
     pub keep_alive: Box<dyn Any + Send>,
+    /// The wait for the kernels that wrote it; `None` once waited.
+    ready: Option<ReadyWait>,
+}
+
+impl CudaMemory {
+    /// Memory at `ptr` (`bytes` of it), held by `keep_alive`, written once `ready` returns.
+    pub fn new(ptr: u64, bytes: u64, keep_alive: Box<dyn Any + Send>, ready: ReadyWait) -> Self {
+        Self {
+            ptr,
+            bytes,
+            keep_alive,
+            ready: Some(ready),
+        }
+    }
+
+    /// Blocks this thread until the kernels that wrote the memory have finished (at once
+    /// after the first call).
+    pub fn wait_ready(&mut self) -> Result<(), String> {
+        self.ready.take().map_or(Ok(()), |wait| wait())
+    }
 }
 
 /// A packed bucket: in host memory, or in device memory.
@@ -217,5 +242,33 @@ impl Grad {
             Grad::Host(b) => Ok(b),
             Grad::Device(d) => d.read(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn a_bucket_is_waited_for_once_and_its_failure_is_reported() {
+        let waits = Arc::new(AtomicUsize::new(0));
+        let counted = waits.clone();
+        let mut memory = CudaMemory::new(
+            0x1000,
+            64,
+            Box::new(()),
+            Box::new(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Err("pack kernel of bucket 3 failed".to_string())
+            }),
+        );
+        assert_eq!(
+            memory.wait_ready(),
+            Err("pack kernel of bucket 3 failed".to_string())
+        );
+        assert_eq!(memory.wait_ready(), Ok(()));
+        assert_eq!(waits.load(Ordering::SeqCst), 1);
     }
 }

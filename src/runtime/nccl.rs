@@ -6,10 +6,11 @@
 //! Two kinds of buffer, one comm thread per rank that runs them in the order they were enqueued,
 //! as NCCL requires of every rank:
 //! - a bucket packed in CUDA memory on this communicator's GPU (the gradients of
-//!   `Collective<Cuda>`, [`Communicator::all_reduce_device`]) is reduced in place: the caller
-//!   waits for the pack kernel (CubeCL does not expose its stream for an event), and
-//!   `ncclAllReduce` runs on the communicator's stream over the bucket's own memory; nothing
-//!   crosses to the host;
+//!   `Collective<Cuda>`, [`Communicator::all_reduce_device`]) is reduced in place: the comm
+//!   thread waits for the pack kernel (through a CubeCL stream that waits on an event after
+//!   it, as CubeCL does not expose its streams to take an event from; the thread that
+//!   launched the kernel goes on), and `ncclAllReduce` runs on the communicator's stream over
+//!   the bucket's own memory; nothing crosses to the host;
 //! - a host buffer (the gradients of a host inner backend such as NdArray) is copied to the
 //!   device on the communicator's stream, reduced in place, and copied back.
 //!
@@ -392,6 +393,21 @@ fn run_jobs(
             .filter_map(|job| unissued(job).map(|i| (i, None)))
             .collect(),
         Some(c) => {
+            // First each device bucket's pack kernel is waited for (on this thread, so the
+            // backward thread that launched it went on), then the calls are issued.
+            let ready: Vec<(Issued, Result<(), Failure>)> = jobs
+                .into_iter()
+                .filter_map(|j| {
+                    let mut i = unissued(j)?;
+                    let r = match &mut i.job {
+                        NcclJob::Device { memory, .. } => {
+                            memory.wait_ready().map_err(Failure::Call)
+                        }
+                        _ => Ok(()),
+                    };
+                    Some((i, r))
+                })
+                .collect();
             let opened = if grouped {
                 cudarc::nccl::result::group_start()
                     .map(|_| ())
@@ -399,14 +415,12 @@ fn run_jobs(
             } else {
                 Ok(())
             };
-            let mut issued: Vec<(Issued, Result<(), Failure>)> = jobs
+            let mut issued: Vec<(Issued, Result<(), Failure>)> = ready
                 .into_iter()
-                .filter_map(|j| {
-                    let i = unissued(j)?;
-                    Some(match &opened {
-                        Ok(()) => issue(stream, c, i),
-                        Err(e) => (i, Err(e.clone())),
-                    })
+                .map(|(i, r)| match (&opened, r) {
+                    (Ok(()), Ok(())) => issue(stream, c, i),
+                    (Err(e), _) => (i, Err(e.clone())),
+                    (_, Err(e)) => (i, Err(e)),
                 })
                 .collect();
             if grouped
