@@ -8,6 +8,7 @@
 //! | `CF_FIRST_BUCKET_MB` | cap of the first bucket in MiB | 1 |
 //! | `CF_OVERLAP` | `1`/`0`: split collectives and schedule them to overlap backward | 1 |
 //! | `CF_REDUCE_DTYPE` | cast buckets to `bf16`/`f16`/`f32` for the all-reduce | none |
+//! | `CF_PACK_ALIGN` | member alignment in a packed bucket, bytes (a power of two) | 16 |
 //! | `CF_LINK` | system profile for the cost model (name or file) | `h200-nvlink` |
 //! | `CF_VERIFY` | `1`/`0`: verify after every pass that changed something | on in debug builds |
 //! | `CF_PRINT_AFTER` | `all` or `change`: keep the graph text after passes | off |
@@ -96,6 +97,10 @@ pub struct CompileConfig {
     pub overlap: bool,
     /// Cast buckets to this dtype for the all-reduce (and back after).
     pub reduce_dtype: Option<DType>,
+    /// Every member of a packed bucket starts at a multiple of this many bytes (a power of
+    /// two; 16 by default). Gradients handed back as views of their bucket need the device's
+    /// offset alignment (`CollectiveOptions::gradient_as_bucket_view` raises it to 512).
+    pub pack_align_bytes: u32,
     /// The cost model the `cost` policy and the simulator use.
     pub cost: CostModel,
     /// Verify the input and the graph after every pass that changed it.
@@ -112,6 +117,7 @@ impl Default for CompileConfig {
             bucket: BucketConfig::default(),
             overlap: true,
             reduce_dtype: None,
+            pack_align_bytes: crate::graph::PACK_ALIGN_BYTES,
             cost: CostModel::default(),
             verify: cfg!(debug_assertions),
             print_after: PrintAfter::Never,
@@ -188,6 +194,21 @@ impl CompileConfig {
                 .filter(|d| d.is_float())
                 .ok_or_else(|| bad("CF_REDUCE_DTYPE", &v, "one of f32, bf16, f16, f64"))?;
             self.reduce_dtype = Some(d);
+        }
+        if let Some(v) = get("CF_PACK_ALIGN") {
+            self.pack_align_bytes = v
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| crate::graph::pack_align_ok(n))
+                .map(|n| n as u32)
+                .ok_or_else(|| {
+                    bad(
+                        "CF_PACK_ALIGN",
+                        &v,
+                        "a power of two of bytes, from 1 to 65536",
+                    )
+                })?;
         }
         if let Some(v) = get("CF_LINK") {
             self.cost = CostModel::new(SystemProfile::load(v.trim())?);

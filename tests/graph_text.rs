@@ -125,6 +125,10 @@ fn parse_errors_give_line_and_column() {
             "graph \"g\" {\n  %0 = input \"x\" : f32[2] $\n}\n",
             "line 2, column 27: unexpected character '$'",
         ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %1 = bucket_pack bucket=0 align=24 (%0) : f32[2]\n}\n",
+            "line 3, column 35: align must be a power of two from 1 to 65536 bytes",
+        ),
     ];
     for (text, want) in cases {
         let err = parse(text)
@@ -252,5 +256,47 @@ fn an_all_reduce_done_without_operands_is_a_violation_not_a_panic() {
     assert!(
         v.contains("all_reduce_done needs at least one operand"),
         "{v}"
+    );
+}
+
+#[test]
+fn a_pack_keeps_its_member_alignment_and_the_layout_honours_it() {
+    // Three f32 members of 3, 100 and 5 elements, aligned to 512 bytes (128 elements).
+    let text = |align: &str| {
+        format!(
+            r#"graph "views" {{
+  group g0 size=2
+  %0 = input "x" : f32[3]
+  %1 = gradient "a" (%0) : f32[3]
+  %2 = input "y" : f32[100]
+  %3 = gradient "b" (%2) : f32[100]
+  %4 = input "z" : f32[5]
+  %5 = gradient "c" (%4) : f32[5]
+  %6 = bucket_pack bucket=0 scale=1/2{align} (%1, %3, %5) : f32[108] ; 3 tensors, 432 B
+  %7 = all_reduce reduce=sum group=g0 bucket=0 (%6) : f32[108] ; 1 tensor, 432 B
+  %8 = bucket_unpack bucket=0 (%7) : f32[3], f32[100], f32[5]
+  %9 = sync (%8#0, %8#1, %8#2)
+}}
+"#
+        )
+    };
+    let wide = text(" align=512");
+    let g = parse(&wide).unwrap();
+    assert_eq!(print(&g), wide);
+    assert_eq!(violations(&wide, None), "ok");
+    let l = &collective_fusion::codegen::layout::bucket_layouts(&g).unwrap()[0];
+    let offsets: Vec<u64> = l.members.iter().map(|m| m.offset).collect();
+    assert_eq!(offsets, [0, 128, 256]);
+    assert_eq!((l.numel, l.padding, l.bytes), (384, 276, 1536));
+    // The default (16 bytes) is not printed, and packs members 4 elements apart.
+    let narrow = parse(&text("")).unwrap();
+    assert_eq!(print(&narrow), text(""));
+    let l = &collective_fusion::codegen::layout::bucket_layouts(&narrow).unwrap()[0];
+    let offsets: Vec<u64> = l.members.iter().map(|m| m.offset).collect();
+    assert_eq!(offsets, [0, 4, 104]);
+    // The alignment is part of the plan cache's key.
+    assert_ne!(
+        g.structural_hash().unwrap(),
+        narrow.structural_hash().unwrap()
     );
 }

@@ -40,6 +40,7 @@ fn fuse_packs_multi_tensor_buckets_and_prescales_mean() {
         vec![fuse(FuseConfig {
             reduce_dtype: None,
             prescale: true,
+            ..FuseConfig::default()
         })],
         None,
     );
@@ -66,6 +67,7 @@ fn fuse_casts_to_reduce_dtype_and_back() {
         vec![fuse(FuseConfig {
             reduce_dtype: Some(DType::BF16),
             prescale: false,
+            ..FuseConfig::default()
         })],
         None,
     );

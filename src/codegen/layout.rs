@@ -1,9 +1,10 @@
 //! Bucket layouts: for every collective of an optimized graph, in launch order, the tensors it
 //! reduces and where each sits in the flat buffer.
 //!
-//! Members are laid out in operand order, each starting at a multiple of [`ALIGN_BYTES`] of the
-//! wire dtype (so vectorized kernels and NCCL see aligned members); the gaps and the tail are
-//! padding that packs write as zero. A single-member collective has no padding.
+//! Members are laid out in operand order, each starting at a multiple of the pack's `align`
+//! bytes of the wire dtype ([`ALIGN_BYTES`] for a collective without a pack, so vectorized
+//! kernels and NCCL see aligned members); the gaps and the tail are padding that packs write as
+//! zero. A single-member collective has no padding.
 
 use serde::Serialize;
 
@@ -11,7 +12,7 @@ use crate::graph::{CycleError, DType, Graph, GroupId, NodeId, Op, ReduceOp, Valu
 
 /// Every member of a multi-tensor bucket starts at a multiple of this many bytes of the wire
 /// dtype, and the buffer's length is rounded up to it (16 bytes: one 128-bit vector load).
-pub const ALIGN_BYTES: u64 = 16;
+pub const ALIGN_BYTES: u64 = crate::graph::PACK_ALIGN_BYTES as u64;
 
 /// One tensor inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -67,17 +68,23 @@ pub(crate) fn layout_of(
 ) -> BucketLayout {
     let ops = graph.operands(id);
     // A single operand produced by a pack means the members are the pack's operands.
-    let (members_vals, scale_div, wire): (Vec<Value>, Option<u32>, DType) =
+    let (members_vals, scale_div, wire, align_bytes): (Vec<Value>, Option<u32>, DType, u64) =
         match (ops.as_slice(), ops.first().map(|v| graph.op(v.node))) {
-            ([v], Some(Op::BucketPack { scale_div, .. })) => (
+            (
+                [v],
+                Some(Op::BucketPack {
+                    scale_div, align, ..
+                }),
+            ) => (
                 graph.operands(v.node).to_vec(),
                 *scale_div,
                 graph.ty(*v).dtype,
+                u64::from(*align),
             ),
-            _ => (ops.to_vec(), None, graph.ty(ops[0]).dtype),
+            _ => (ops.to_vec(), None, graph.ty(ops[0]).dtype, ALIGN_BYTES),
         };
     let align = if members_vals.len() > 1 {
-        (ALIGN_BYTES / wire.size()).max(1)
+        (align_bytes / wire.size()).max(1)
     } else {
         1
     };

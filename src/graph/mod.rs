@@ -258,6 +258,19 @@ impl ComputeKind {
     }
 }
 
+/// The default member alignment of a `bucket_pack`, in bytes: one 128-bit vector load, so
+/// vectorized kernels and NCCL see aligned members.
+pub const PACK_ALIGN_BYTES: u32 = 16;
+
+/// The largest member alignment a `bucket_pack` may ask for (64 KiB).
+pub const MAX_PACK_ALIGN_BYTES: u32 = 1 << 16;
+
+/// Whether `n` bytes is a member alignment a `bucket_pack` may have: a power of two up to
+/// [`MAX_PACK_ALIGN_BYTES`].
+pub fn pack_align_ok(n: u64) -> bool {
+    n.is_power_of_two() && n <= u64::from(MAX_PACK_ALIGN_BYTES)
+}
+
 /// The operation of a node. A closed set: every pass matches it exhaustively.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -313,6 +326,10 @@ pub enum Op {
         bucket: u32,
         /// Divide every element by this (the group size, for a mean).
         scale_div: Option<u32>,
+        /// Every member of a multi-member bucket starts at a multiple of this many bytes of
+        /// the flat buffer (a power of two; [`PACK_ALIGN_BYTES`] unless the members must be
+        /// addressable as views of the buffer, which devices allow at coarser alignments).
+        align: u32,
     },
     /// Split a reduced flat bucket back into its members (casting back to each member's dtype).
     /// One operand, one result per member.

@@ -558,7 +558,31 @@ fn build_op(
                     return Err(err(line, col, "scale must be written 1/N"));
                 }
             };
-            Op::BucketPack { bucket, scale_div }
+            let align = match take("align") {
+                None => super::PACK_ALIGN_BYTES,
+                Some(v) => {
+                    let col = match &v {
+                        AttrVal::Word(_, c) | AttrVal::Ratio(_, _, c) => *c,
+                    };
+                    let n = num(Some(v), "align")?;
+                    if !super::pack_align_ok(n) {
+                        return Err(err(
+                            line,
+                            col,
+                            format!(
+                                "align must be a power of two from 1 to {} bytes",
+                                super::MAX_PACK_ALIGN_BYTES
+                            ),
+                        ));
+                    }
+                    n as u32
+                }
+            };
+            Op::BucketPack {
+                bucket,
+                scale_div,
+                align,
+            }
         }
         "bucket_unpack" => Op::BucketUnpack {
             bucket: num(take("bucket"), "bucket")? as u32,

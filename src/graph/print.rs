@@ -83,10 +83,19 @@ pub fn op_attrs_string(op: &Op) -> String {
             group,
             bucket: b,
         } => format!("{kw} reduce={} group={group}{}", reduce.name(), bucket(b)),
-        Op::BucketPack { bucket, scale_div } => match scale_div {
-            Some(d) => format!("{kw} bucket={bucket} scale=1/{d}"),
-            None => format!("{kw} bucket={bucket}"),
-        },
+        Op::BucketPack {
+            bucket,
+            scale_div,
+            align,
+        } => {
+            let scale = scale_div.map(|d| format!(" scale=1/{d}")).unwrap_or_default();
+            let align = if *align == super::PACK_ALIGN_BYTES {
+                String::new()
+            } else {
+                format!(" align={align}")
+            };
+            format!("{kw} bucket={bucket}{scale}{align}")
+        }
         Op::BucketUnpack { bucket } => format!("{kw} bucket={bucket}"),
         Op::AllReduceDone { bucket: b } => format!("{kw}{}", bucket(b).trim_end()),
         Op::Sync => kw.to_string(),

@@ -17,7 +17,7 @@
 //!    most one gradient, `ready` positions are unique, and no reduced value is dropped;
 //! 8. **fused regions are elementwise**: a pack only copies, scales by `1/N` (N >= 1) and casts
 //!    between float types; its unpack reads the reduced pack of the same bucket and casts each
-//!    member back to the type it had.
+//!    member back to the type it had; its member alignment is a power of two of at most 64 KiB.
 //!
 //! Groups named by collectives must be declared in the header.
 
@@ -269,8 +269,14 @@ fn check_signature(c: &mut Checker<'_>, id: NodeId) {
                 "all_reduce_done must read every result of one all_reduce_start, in order",
             );
         }
-        Op::BucketPack { scale_div, .. } => {
+        Op::BucketPack {
+            scale_div, align, ..
+        } => {
             want(!ops.is_empty(), "bucket_pack needs at least one member");
+            want(
+                super::pack_align_ok(u64::from(*align)),
+                "bucket_pack's align is a power of two of at most 65536 bytes",
+            );
             want(nres == 1, "bucket_pack has exactly one result");
             if let Some(r) = node.results.first() {
                 let total: u64 = ins.iter().map(|t| t.numel()).sum();

@@ -15,7 +15,8 @@
 //! a `mean` becomes a pack with `scale=1/N` (N the group size) and a `sum` all-reduce, so that the
 //! divide is fused into the copy. Single-tensor all-reduces with nothing to cast are left alone:
 //! packing them would only add a copy. The pack and unpack are elementwise regions: copy, scale,
-//! cast, nothing else.
+//! cast, nothing else. Every pack carries the configured member alignment (`align=`, printed
+//! when it is not the default 16 bytes), which the bucket layout honours.
 //!
 //! Before → after (group of 4):
 //! ```text
@@ -29,15 +30,27 @@
 //! ```
 
 use super::{Pass, PassError};
-use crate::graph::{DType, Graph, NodeId, Op, ReduceOp, TensorType, Value};
+use crate::graph::{DType, Graph, NodeId, Op, PACK_ALIGN_BYTES, ReduceOp, TensorType, Value};
 
 /// Options of the pass.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FuseConfig {
     /// Cast buckets to this float type for the all-reduce.
     pub reduce_dtype: Option<DType>,
     /// Fold a mean's divide into the pack and reduce with `sum`.
     pub prescale: bool,
+    /// Member alignment of every pack, in bytes (a power of two).
+    pub align_bytes: u32,
+}
+
+impl Default for FuseConfig {
+    fn default() -> Self {
+        FuseConfig {
+            reduce_dtype: None,
+            prescale: false,
+            align_bytes: PACK_ALIGN_BYTES,
+        }
+    }
 }
 
 /// The pass. See the module doc.
@@ -58,6 +71,15 @@ impl Pass for FuseBucketIo {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError> {
+        if !crate::graph::pack_align_ok(u64::from(self.config.align_bytes)) {
+            return Err(PassError {
+                message: format!(
+                    "pack alignment {} bytes is not a power of two of at most {} bytes",
+                    self.config.align_bytes,
+                    crate::graph::MAX_PACK_ALIGN_BYTES
+                ),
+            });
+        }
         let targets: Vec<NodeId> = graph
             .node_ids()
             .filter(|&id| {
@@ -130,7 +152,11 @@ fn fuse_one(
     let pos = graph.node(id).pos;
     let flat = TensorType::new(dtype, &[total]);
     let pack = graph.add_node(
-        Op::BucketPack { bucket, scale_div },
+        Op::BucketPack {
+            bucket,
+            scale_div,
+            align: cfg.align_bytes,
+        },
         [flat.clone()],
         &operands,
     );

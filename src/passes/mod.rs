@@ -290,6 +290,7 @@ pub fn pipeline(config: &CompileConfig) -> PassManager {
             fuse_bucket_io::FuseConfig {
                 reduce_dtype: config.reduce_dtype,
                 prescale: true,
+                align_bytes: config.pack_align_bytes,
             },
         )),
     ];
