@@ -217,7 +217,7 @@ fn bucket_io(c: &mut Criterion) {
             b.iter(|| {
                 let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
                 let flat = Packed::Host(flat.read().unwrap());
-                let back = members[0].unpack(&l, &members, &flat).unwrap();
+                let back = members[0].unpack(&l, &members, &flat, false).unwrap();
                 cubecl::future::block_on(client.sync()).unwrap();
                 black_box(back);
             })
@@ -228,8 +228,22 @@ fn bucket_io(c: &mut Criterion) {
             b.iter(|| {
                 let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
                 let back = members[0]
-                    .unpack(&l, &members, &Packed::Device(flat))
+                    .unpack(&l, &members, &Packed::Device(flat), false)
                     .unwrap();
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(back);
+            })
+        });
+        // As above, with the reduced gradients handed back as views of the bucket
+        // (`gradient_as_bucket_view`): no unpack kernel. Every member here is 16 KiB or more,
+        // so each sits at an offset the device can bind.
+        g.bench_function("device_in_place_views", |b| {
+            b.iter(|| {
+                let flat = members[0].pack(&l, &members, Some(4)).unwrap().unwrap();
+                let back = members[0]
+                    .unpack(&l, &members, &Packed::Device(flat), true)
+                    .unwrap();
+                assert_eq!(back.views, 16);
                 cubecl::future::block_on(client.sync()).unwrap();
                 black_box(back);
             })

@@ -186,6 +186,7 @@ fn train_data_parallel_inspect<M: Net>(
                 zero_filled: 0,
                 device_buckets: 0,
                 device_collectives: 0,
+                view_grads: 0,
             },
             "rank {r}"
         );

@@ -76,12 +76,18 @@ fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f3
     module_weights::<B, Mlp>(&m)
 }
 
-/// Trains on `WORLD` wgpu ranks (gradients kept on the device or read into host memory); returns
-/// each rank's final weights, rank 0's sync statistics and recorded step.
-fn distributed(devices: &[Dev], device_buckets: bool) -> (Vec<Vec<f32>>, SyncStats, Graph) {
+/// Trains on `WORLD` wgpu ranks (gradients kept on the device or read into host memory; reduced
+/// gradients copied out of their bucket or views of it); returns each rank's final weights,
+/// rank 0's sync statistics and recorded step.
+fn distributed(
+    devices: &[Dev],
+    device_buckets: bool,
+    views: bool,
+) -> (Vec<Vec<f32>>, SyncStats, Graph) {
     CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
         device_buckets,
+        gradient_as_bucket_view: views,
         ..CollectiveOptions::default()
     }
     .install::<Wgpu>();
@@ -119,7 +125,7 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
         .collect();
-    let (ranks, stats, step) = distributed(&devices, true);
+    let (ranks, stats, step) = distributed(&devices, true, false);
     // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
     let matmuls = collective_fusion::graph::print::print(&step)
         .matches("compute \"float_matmul\"")
@@ -135,13 +141,28 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     // Staging every gradient through host memory instead gives the same bits.
-    let (host, host_stats, _) = distributed(&devices, false);
+    let (host, host_stats, _) = distributed(&devices, false, false);
     assert_eq!(host_stats.device_buckets, 0, "{host_stats:?}");
     for (i, (a, b)) in ranks[0].iter().zip(&host[0]).enumerate() {
         assert_eq!(
             a.to_bits(),
             b.to_bits(),
             "weight {i}: device {a} vs host {b}"
+        );
+    }
+    // So does handing the reduced gradients back as views of their buckets
+    // (`gradient_as_bucket_view`): the optimizer reads slices of the bucket.
+    assert_eq!(stats.view_grads, 0, "{stats:?}");
+    let (viewed, view_stats, _) = distributed(&devices, true, true);
+    assert!(
+        view_stats.view_grads >= 2 * STEPS as u64,
+        "every step has a bucket of several gradients: {view_stats:?}"
+    );
+    for (i, (a, b)) in ranks[0].iter().zip(&viewed[0]).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "weight {i}: copied {a} vs views {b}"
         );
     }
     let reference = train(

@@ -117,3 +117,10 @@ fn collectives_reduced_in_place_on_the_device_give_the_bits_of_the_host_path() {
         common::cube::check_plan_reduced_on_device(&c, comms);
     }
 }
+
+#[test]
+fn reduced_members_handed_back_as_views_of_the_bucket_hold_their_own_elements() {
+    if let Some(c) = client() {
+        common::cube::check_bucket_views(&c);
+    }
+}

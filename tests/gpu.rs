@@ -83,6 +83,13 @@ mod kernels {
         }
     }
 
+    #[test]
+    fn reduced_members_handed_back_as_views_on_cuda_hold_their_own_elements() {
+        if let Some(c) = client() {
+            super::common::cube::check_bucket_views(&c);
+        }
+    }
+
     fn sync(c: &ComputeClient<CudaRuntime>) {
         cubecl::future::block_on(c.sync()).expect("device sync");
     }
@@ -400,10 +407,12 @@ mod training {
         dev: I::Device,
         init: Vec<Vec<f32>>,
         transport: Transport,
+        views: bool,
     ) -> (Vec<f32>, collective_fusion::backend::SyncStats) {
         type Bk<I> = Autodiff<Collective<I>>;
         CollectiveOptions {
             transport,
+            gradient_as_bucket_view: views,
             ..CollectiveOptions::default()
         }
         .install::<I>();
@@ -451,9 +460,14 @@ mod training {
             return;
         }
         let init = initial_weights(3);
-        let (gpu, gpu_stats) =
-            steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
-        let (cpu, cpu_stats) = steps::<NdArray>(NdArrayDevice::Cpu, init, Transport::InProcess);
+        let (gpu, gpu_stats) = steps::<Cuda>(
+            CudaDevice::default(),
+            init.clone(),
+            Transport::InProcess,
+            false,
+        );
+        let (cpu, cpu_stats) =
+            steps::<NdArray>(NdArrayDevice::Cpu, init, Transport::InProcess, false);
         // The CUDA gradients were packed by the kernels on their own buffers; NdArray's on the
         // host.
         assert!(gpu_stats.device_buckets >= 3, "{gpu_stats:?}");
@@ -493,13 +507,24 @@ mod training {
         }
         let init = initial_weights(4);
         let cfg = super::common::world_of_one();
-        let (threads, _) = steps::<Cuda>(CudaDevice::default(), init.clone(), Transport::InProcess);
-        // Across processes (one here, through the rendezvous), and single-process multi-GPU
-        // (one GPU here).
-        for transport in [Transport::Nccl(cfg), Transport::NcclLocal] {
-            let name = format!("{transport:?}");
-            let (nccl, stats) = steps::<Cuda>(CudaDevice::default(), init.clone(), transport);
+        let (threads, _) = steps::<Cuda>(
+            CudaDevice::default(),
+            init.clone(),
+            Transport::InProcess,
+            false,
+        );
+        // Across processes (one here, through the rendezvous), single-process multi-GPU (one
+        // GPU here), and with the reduced gradients as views of the NCCL-reduced buckets.
+        for (transport, views) in [
+            (Transport::Nccl(cfg.clone()), false),
+            (Transport::NcclLocal, false),
+            (Transport::Nccl(cfg), true),
+        ] {
+            let name = format!("{transport:?}, views {views}");
+            let (nccl, stats) =
+                steps::<Cuda>(CudaDevice::default(), init.clone(), transport, views);
             assert!(stats.device_buckets >= 3, "{name}: {stats:?}");
+            assert_eq!(stats.view_grads > 0, views, "{name}: {stats:?}");
             // Every bucket, and the gradients with an all-reduce of their own.
             assert!(
                 stats.device_collectives >= stats.device_buckets,

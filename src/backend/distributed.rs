@@ -58,7 +58,21 @@ pub struct CollectiveOptions {
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,
+    /// PyTorch DDP's `gradient_as_bucket_view`, for device buckets: a reduced gradient is
+    /// handed back as a view of its reduced bucket (the tensor's buffer is a slice of the
+    /// bucket's), not copied out of it by the unpack kernel. That saves the unpack kernel and
+    /// a second copy of the gradients in device memory. The bucket's members are then laid out
+    /// [`VIEW_ALIGN_BYTES`] apart (the compile config's `pack_align_bytes` is raised to it), the
+    /// coarsest offset a CubeCL device asks of a buffer binding. A member cast for the
+    /// all-reduce (`reduce_dtype`) is still copied. The bucket's memory lives as long as any of
+    /// its gradients, and Burn does not update a view in place (it is shared). Off by default,
+    /// as in DDP.
+    pub gradient_as_bucket_view: bool,
 }
+
+/// The member alignment of a bucket whose gradients are handed back as views: 512 bytes, the
+/// offset alignment CubeCL's CUDA runtime asks of a buffer (wgpu devices ask at most 256).
+pub const VIEW_ALIGN_BYTES: u32 = 512;
 
 /// How the ranks of a communication server talk to each other.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -112,6 +126,7 @@ impl Default for CollectiveOptions {
             unused: UnusedParameters::Error,
             device_buckets: true,
             transport: Transport::InProcess,
+            gradient_as_bucket_view: false,
         }
     }
 }
@@ -220,10 +235,19 @@ struct Session<I: Backend> {
     /// By rank; `None` for the ranks of other processes.
     comms: Vec<Option<Box<dyn Communicator>>>,
     ranks: Vec<Mutex<RankState<I>>>,
-    /// Buckets each rank packed on the device.
-    device_packs: Vec<std::sync::atomic::AtomicU64>,
-    /// Collectives each rank's communicator reduced in place on the device.
-    device_collectives: Vec<std::sync::atomic::AtomicU64>,
+    /// What each rank did on the device.
+    device: Vec<DeviceCounts>,
+}
+
+/// A rank's device work so far (the device fields of [`SyncStats`]).
+#[derive(Default)]
+struct DeviceCounts {
+    /// Buckets packed on the device.
+    packs: std::sync::atomic::AtomicU64,
+    /// Collectives the communicator reduced in place on the device.
+    collectives: std::sync::atomic::AtomicU64,
+    /// Reduced gradients handed back as views of their bucket.
+    views: std::sync::atomic::AtomicU64,
 }
 
 type Sessions = Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
@@ -343,11 +367,12 @@ impl<I: Backend> Session<I> {
 
     /// Adds a run's spans to the trace, when tracing.
     fn record(&self, rank: usize, report: &ExecReport) {
-        for (counts, n) in [
-            (&self.device_packs, report.device_packs),
-            (&self.device_collectives, report.device_collectives),
-        ] {
-            if let Some(c) = counts.get(rank) {
+        if let Some(d) = self.device.get(rank) {
+            for (c, n) in [
+                (&d.packs, report.device_packs),
+                (&d.collectives, report.device_collectives),
+                (&d.views, report.view_grads),
+            ] {
                 c.fetch_add(u64::from(n), std::sync::atomic::Ordering::Relaxed);
             }
         }
@@ -390,6 +415,7 @@ impl<I: Backend> Session<I> {
     fn opts(&self) -> ExecOptions {
         ExecOptions {
             timeout: self.options.timeout,
+            bucket_views: self.options.gradient_as_bucket_view,
         }
     }
 
@@ -1007,10 +1033,14 @@ pub struct SyncStats {
     /// gradients that have an all-reduce of their own. Every other collective went through
     /// host memory.
     pub device_collectives: u64,
+    /// Reduced gradients handed back as views of their device bucket instead of copies
+    /// ([`CollectiveOptions::gradient_as_bucket_view`]).
+    pub view_grads: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
 pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
+    use std::sync::atomic::Ordering::Relaxed;
     let s = session::<I>("sync_stats");
     let st = s.state(rank, "sync_stats");
     SyncStats {
@@ -1018,8 +1048,9 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         flushed_steps: st.flushed_steps,
         compiled: st.cache.misses(),
         zero_filled: st.zero_filled,
-        device_buckets: s.device_packs[rank].load(std::sync::atomic::Ordering::Relaxed),
-        device_collectives: s.device_collectives[rank].load(std::sync::atomic::Ordering::Relaxed),
+        device_buckets: s.device[rank].packs.load(Relaxed),
+        device_collectives: s.device[rank].collectives.load(Relaxed),
+        view_grads: s.device[rank].views.load(Relaxed),
     }
 }
 
@@ -1166,9 +1197,13 @@ fn communicators<D: 'static>(
 
 impl<I: Backend> DistributedBackend for Collective<I> {
     fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
-        let options = lock(next_options())
+        let mut options = lock(next_options())
             .remove(&TypeId::of::<I>())
             .unwrap_or_default();
+        if options.gradient_as_bucket_view && options.device_buckets {
+            let align = &mut options.config.pack_align_bytes;
+            *align = (*align).max(VIEW_ALIGN_BYTES);
+        }
         let (world, comms) = communicators(devices, &options);
         let reduce = match config.all_reduce_op {
             ReduceOperation::Sum => ReduceOp::Sum,
@@ -1181,12 +1216,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             world,
             reduce,
             comms,
-            device_packs: (0..world)
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
-            device_collectives: (0..world)
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
+            device: (0..world).map(|_| DeviceCounts::default()).collect(),
             ranks: (0..world)
                 .map(|_| {
                     Mutex::new(RankState {

@@ -88,7 +88,9 @@ pub fn op_attrs_string(op: &Op) -> String {
             scale_div,
             align,
         } => {
-            let scale = scale_div.map(|d| format!(" scale=1/{d}")).unwrap_or_default();
+            let scale = scale_div
+                .map(|d| format!(" scale=1/{d}"))
+                .unwrap_or_default();
             let align = if *align == super::PACK_ALIGN_BYTES {
                 String::new()
             } else {

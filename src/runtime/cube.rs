@@ -10,10 +10,10 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::buffer::HostBuffer;
-use super::grad::{CudaMemory, DeviceBucket, DeviceGrad, Packed};
+use super::grad::{CudaMemory, DeviceBucket, DeviceGrad, Packed, Unpacked};
 use super::host::KernelError;
 use crate::codegen::kernels::{bucket_pack, bucket_unpack};
-use crate::codegen::layout::BucketLayout;
+use crate::codegen::layout::{BucketLayout, MemberLayout};
 use crate::graph::DType;
 
 /// Units per cube of the bucket kernels.
@@ -478,7 +478,8 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
         reduced: &Packed,
-    ) -> Result<Vec<Box<dyn DeviceGrad>>, KernelError> {
+        views: bool,
+    ) -> Result<Unpacked, KernelError> {
         let what = || format!("unpacking {}", label(layout));
         if reduced.len() as u64 != layout.numel || reduced.dtype().name() != layout.wire_dtype {
             return Err(device_error(
@@ -499,23 +500,83 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
                 None => self.client.create_from_slice(d.read()?.as_bytes()),
             },
         };
-        let fresh: Vec<CubeGrad<R>> = members
+        if members.len() != layout.members.len() {
+            return Err(device_error(
+                what(),
+                format!(
+                    "{} members given, the layout has {}",
+                    members.len(),
+                    layout.members.len()
+                ),
+            ));
+        }
+        let wire = reduced.dtype();
+        // The device's offset alignment for a buffer binding (CubeCL's `memory.alignment`, the
+        // same test Burn's own slicing makes before it takes a view).
+        let align = self.client.properties().memory.alignment.max(1);
+        let view_of = |m: &&dyn DeviceGrad, l: &MemberLayout| -> Option<Handle> {
+            let start = l.offset * wire.size();
+            let bytes = m.len() as u64 * wire.size();
+            let fits = start + bytes <= flat.size_in_used();
+            (views && m.dtype() == wire && !m.is_empty() && fits && start.is_multiple_of(align))
+                .then(|| {
+                    flat.clone()
+                        .offset_start(start)
+                        .offset_end(flat.size_in_used() - start - bytes)
+                })
+        };
+        let mut out: Vec<Option<CubeGrad<R>>> = members
             .iter()
-            .map(|m| CubeGrad {
-                client: self.client.clone(),
-                handle: self
-                    .client
-                    .empty((m.len() * m.dtype().size() as usize).max(1)),
-                len: m.len(),
-                dtype: m.dtype(),
+            .zip(&layout.members)
+            .map(|(m, l)| {
+                view_of(m, l).map(|handle| CubeGrad {
+                    client: self.client.clone(),
+                    handle,
+                    len: m.len(),
+                    dtype: m.dtype(),
+                })
             })
             .collect();
-        let targets: Vec<DeviceMember> = fresh.iter().map(CubeGrad::member).collect();
-        unpack(&self.client, layout, &flat, &targets).map_err(|e| device_error(what(), e))?;
-        Ok(fresh
-            .into_iter()
-            .map(|g| Box::new(g) as Box<dyn DeviceGrad>)
-            .collect())
+        let viewed = out.iter().filter(|g| g.is_some()).count() as u32;
+        // The rest are copied out by the unpack kernel, over a layout of just those members.
+        let copied: Vec<usize> = (0..members.len()).filter(|&i| out[i].is_none()).collect();
+        if !copied.is_empty() {
+            let fresh: Vec<CubeGrad<R>> = copied
+                .iter()
+                .map(|&i| CubeGrad {
+                    client: self.client.clone(),
+                    handle: self
+                        .client
+                        .empty((members[i].len() * members[i].dtype().size() as usize).max(1)),
+                    len: members[i].len(),
+                    dtype: members[i].dtype(),
+                })
+                .collect();
+            let targets: Vec<DeviceMember> = fresh.iter().map(CubeGrad::member).collect();
+            let sub;
+            let sub_layout = if copied.len() == layout.members.len() {
+                layout
+            } else {
+                sub = BucketLayout {
+                    members: copied.iter().map(|&i| layout.members[i].clone()).collect(),
+                    ..layout.clone()
+                };
+                &sub
+            };
+            unpack(&self.client, sub_layout, &flat, &targets)
+                .map_err(|e| device_error(what(), e))?;
+            for (i, g) in copied.into_iter().zip(fresh) {
+                out[i] = Some(g);
+            }
+        }
+        Ok(Unpacked {
+            grads: out
+                .into_iter()
+                .flatten()
+                .map(|g| Box::new(g) as Box<dyn DeviceGrad>)
+                .collect(),
+            views: viewed,
+        })
     }
 }
 

@@ -53,15 +53,27 @@ pub trait DeviceGrad: Send + 'static {
     fn copy_to_bucket(&self) -> Result<Option<Box<dyn DeviceBucket>>, KernelError> {
         Ok(None)
     }
-    /// Unpacks the reduced flat buffer into new device buffers, one per member, in layout
-    /// order (the members' own buffers may be shared with other tensors, so they are not
-    /// written). A bucket in host memory is written to the device first.
+    /// Unpacks the reduced flat buffer into device gradients, one per member, in layout order
+    /// (the members' own buffers may be shared with other tensors, so they are not written). A
+    /// bucket in host memory is written to the device first. With `views`, a member of the
+    /// wire dtype whose offset the device can address is handed back as a view of the reduced
+    /// bucket (no copy, no new memory: PyTorch DDP's `gradient_as_bucket_view`); every other
+    /// member is copied out by the unpack kernel into a new buffer.
     fn unpack(
         &self,
         layout: &BucketLayout,
         members: &[&dyn DeviceGrad],
         reduced: &Packed,
-    ) -> Result<Vec<Box<dyn DeviceGrad>>, KernelError>;
+        views: bool,
+    ) -> Result<Unpacked, KernelError>;
+}
+
+/// The reduced members of a bucket, unpacked on the device.
+pub struct Unpacked {
+    /// One per member, in layout order.
+    pub grads: Vec<Box<dyn DeviceGrad>>,
+    /// How many of them are views of the reduced bucket rather than copies.
+    pub views: u32,
 }
 
 /// A bucket packed in device memory: the flat buffer a collective reduces.
