@@ -9,6 +9,7 @@
 //! | `CF_OVERLAP` | `1`/`0`: split collectives and schedule them to overlap backward | 1 |
 //! | `CF_REDUCE_DTYPE` | cast buckets to `bf16`/`f16`/`f32` for the all-reduce | none |
 //! | `CF_PACK_ALIGN` | member alignment in a packed bucket, bytes (a power of two) | 16 |
+//! | `CF_BUCKET_VIEW` | `1`/`0`: reduced gradients as views of their bucket (DDP's `gradient_as_bucket_view`) | 0 |
 //! | `CF_LINK` | system profile for the cost model (name or file) | `h200-nvlink` |
 //! | `CF_VERIFY` | `1`/`0`: verify after every pass that changed something | on in debug builds |
 //! | `CF_PRINT_AFTER` | `all` or `change`: keep the graph text after passes | off |
@@ -98,9 +99,13 @@ pub struct CompileConfig {
     /// Cast buckets to this dtype for the all-reduce (and back after).
     pub reduce_dtype: Option<DType>,
     /// Every member of a packed bucket starts at a multiple of this many bytes (a power of
-    /// two; 16 by default). Gradients handed back as views of their bucket need the device's
-    /// offset alignment (`CollectiveOptions::gradient_as_bucket_view` raises it to 512).
+    /// two; 16 by default; `gradient_as_bucket_view` raises it to 512).
     pub pack_align_bytes: u32,
+    /// PyTorch DDP's `gradient_as_bucket_view`: a reduced gradient is handed back as a view of
+    /// its reduced bucket (`bucket_unpack ... as=views`), not copied out of it, when nothing
+    /// was cast. On a device that saves the unpack kernel and a second copy of the gradients
+    /// in device memory; the host path still copies. Off by default, as in DDP.
+    pub gradient_as_bucket_view: bool,
     /// The cost model the `cost` policy and the simulator use.
     pub cost: CostModel,
     /// Verify the input and the graph after every pass that changed it.
@@ -118,6 +123,7 @@ impl Default for CompileConfig {
             overlap: true,
             reduce_dtype: None,
             pack_align_bytes: crate::graph::PACK_ALIGN_BYTES,
+            gradient_as_bucket_view: false,
             cost: CostModel::default(),
             verify: cfg!(debug_assertions),
             print_after: PrintAfter::Never,
@@ -209,6 +215,10 @@ impl CompileConfig {
                         "a power of two of bytes, from 1 to 65536",
                     )
                 })?;
+        }
+        if let Some(v) = get("CF_BUCKET_VIEW") {
+            self.gradient_as_bucket_view =
+                parse_bool(&v).ok_or_else(|| bad("CF_BUCKET_VIEW", &v, "1 or 0"))?;
         }
         if let Some(v) = get("CF_LINK") {
             self.cost = CostModel::new(SystemProfile::load(v.trim())?);

@@ -261,7 +261,7 @@ fn simulate_inner(
         match graph.op(id) {
             Op::Compute { name, .. } => name.clone(),
             Op::BucketPack { bucket, .. } => format!("pack b{bucket}"),
-            Op::BucketUnpack { bucket } => format!("unpack b{bucket}"),
+            Op::BucketUnpack { bucket, .. } => format!("unpack b{bucket}"),
             Op::AllReduce {
                 bucket: Some(b), ..
             }
@@ -309,6 +309,8 @@ fn simulate_inner(
                 t_compute += d;
                 st.compute += d;
             }
+            // Views of the reduced bucket: nothing is copied.
+            Op::BucketUnpack { views: true, .. } => {}
             Op::BucketPack { .. } | Op::BucketUnpack { .. } => {
                 let d = model.copy_secs(bytes_in(id));
                 let cat = if matches!(graph.op(id), Op::BucketPack { .. }) {

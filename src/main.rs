@@ -190,6 +190,10 @@ enum Command {
         /// Keep collectives blocking (no start/done split, no overlap scheduling).
         #[arg(long)]
         no_overlap: bool,
+        /// Hand reduced gradients back as views of their bucket (DDP's
+        /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
+        #[arg(long)]
+        bucket_view: bool,
         /// Skip a pass by name (repeatable).
         #[arg(long = "disable-pass")]
         disable_pass: Vec<String>,
@@ -345,6 +349,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             reduce_dtype,
             sum,
             no_overlap,
+            bucket_view,
             disable_pass,
             print_after,
             json,
@@ -376,6 +381,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             if no_overlap {
                 config.overlap = false;
+            }
+            if bucket_view {
+                config.gradient_as_bucket_view = true;
             }
             config.disabled_passes.extend(disable_pass);
             if let Some(p) = print_after {

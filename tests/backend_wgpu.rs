@@ -84,13 +84,13 @@ fn distributed(
     device_buckets: bool,
     views: bool,
 ) -> (Vec<Vec<f32>>, SyncStats, Graph) {
-    CollectiveOptions {
+    let mut options = CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
         device_buckets,
-        gradient_as_bucket_view: views,
         ..CollectiveOptions::default()
-    }
-    .install::<Wgpu>();
+    };
+    options.config.gradient_as_bucket_view = views;
+    options.install::<Wgpu>();
     Inner::start_communication_server(
         devices,
         DistributedConfig {

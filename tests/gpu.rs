@@ -410,12 +410,12 @@ mod training {
         views: bool,
     ) -> (Vec<f32>, collective_fusion::backend::SyncStats) {
         type Bk<I> = Autodiff<Collective<I>>;
-        CollectiveOptions {
+        let mut options = CollectiveOptions {
             transport,
-            gradient_as_bucket_view: views,
             ..CollectiveOptions::default()
-        }
-        .install::<I>();
+        };
+        options.config.gradient_as_bucket_view = views;
+        options.install::<I>();
         let d = CollectiveDevice::new(dev, 0);
         Collective::<I>::start_communication_server(
             std::slice::from_ref(&d),

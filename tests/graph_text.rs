@@ -129,6 +129,10 @@ fn parse_errors_give_line_and_column() {
             "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %1 = bucket_pack bucket=0 align=24 (%0) : f32[2]\n}\n",
             "line 3, column 35: align must be a power of two from 1 to 65536 bytes",
         ),
+        (
+            "graph \"g\" {\n  %0 = input \"x\" : f32[2]\n  %1 = bucket_unpack bucket=0 as=slices (%0) : f32[2]\n}\n",
+            "line 3, column 34: 'as' must be views or copies",
+        ),
     ];
     for (text, want) in cases {
         let err = parse(text)
@@ -298,5 +302,39 @@ fn a_pack_keeps_its_member_alignment_and_the_layout_honours_it() {
     assert_ne!(
         g.structural_hash().unwrap(),
         narrow.structural_hash().unwrap()
+    );
+}
+
+#[test]
+fn an_unpack_as_views_round_trips_and_may_not_cast() {
+    let text = |wire: &str| {
+        format!(
+            r#"graph "v" {{
+  group g0 size=2
+  %0 = input "x" : f32[3]
+  %1 = gradient "a" (%0) : f32[3]
+  %2 = gradient "b" (%0) : f32[5]
+  %3 = bucket_pack bucket=0 align=512 (%1, %2) : {wire}[8] ; 2 tensors, 32 B
+  %4 = all_reduce reduce=sum group=g0 bucket=0 (%3) : {wire}[8] ; 1 tensor, {} B
+  %5 = bucket_unpack bucket=0 as=views (%4) : f32[3], f32[5]
+  %6 = sync (%5#0, %5#1)
+}}
+"#,
+            if wire == "f32" { 32 } else { 16 }
+        )
+    };
+    let same = text("f32");
+    assert_eq!(print(&parse(&same).unwrap()), same);
+    assert_eq!(violations(&same, None), "ok");
+    // `as=copies` is the default, and not printed.
+    let copies = same.replace(" as=views", " as=copies");
+    assert_eq!(
+        print(&parse(&copies).unwrap()),
+        same.replace(" as=views", "")
+    );
+    let cast = violations(&text("bf16"), None);
+    assert!(
+        cast.contains("bucket_unpack as=views hands back members of the bucket's own dtype"),
+        "{cast}"
     );
 }

@@ -7,6 +7,7 @@ use collective_fusion::codegen::layout::bucket_layouts;
 use collective_fusion::config::BucketPolicy::{Cost, Ddp, PerParam};
 use collective_fusion::config::MIB;
 use collective_fusion::cost::{CostModel, SystemProfile, simulate};
+use collective_fusion::graph::DType;
 use collective_fusion::graph::builder::{BuildOptions, build_step_graph};
 use collective_fusion::graph::print::fmt_bytes;
 use collective_fusion::model::{BUNDLED, ModelProfile};
@@ -277,4 +278,54 @@ fn launch_order_identical_across_simulated_ranks() {
         assert_eq!(r.0, results[0].0);
         assert_eq!(r.1, results[0].1);
     }
+}
+
+/// `gradient_as_bucket_view` on GPT-2: every multi-tensor bucket is packed 512 bytes apart and
+/// unpacked as views (no unpack kernel in the plan, no unpack copy in the simulated step),
+/// and the reduced set is unchanged; a bucket cast to bf16 is still copied back.
+#[test]
+fn gradient_as_bucket_view_unpacks_as_views_where_nothing_is_cast() {
+    let profile = ModelProfile::load("gpt2").unwrap();
+    let cost = CostModel::default();
+    let run = |views: bool, reduce_dtype| {
+        let mut g = build_step_graph(&profile, &BuildOptions::default());
+        let mut cfg = config(bucket(Ddp, MIB, 25 * MIB), true);
+        cfg.gradient_as_bucket_view = views;
+        cfg.reduce_dtype = reduce_dtype;
+        compile(&mut g, &cfg).unwrap();
+        assert_eq!(reduced_params(&g).len(), profile.params.len());
+        g
+    };
+    let (copies, views) = (run(false, None), run(true, None));
+    let text = collective_fusion::graph::print::print(&views);
+    let unpacks = text.matches("bucket_unpack").count();
+    assert!(unpacks >= 3, "{text}");
+    assert_eq!(text.matches("as=views").count(), unpacks, "{text}");
+    assert_eq!(
+        text.matches("align=512").count(),
+        text.matches("bucket_pack").count()
+    );
+    for l in bucket_layouts(&views).unwrap() {
+        if l.members.len() > 1 {
+            for m in &l.members {
+                assert_eq!(m.offset * 4 % 512, 0, "{:?} {m:?}", l.bucket);
+            }
+        }
+    }
+    let plan = collective_fusion::codegen::lower(&views)
+        .unwrap()
+        .to_string();
+    assert_eq!(plan.matches("launch unpack_").count(), 0, "{plan}");
+    assert_eq!(plan.matches("view bucket=").count(), unpacks, "{plan}");
+    // The simulated step drops the unpack copies and nothing else.
+    let (a, b) = (
+        simulate(&copies, &cost).unwrap(),
+        simulate(&views, &cost).unwrap(),
+    );
+    assert!(b.copies < a.copies, "{} vs {}", b.copies, a.copies);
+    assert!(b.total <= a.total, "{} vs {}", b.total, a.total);
+    // A cast bucket is copied back: the alignment stays, the views do not.
+    let cast = collective_fusion::graph::print::print(&run(true, Some(DType::BF16)));
+    assert_eq!(cast.matches("as=views").count(), 0, "{cast}");
+    assert!(cast.contains("align=512"), "{cast}");
 }

@@ -78,6 +78,25 @@ fn fuse_casts_to_reduce_dtype_and_back() {
 }
 
 #[test]
+fn fuse_with_views_aligns_members_and_unpacks_as_views_unless_cast() {
+    let views = |reduce_dtype| FuseConfig {
+        reduce_dtype,
+        prescale: true,
+        views: true,
+        ..FuseConfig::default()
+    };
+    let out = run_passes(BUCKETED, vec![fuse(views(None))], None);
+    assert!(
+        out.contains("bucket_pack bucket=0 scale=1/4 align=512 (%2, %3) : f32[272]"),
+        "{out}"
+    );
+    assert!(out.contains("bucket_unpack bucket=0 as=views (%"), "{out}");
+    let cast = run_passes(BUCKETED, vec![fuse(views(Some(DType::BF16)))], None);
+    assert_eq!(cast.matches("align=512").count(), 2, "{cast}");
+    assert!(!cast.contains("as=views"), "{cast}");
+}
+
+#[test]
 fn async_splits_every_collective() {
     let out = run_passes(BUCKETED, vec![Box::new(AsyncCollectives)], None);
     assert_eq!(out.matches("all_reduce_start").count(), 2);

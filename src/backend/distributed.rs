@@ -58,21 +58,7 @@ pub struct CollectiveOptions {
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,
-    /// PyTorch DDP's `gradient_as_bucket_view`, for device buckets: a reduced gradient is
-    /// handed back as a view of its reduced bucket (the tensor's buffer is a slice of the
-    /// bucket's), not copied out of it by the unpack kernel. That saves the unpack kernel and
-    /// a second copy of the gradients in device memory. The bucket's members are then laid out
-    /// [`VIEW_ALIGN_BYTES`] apart (the compile config's `pack_align_bytes` is raised to it), the
-    /// coarsest offset a CubeCL device asks of a buffer binding. A member cast for the
-    /// all-reduce (`reduce_dtype`) is still copied. The bucket's memory lives as long as any of
-    /// its gradients, and Burn does not update a view in place (it is shared). Off by default,
-    /// as in DDP.
-    pub gradient_as_bucket_view: bool,
 }
-
-/// The member alignment of a bucket whose gradients are handed back as views: 512 bytes, the
-/// offset alignment CubeCL's CUDA runtime asks of a buffer (wgpu devices ask at most 256).
-pub const VIEW_ALIGN_BYTES: u32 = 512;
 
 /// How the ranks of a communication server talk to each other.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -126,7 +112,6 @@ impl Default for CollectiveOptions {
             unused: UnusedParameters::Error,
             device_buckets: true,
             transport: Transport::InProcess,
-            gradient_as_bucket_view: false,
         }
     }
 }
@@ -415,7 +400,6 @@ impl<I: Backend> Session<I> {
     fn opts(&self) -> ExecOptions {
         ExecOptions {
             timeout: self.options.timeout,
-            bucket_views: self.options.gradient_as_bucket_view,
         }
     }
 
@@ -1034,7 +1018,7 @@ pub struct SyncStats {
     /// host memory.
     pub device_collectives: u64,
     /// Reduced gradients handed back as views of their device bucket instead of copies
-    /// ([`CollectiveOptions::gradient_as_bucket_view`]).
+    /// ([`CompileConfig::gradient_as_bucket_view`]).
     pub view_grads: u64,
 }
 
@@ -1197,13 +1181,9 @@ fn communicators<D: 'static>(
 
 impl<I: Backend> DistributedBackend for Collective<I> {
     fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
-        let mut options = lock(next_options())
+        let options = lock(next_options())
             .remove(&TypeId::of::<I>())
             .unwrap_or_default();
-        if options.gradient_as_bucket_view && options.device_buckets {
-            let align = &mut options.config.pack_align_bytes;
-            *align = (*align).max(VIEW_ALIGN_BYTES);
-        }
         let (world, comms) = communicators(devices, &options);
         let reduce = match config.all_reduce_op {
             ReduceOperation::Sum => ReduceOp::Sum,

@@ -57,6 +57,9 @@ pub struct PlanCollective {
     pub layout: BucketLayout,
     /// Whether the graph waits at once (a blocking collective).
     pub blocking: bool,
+    /// Whether its unpack hands the members back as views of the reduced bucket instead of
+    /// copies (`bucket_unpack ... as=views`).
+    pub views: bool,
 }
 
 impl PlanCollective {
@@ -259,6 +262,7 @@ impl Lowering<'_> {
             group_size,
             layout,
             blocking,
+            views: false,
         };
         self.plan.compute.push(Step::Record(coll.ready_event()));
         self.plan.comm.push(Step::Wait(coll.ready_event()));
@@ -371,13 +375,14 @@ impl Lowering<'_> {
                     self.plan.compute.push(Step::Wait(Event::Done(c)));
                 }
             }
-            Op::BucketUnpack { .. } => {
+            Op::BucketUnpack { views, .. } => {
                 let [v] = self.graph.operands(id)[..] else {
                     return Err(self.err(id, "unpack takes one operand"));
                 };
                 let Loc::Bucket(c) = self.loc(v) else {
                     return Err(self.err(id, "unpack of something that is not a reduced bucket"));
                 };
+                self.plan.collectives[c as usize].views = views;
                 let member_slots = self.plan.collectives[c as usize].slots.clone();
                 for (i, s) in member_slots.iter().enumerate() {
                     self.loc.insert(
@@ -491,6 +496,15 @@ impl Plan {
             Step::Unpack { collective } => {
                 let c = &self.collectives[*collective as usize];
                 let l = &c.layout;
+                if c.views {
+                    // No kernel where the device binds every member at its offset.
+                    return write!(
+                        out,
+                        "view bucket={} members={} ; slices of the reduced bucket",
+                        c.bucket_label(),
+                        l.members.len()
+                    );
+                }
                 let member = l.members.first().map_or("f32", |m| m.dtype.as_str());
                 write!(
                     out,

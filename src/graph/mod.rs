@@ -336,6 +336,10 @@ pub enum Op {
     BucketUnpack {
         /// Bucket number.
         bucket: u32,
+        /// Hand the members back as views of the reduced bucket, not copies (PyTorch DDP's
+        /// `gradient_as_bucket_view`; members of the bucket's own dtype only). A device that
+        /// cannot address a member at its offset copies that one.
+        views: bool,
     },
     /// Launch an all-reduce asynchronously. Results are in-flight handles, one per operand.
     AllReduceStart {

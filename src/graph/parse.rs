@@ -584,9 +584,21 @@ fn build_op(
                 align,
             }
         }
-        "bucket_unpack" => Op::BucketUnpack {
-            bucket: num(take("bucket"), "bucket")? as u32,
-        },
+        "bucket_unpack" => {
+            let bucket = num(take("bucket"), "bucket")? as u32;
+            let views = match take("as") {
+                None => false,
+                Some(AttrVal::Word(w, col)) => match w.as_str() {
+                    "views" => true,
+                    "copies" => false,
+                    _ => return Err(err(line, col, "'as' must be views or copies")),
+                },
+                Some(AttrVal::Ratio(_, _, col)) => {
+                    return Err(err(line, col, "'as' must be views or copies"));
+                }
+            };
+            Op::BucketUnpack { bucket, views }
+        }
         "sync" => Op::Sync,
         _ => return Err(err(line, kw_col, format!("unknown op '{kw}'"))),
     };

@@ -98,7 +98,12 @@ pub fn op_attrs_string(op: &Op) -> String {
             };
             format!("{kw} bucket={bucket}{scale}{align}")
         }
-        Op::BucketUnpack { bucket } => format!("{kw} bucket={bucket}"),
+        Op::BucketUnpack { bucket, views } => {
+            format!(
+                "{kw} bucket={bucket}{}",
+                if *views { " as=views" } else { "" }
+            )
+        }
         Op::AllReduceDone { bucket: b } => format!("{kw}{}", bucket(b).trim_end()),
         Op::Sync => kw.to_string(),
     }

@@ -17,7 +17,8 @@
 //!    most one gradient, `ready` positions are unique, and no reduced value is dropped;
 //! 8. **fused regions are elementwise**: a pack only copies, scales by `1/N` (N >= 1) and casts
 //!    between float types; its unpack reads the reduced pack of the same bucket and casts each
-//!    member back to the type it had; its member alignment is a power of two of at most 64 KiB.
+//!    member back to the type it had; its member alignment is a power of two of at most 64 KiB;
+//!    an unpack that hands members back as views of the bucket casts nothing.
 //!
 //! Groups named by collectives must be declared in the header.
 
@@ -298,10 +299,14 @@ fn check_signature(c: &mut Checker<'_>, id: NodeId) {
                 "scale divisor must be >= 1",
             );
         }
-        Op::BucketUnpack { bucket } => {
+        Op::BucketUnpack { bucket, views } => {
             want(ops.len() == 1, "bucket_unpack takes exactly one operand");
             want(nres >= 1, "bucket_unpack has one result per member");
             if let Some(t) = ins.first() {
+                want(
+                    !views || node.results.iter().all(|r| r.dtype == t.dtype),
+                    "bucket_unpack as=views hands back members of the bucket's own dtype (a cast member is a copy)",
+                );
                 let total: u64 = node.results.iter().map(|t| t.numel()).sum();
                 want(
                     t.shape.len() == 1 && t.numel() == total,

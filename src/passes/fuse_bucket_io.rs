@@ -16,7 +16,10 @@
 //! divide is fused into the copy. Single-tensor all-reduces with nothing to cast are left alone:
 //! packing them would only add a copy. The pack and unpack are elementwise regions: copy, scale,
 //! cast, nothing else. Every pack carries the configured member alignment (`align=`, printed
-//! when it is not the default 16 bytes), which the bucket layout honours.
+//! when it is not the default 16 bytes), which the bucket layout honours. With `views`
+//! (`gradient_as_bucket_view`) an unpack that casts nothing hands its members back as views of
+//! the reduced bucket (`as=views`), and the pack aligns members at least [`VIEW_ALIGN_BYTES`]
+//! apart so that every member can be bound at its offset.
 //!
 //! Before → after (group of 4):
 //! ```text
@@ -41,6 +44,9 @@ pub struct FuseConfig {
     pub prescale: bool,
     /// Member alignment of every pack, in bytes (a power of two).
     pub align_bytes: u32,
+    /// Unpack members as views of the reduced bucket where nothing is cast (and align the
+    /// members at least [`VIEW_ALIGN_BYTES`] apart so that a device can bind every one).
+    pub views: bool,
 }
 
 impl Default for FuseConfig {
@@ -49,9 +55,15 @@ impl Default for FuseConfig {
             reduce_dtype: None,
             prescale: false,
             align_bytes: PACK_ALIGN_BYTES,
+            views: false,
         }
     }
 }
+
+/// The member alignment of a bucket whose members are handed back as views: 512 bytes, the
+/// coarsest offset alignment CubeCL's runtimes ask of a buffer binding (CUDA's; wgpu devices
+/// ask at most 256).
+pub const VIEW_ALIGN_BYTES: u32 = 512;
 
 /// The pass. See the module doc.
 pub struct FuseBucketIo {
@@ -155,7 +167,11 @@ fn fuse_one(
         Op::BucketPack {
             bucket,
             scale_div,
-            align: cfg.align_bytes,
+            align: if cfg.views {
+                cfg.align_bytes.max(VIEW_ALIGN_BYTES)
+            } else {
+                cfg.align_bytes
+            },
         },
         [flat.clone()],
         &operands,
@@ -169,7 +185,13 @@ fn fuse_one(
         [flat],
         &[Value::of(pack)],
     );
-    let unpack = graph.add_node(Op::BucketUnpack { bucket }, members, &[Value::of(ar)]);
+    // Every member shares a dtype (the verifier's bucket rule): views unless it was cast.
+    let views = cfg.views && members.iter().all(|t| t.dtype == dtype);
+    let unpack = graph.add_node(
+        Op::BucketUnpack { bucket, views },
+        members,
+        &[Value::of(ar)],
+    );
     for n in [pack, ar, unpack] {
         graph.node_mut(n).pos = pos;
     }

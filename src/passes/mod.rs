@@ -291,6 +291,7 @@ pub fn pipeline(config: &CompileConfig) -> PassManager {
                 reduce_dtype: config.reduce_dtype,
                 prescale: true,
                 align_bytes: config.pack_align_bytes,
+                views: config.gradient_as_bucket_view,
             },
         )),
     ];

@@ -72,16 +72,12 @@ pub enum ExecError {
 pub struct ExecOptions {
     /// Bound on every wait for a collective.
     pub timeout: Duration,
-    /// Hand the reduced members of a device-packed bucket back as views of the bucket where
-    /// the device can address them ([`DeviceGrad::unpack`]), instead of copies.
-    pub bucket_views: bool,
 }
 
 impl Default for ExecOptions {
     fn default() -> Self {
         ExecOptions {
             timeout: super::inprocess::DEFAULT_TIMEOUT,
-            bucket_views: false,
         }
     }
 }
@@ -125,7 +121,7 @@ pub struct ExecReport {
     /// all-reduce of their own. Every other collective crossed to the host and back.
     pub device_collectives: u32,
     /// Reduced gradients handed back as views of their device bucket rather than copied out
-    /// of it ([`ExecOptions::bucket_views`]).
+    /// of it (a plan collective's `views`).
     pub view_grads: u32,
 }
 
@@ -662,9 +658,7 @@ impl Execution {
                     .collect();
                 if let Some(m @ [first, ..]) = on_device.as_deref() {
                     // Packed on the device (a host pack leaves no device member behind).
-                    let out = first
-                        .unpack(&c.layout, m, &buf, opts.bucket_views)
-                        .map_err(kerr)?;
+                    let out = first.unpack(&c.layout, m, &buf, c.views).map_err(kerr)?;
                     report.view_grads += out.views;
                     for (s, g) in c.slots.iter().zip(out.grads) {
                         grads[*s as usize] = Grad::Device(g);
