@@ -249,6 +249,25 @@ fn bucket_io(c: &mut Criterion) {
             })
         });
         g.finish();
+        // Device memory the unpacked gradients take beside their reduced bucket while both are
+        // alive (the bucket is freed after the unpack when the gradients are copies; views keep
+        // it as their storage).
+        let beside = |views: bool| {
+            let flat = Packed::Device(members[0].pack(&l, &members, Some(4)).unwrap().unwrap());
+            cubecl::future::block_on(client.sync()).unwrap();
+            let before = client.memory_usage().unwrap().bytes_in_use;
+            let back = members[0].unpack(&l, &members, &flat, views).unwrap();
+            cubecl::future::block_on(client.sync()).unwrap();
+            let after = client.memory_usage().unwrap().bytes_in_use;
+            drop((back, flat));
+            after.saturating_sub(before)
+        };
+        println!(
+            "bucket_io/{}KiB/memory: unpacked gradients take {} KiB beside their bucket as copies, {} KiB as views",
+            bytes >> 10,
+            beside(false) >> 10,
+            beside(true) >> 10
+        );
     }
 }
 

@@ -103,8 +103,8 @@ pub struct CompileConfig {
     pub pack_align_bytes: u32,
     /// PyTorch DDP's `gradient_as_bucket_view`: a reduced gradient is handed back as a view of
     /// its reduced bucket (`bucket_unpack ... as=views`), not copied out of it, when nothing
-    /// was cast. On a device that saves the unpack kernel and a second copy of the gradients
-    /// in device memory; the host path still copies. Off by default, as in DDP.
+    /// was cast. On a device that saves the unpack kernel, and the bucket's gradients are not
+    /// held twice while it is unpacked; the host path still copies. Off by default, as in DDP.
     pub gradient_as_bucket_view: bool,
     /// The cost model the `cost` policy and the simulator use.
     pub cost: CostModel,
