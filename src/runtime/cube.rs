@@ -493,13 +493,6 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
                 ),
             ));
         }
-        let flat = match reduced {
-            Packed::Host(b) => self.client.create_from_slice(b.as_bytes()),
-            Packed::Device(d) => match d.as_any().downcast_ref::<CubeBucket<R>>() {
-                Some(b) => b.handle.clone(),
-                None => self.client.create_from_slice(d.read()?.as_bytes()),
-            },
-        };
         if members.len() != layout.members.len() {
             return Err(device_error(
                 what(),
@@ -510,6 +503,13 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
                 ),
             ));
         }
+        let flat = match reduced {
+            Packed::Host(b) => self.client.create_from_slice(b.as_bytes()),
+            Packed::Device(d) => match d.as_any().downcast_ref::<CubeBucket<R>>() {
+                Some(b) => b.handle.clone(),
+                None => self.client.create_from_slice(d.read()?.as_bytes()),
+            },
+        };
         let wire = reduced.dtype();
         // The device's offset alignment for a buffer binding (CubeCL's `memory.alignment`, the
         // same test Burn's own slicing makes before it takes a view).
