@@ -53,6 +53,20 @@ enum TransportArg {
     /// environment as `tcp`.
     #[cfg(feature = "cuda")]
     Nccl,
+    /// Every rank a thread of this process on its own GPU, over NCCL (`--world` GPUs, with
+    /// `--backend cuda`; feature `cuda`).
+    #[cfg(feature = "cuda")]
+    NcclLocal,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendArg {
+    /// Burn's NdArray on the CPU: gradients in host memory.
+    Ndarray,
+    /// Burn's wgpu backend on the default adapter: gradients stay in device buffers.
+    Wgpu,
+    /// Burn's CUDA backend (a build with `--features cuda`).
+    Cuda,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -120,6 +134,13 @@ enum Command {
         /// How the ranks talk: threads of this process, or one rank per process.
         #[arg(long, value_enum, default_value = "inprocess")]
         transport: TransportArg,
+        /// The Burn backend inside `Collective`.
+        #[arg(long, value_enum, default_value = "ndarray")]
+        backend: BackendArg,
+        /// Hand reduced gradients back as views of their bucket (device backends; DDP's
+        /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
+        #[arg(long)]
+        bucket_view: bool,
     },
     /// Simulate one training step of a model under every bucketing policy, side by side against
     /// a lower bound; optionally write the chosen policy's step as a trace.
@@ -266,6 +287,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             svg,
             step_graph,
             transport,
+            backend,
+            bucket_view,
         } => run_cmd(RunArgs {
             world,
             model,
@@ -278,6 +301,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             svg,
             step_graph,
             transport,
+            backend,
+            bucket_view,
         }),
         Command::Profile {
             model,
@@ -532,11 +557,13 @@ struct RunArgs {
     svg: Option<std::path::PathBuf>,
     step_graph: Option<std::path::PathBuf>,
     transport: TransportArg,
+    backend: BackendArg,
+    bucket_view: bool,
 }
 
 fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     use collective_fusion::backend::{CollectiveOptions, Transport};
-    use collective_fusion::train::{RunModel, RunOptions, run};
+    use collective_fusion::train::{RunBackend, RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
         return Err("--world must be between 1 and 256".into());
@@ -554,6 +581,14 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(c) = a.first_bucket {
         config.bucket.first_bucket_bytes = c;
     }
+    if a.bucket_view {
+        config.gradient_as_bucket_view = true;
+    }
+    let backend = match a.backend {
+        BackendArg::Ndarray => RunBackend::NdArray,
+        BackendArg::Wgpu => RunBackend::Wgpu,
+        BackendArg::Cuda => RunBackend::Cuda,
+    };
     let model = match a.model {
         RunModelArg::Mlp => RunModel::Mlp,
         RunModelArg::Convnet => RunModel::ConvNet,
@@ -565,12 +600,20 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         TransportArg::Tcp => Transport::Tcp(from_env()?),
         #[cfg(feature = "cuda")]
         TransportArg::Nccl => Transport::Nccl(from_env()?),
+        #[cfg(feature = "cuda")]
+        TransportArg::NcclLocal => {
+            if backend != RunBackend::Cuda {
+                return Err("--transport nccl-local needs --backend cuda (a GPU per rank)".into());
+            }
+            Transport::NcclLocal
+        }
     };
     let opts = RunOptions {
         world: a.world,
         model,
         steps: a.steps,
         batch: a.batch,
+        backend,
         collective: CollectiveOptions {
             config: config.clone(),
             timeout,
@@ -595,12 +638,13 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     };
-    let report = run(&opts, &progress);
+    let report = run(&opts, &progress)?;
     let mut out = String::new();
     writeln!(
         out,
-        "run {} · {} ranks{} · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
+        "run {} on {} · {} ranks{} · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
         model.name(),
+        backend.name(),
         report.world,
         if report.local_ranks.len() == report.world as usize {
             String::new()
@@ -648,6 +692,13 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         s0.compiled,
         if report.ranks_agree { "yes" } else { "NO" }
     )?;
+    if s0.device_buckets + s0.device_collectives + s0.view_grads > 0 {
+        writeln!(
+            out,
+            "device (rank {}): {} buckets packed by the kernels on the gradients' buffers, {} collectives reduced in place in device memory, {} gradients handed back as views of their bucket",
+            report.local_ranks[0], s0.device_buckets, s0.device_collectives, s0.view_grads
+        )?;
+    }
     writeln!(
         out,
         "weights digest (rank {}): {:016x}",

@@ -1,11 +1,13 @@
-//! A real data-parallel training run on CPU ranks: `Autodiff<Collective<NdArray>>`, one thread
-//! per rank, burn-nn models, SGD, synthetic data. What the `run` command drives; its trace shows
-//! where each rank's step time goes (forward, backward, optimizer on the compute stream; pack,
-//! all-reduce, wait and unpack of every bucket).
+//! A real data-parallel training run: `Autodiff<Collective<I>>` with `I` Burn's NdArray (CPU
+//! ranks, the default), wgpu or CUDA backend, one thread per local rank, burn-nn models, SGD,
+//! synthetic data. What the `run` command drives; its trace shows where each rank's step time
+//! goes (forward, backward, optimizer on the compute stream; pack, all-reduce, wait and unpack
+//! of every bucket).
 
 use std::time::Instant;
 
 use burn_autodiff::Autodiff;
+use burn_backend::Backend;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_core::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn_core::tensor::{Tensor, TensorData};
@@ -25,9 +27,33 @@ use crate::graph::{ComputeKind, Graph, Op};
 use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
 
-type Inner = Collective<NdArray>;
-type B = Autodiff<Inner>;
-type Dev = CollectiveDevice<NdArrayDevice>;
+/// The autodiff backend the ranks train on, over inner backend `I`.
+type B<I> = Autodiff<Collective<I>>;
+type Dev<I> = CollectiveDevice<<I as burn_backend::BackendTypes>::Device>;
+
+/// Which of Burn's backends the ranks run inside `Collective`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunBackend {
+    /// NdArray on the CPU: gradients in host memory.
+    NdArray,
+    /// wgpu (Vulkan, Metal, DX12; Mesa's software driver without a GPU), every rank on the
+    /// default adapter: gradients stay in device buffers, buckets packed by the CubeCL kernels.
+    Wgpu,
+    /// CUDA (feature `cuda`): rank `r` of this process on GPU `r` for in-process ranks (all on
+    /// GPU 0 with the in-process transport), `LOCAL_RANK`'s GPU with one rank per process.
+    Cuda,
+}
+
+impl RunBackend {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunBackend::NdArray => "ndarray",
+            RunBackend::Wgpu => "wgpu",
+            RunBackend::Cuda => "cuda",
+        }
+    }
+}
 
 /// Which model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +86,8 @@ pub struct RunOptions {
     pub steps: usize,
     /// Samples per rank per step.
     pub batch: usize,
+    /// The inner backend.
+    pub backend: RunBackend,
     /// How the gradient sync compiles and runs.
     pub collective: CollectiveOptions,
 }
@@ -168,21 +196,21 @@ impl RecordedStep {
 const INPUTS: usize = 784;
 const OUTPUTS: usize = 10;
 
-trait Net: AutodiffModule<B> + Clone + Send + 'static {
-    fn init(d: &Dev) -> Self;
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
+trait Net<I: Backend>: AutodiffModule<B<I>> + Clone + Send + 'static {
+    fn init(d: &Dev<I>) -> Self;
+    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2>;
 }
 
-type Mlp = Vec<Linear<B>>;
+type Mlp<I> = Vec<Linear<B<I>>>;
 
-impl Net for Mlp {
-    fn init(d: &Dev) -> Self {
+impl<I: Backend> Net<I> for Mlp<I> {
+    fn init(d: &Dev<I>) -> Self {
         [INPUTS, 1024, 1024, 1024, OUTPUTS]
             .windows(2)
             .map(|w| LinearConfig::new(w[0], w[1]).init(d))
             .collect()
     }
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
         let mut h = x;
         for (i, l) in self.iter().enumerate() {
             h = l.forward(h);
@@ -194,10 +222,10 @@ impl Net for Mlp {
     }
 }
 
-type ConvNet = (Conv2d<B>, Conv2d<B>, Linear<B>);
+type ConvNet<I> = (Conv2d<B<I>>, Conv2d<B<I>>, Linear<B<I>>);
 
-impl Net for ConvNet {
-    fn init(d: &Dev) -> Self {
+impl<I: Backend> Net<I> for ConvNet<I> {
+    fn init(d: &Dev<I>) -> Self {
         (
             Conv2dConfig::new([1, 16], [3, 3])
                 .with_padding(PaddingConfig2d::Same)
@@ -208,7 +236,7 @@ impl Net for ConvNet {
             LinearConfig::new(32 * INPUTS, OUTPUTS).init(d),
         )
     }
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
         let n = x.dims()[0];
         let h = x.reshape([n, 1, 28, 28]);
         let h = burn_core::tensor::activation::relu(self.0.forward(h));
@@ -231,8 +259,8 @@ pub fn module_weights<Bk: burn_backend::Backend, M: Module<Bk>>(model: &M) -> Ve
     c.0
 }
 
-fn weights<M: Module<B>>(model: &M) -> Vec<f32> {
-    module_weights::<B, M>(model)
+fn weights<I: Backend, M: Module<B<I>>>(model: &M) -> Vec<f32> {
+    module_weights::<B<I>, M>(model)
 }
 
 /// Rows `[from, to)` of step `step`'s deterministic synthetic regression batch: `inputs`
@@ -257,11 +285,21 @@ pub fn synthetic_batch<Bk: burn_backend::Backend>(
     )
 }
 
-fn batch(step: usize, from: usize, to: usize, dev: &Dev) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    synthetic_batch::<B>(step, (from, to), INPUTS, OUTPUTS, dev)
+fn batch<I: Backend>(
+    step: usize,
+    from: usize,
+    to: usize,
+    dev: &Dev<I>,
+) -> (Tensor<B<I>, 2>, Tensor<B<I>, 2>) {
+    synthetic_batch::<B<I>>(step, (from, to), INPUTS, OUTPUTS, dev)
 }
 
-fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
+/// Trains `M` over inner backend `I`, local rank `r` on `device(r)`.
+fn run_model<I: Backend, M: Net<I>>(
+    opts: &RunOptions,
+    device: impl Fn(u32) -> I::Device,
+    progress: &(dyn Fn(usize) + Sync),
+) -> RunReport {
     let (world, local): (u32, Vec<u32>) = match &opts.collective.transport {
         Transport::InProcess => (opts.world, (0..opts.world).collect()),
         // Needs CUDA devices: starting the server says so for these NdArray ones.
@@ -272,22 +310,22 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
         Transport::Nccl(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
     };
     let first = local[0];
-    let devices: Vec<Dev> = local
+    let devices: Vec<Dev<I>> = local
         .iter()
-        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, *r))
+        .map(|r| CollectiveDevice::new(device(*r), *r))
         .collect();
-    opts.collective.clone().install::<NdArray>();
+    opts.collective.clone().install::<I>();
     let lazy_before: Vec<LazyStats> = local.iter().map(|r| lazy_stats(*r)).collect();
-    Inner::start_communication_server(
+    Collective::<I>::start_communication_server(
         &devices,
         DistributedConfig {
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    <B as burn_backend::Backend>::seed(&devices[0], 7);
+    <B<I> as Backend>::seed(&devices[0], 7);
     let init = M::init(&devices[0]);
     // Parameters initialize lazily: materialize them before the ranks copy them.
-    let w0 = weights(&init);
+    let w0 = weights::<I, M>(&init);
     let params = w0.len();
     let results: Vec<(Vec<StepRecord>, Vec<f32>)> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
@@ -296,12 +334,13 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
                 let model = init.clone().fork(d);
                 s.spawn(move || {
                     let rank = d.rank as usize;
-                    let mut model = mark_distributed::<B, M>(model);
-                    let mut optim = SgdConfig::new().init::<B, M>();
+                    let mut model = mark_distributed::<B<I>, M>(model);
+                    let mut optim = SgdConfig::new().init::<B<I>, M>();
                     let mut records = Vec::with_capacity(opts.steps);
                     for step in 0..opts.steps {
                         let t0 = Instant::now();
-                        let (x, y) = batch(step, rank * opts.batch, (rank + 1) * opts.batch, d);
+                        let (x, y) =
+                            batch::<I>(step, rank * opts.batch, (rank + 1) * opts.batch, d);
                         let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
                         let lv = loss.clone().into_data().to_vec::<f32>().unwrap_or_default();
                         let t1 = Instant::now();
@@ -310,9 +349,9 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
                         let grads = GradientsParams::from_grads(grads, &model);
                         model = optim.step(0.01, model, grads);
                         let t3 = Instant::now();
-                        trace_span::<NdArray>(rank, "forward", t0, t1);
-                        trace_span::<NdArray>(rank, "backward", t1, t2);
-                        trace_span::<NdArray>(rank, "optimizer", t2, t3);
+                        trace_span::<I>(rank, "forward", t0, t1);
+                        trace_span::<I>(rank, "backward", t1, t2);
+                        trace_span::<I>(rank, "optimizer", t2, t3);
                         records.push(StepRecord {
                             secs: (t3 - t0).as_secs_f64(),
                             backward_secs: (t2 - t1).as_secs_f64(),
@@ -322,7 +361,7 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
                             progress(step + 1);
                         }
                     }
-                    (records, weights(&model))
+                    (records, weights::<I, M>(&model))
                 })
             })
             .collect();
@@ -331,19 +370,16 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    let stats = local
-        .iter()
-        .map(|r| sync_stats::<NdArray>(*r as usize))
-        .collect();
+    let stats = local.iter().map(|r| sync_stats::<I>(*r as usize)).collect();
     let lazy = local
         .iter()
         .zip(&lazy_before)
         .map(|(r, before)| lazy_stats(*r).since(before))
         .collect();
-    let step = recorded_step_graph::<NdArray>(first as usize)
+    let step = recorded_step_graph::<I>(first as usize)
         .and_then(|g| RecordedStep::of(g, &opts.collective.config).ok());
-    let trace = take_trace::<NdArray>();
-    Inner::close_communication_server(&devices[0]);
+    let trace = take_trace::<I>();
+    Collective::<I>::close_communication_server(&devices[0]);
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
     let weights_digest = weights_digest(&results[0].1);
     RunReport {
@@ -361,11 +397,43 @@ fn run_model<M: Net>(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Ru
     }
 }
 
-/// Trains `opts.model` on `opts.world` CPU ranks; `progress` is told each step rank 0 finishes.
-/// Runs one at a time per process (the communication server is per backend type).
-pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> RunReport {
-    match opts.model {
-        RunModel::Mlp => run_model::<Mlp>(opts, progress),
-        RunModel::ConvNet => run_model::<ConvNet>(opts, progress),
+/// Trains `opts.model` on `opts.world` ranks of `opts.backend`; `progress` is told each step
+/// rank 0 finishes. Runs one at a time per process (the communication server is per backend
+/// type). A backend this build lacks (`cuda` without the feature) is an error naming it.
+pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunReport, String> {
+    fn on<I: Backend>(
+        opts: &RunOptions,
+        device: impl Fn(u32) -> I::Device,
+        progress: &(dyn Fn(usize) + Sync),
+    ) -> RunReport {
+        match opts.model {
+            RunModel::Mlp => run_model::<I, Mlp<I>>(opts, device, progress),
+            RunModel::ConvNet => run_model::<I, ConvNet<I>>(opts, device, progress),
+        }
+    }
+    match opts.backend {
+        RunBackend::NdArray => Ok(on::<NdArray>(opts, |_| NdArrayDevice::Cpu, progress)),
+        RunBackend::Wgpu => Ok(on::<burn_wgpu::Wgpu>(
+            opts,
+            |_| burn_wgpu::WgpuDevice::DefaultDevice,
+            progress,
+        )),
+        #[cfg(feature = "cuda")]
+        RunBackend::Cuda => {
+            // In-process NCCL: a GPU per rank. One rank per process: the launcher's local
+            // rank. Other in-process ranks share GPU 0 (a host communicator).
+            let gpu = |r: u32| match &opts.collective.transport {
+                Transport::NcclLocal => r as usize,
+                Transport::Nccl(cfg) | Transport::Tcp(cfg) => cfg.local_rank,
+                Transport::InProcess => 0,
+            };
+            Ok(on::<burn_cuda::Cuda>(
+                opts,
+                |r| burn_cuda::CudaDevice::new(gpu(r)),
+                progress,
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        RunBackend::Cuda => Err("--backend cuda needs a build with `--features cuda`".into()),
     }
 }

@@ -250,3 +250,66 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `run --backend wgpu`: the same training on Burn's wgpu backend (Mesa's software Vulkan driver
+/// in CI), buckets packed on the device; with `--bucket-view` the reduced gradients are views of
+/// their buckets, and the weights are bit for bit those of the copies.
+#[test]
+fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
+    let adapter = std::panic::catch_unwind(|| {
+        use cubecl::Runtime;
+        cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
+    });
+    if adapter.is_err() && std::env::var_os("CF_REQUIRE_WGPU").is_none() {
+        eprintln!(
+            "skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1 to run it)"
+        );
+        return;
+    }
+    let run = |extra: &[&str]| -> String {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            .args([
+                "run",
+                "--backend",
+                "wgpu",
+                "--world",
+                "2",
+                "--steps",
+                "2",
+                "--batch",
+                "4",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let copies = run(&[]);
+    assert!(copies.starts_with("run mlp on wgpu · 2 ranks"), "{copies}");
+    assert!(copies.contains("ranks agree: yes"), "{copies}");
+    assert!(
+        copies.contains("buckets packed by the kernels on the gradients' buffers"),
+        "{copies}"
+    );
+    assert!(
+        copies.contains(", 0 gradients handed back as views"),
+        "{copies}"
+    );
+    let views = run(&["--bucket-view"]);
+    assert!(
+        !views.contains(", 0 gradients handed back as views"),
+        "{views}"
+    );
+    let digest = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("weights digest"))
+            .map(str::to_string)
+    };
+    assert_eq!(digest(&copies), digest(&views), "{copies}\n{views}");
+    assert!(digest(&copies).is_some());
+}
