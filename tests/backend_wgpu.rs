@@ -4,6 +4,8 @@
 //! packed by the CubeCL kernels on the gradients' own buffers, and give the same bits as staging
 //! every gradient through host memory.
 
+mod common;
+
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_core::module::Module;
@@ -31,18 +33,7 @@ const OUTPUTS: usize = 3;
 
 /// Whether a wgpu adapter exists; without one, says so, unless `CF_REQUIRE_WGPU` is set (CI).
 fn adapter() -> bool {
-    use cubecl::Runtime;
-    let got = std::panic::catch_unwind(|| {
-        cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice)
-    });
-    match got {
-        Ok(_) => true,
-        Err(_) if std::env::var_os("CF_REQUIRE_WGPU").is_none() => {
-            eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1)");
-            false
-        }
-        Err(p) => std::panic::resume_unwind(p),
-    }
+    common::cube::wgpu_client().is_some()
 }
 
 type Mlp = Vec<Linear<B>>;

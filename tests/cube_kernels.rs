@@ -8,22 +8,11 @@ use collective_fusion::graph::DType;
 use collective_fusion::runtime::HostBuffer;
 use common::cube::{SIZES, check_cast, check_f32_bitwise, layout, round_trip_sizes};
 use cubecl::prelude::*;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 
-/// The wgpu client, or `None` (with a visible message) on a machine without a Vulkan adapter,
-/// unless `CF_REQUIRE_WGPU` is set (CI sets it, so there the kernels always run).
+/// The wgpu client, or `None` (with a visible message) without a Vulkan adapter.
 fn client() -> Option<ComputeClient<WgpuRuntime>> {
-    let got = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
-    match got {
-        Ok(c) => Some(c),
-        Err(_) if std::env::var_os("CF_REQUIRE_WGPU").is_none() => {
-            eprintln!(
-                "skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1 to run the CubeCL kernel tests)"
-            );
-            None
-        }
-        Err(p) => std::panic::resume_unwind(p),
-    }
+    common::cube::wgpu_client()
 }
 
 #[test]

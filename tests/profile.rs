@@ -2,6 +2,8 @@
 //! deterministic arithmetic, so the table's numbers are stable; trace snapshots keep names,
 //! tracks and order, not times).
 
+mod common;
+
 use collective_fusion::config::{BucketPolicy, CompileConfig};
 use collective_fusion::cost::{CostModel, SystemProfile};
 use collective_fusion::graph::ReduceOp;
@@ -256,14 +258,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
 /// their buckets, and the weights are bit for bit those of the copies.
 #[test]
 fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
-    let adapter = std::panic::catch_unwind(|| {
-        use cubecl::Runtime;
-        cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
-    });
-    if adapter.is_err() && std::env::var_os("CF_REQUIRE_WGPU").is_none() {
-        eprintln!(
-            "skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1 to run it)"
-        );
+    if common::cube::wgpu_client().is_none() {
         return;
     }
     let run = |extra: &[&str]| -> String {

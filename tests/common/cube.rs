@@ -10,6 +10,24 @@ use collective_fusion::runtime::host;
 use collective_fusion::runtime::synthetic::SplitMix64;
 use cubecl::prelude::*;
 
+/// The wgpu client of the default adapter, or `None` (with a visible message) on a machine
+/// without one, unless `CF_REQUIRE_WGPU` is set (CI sets it, so there the wgpu tests always
+/// run).
+pub fn wgpu_client() -> Option<ComputeClient<cubecl::wgpu::WgpuRuntime>> {
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+    let got = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
+    match got {
+        Ok(c) => Some(c),
+        Err(_) if std::env::var_os("CF_REQUIRE_WGPU").is_none() => {
+            eprintln!(
+                "skipped: no wgpu adapter (install mesa-vulkan-drivers and libvulkan1 to run the wgpu tests)"
+            );
+            None
+        }
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
 /// A layout of members with these sizes, aligned as the codegen aligns them.
 pub fn layout(sizes: &[u64], member: DType, wire: DType, scale_div: Option<u32>) -> BucketLayout {
     aligned_layout(sizes, member, wire, scale_div, 16)
