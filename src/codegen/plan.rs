@@ -12,7 +12,9 @@
 //!   blocking collective).
 //! - Gradients live in slots, one per `gradient` node in schedule order, and are reduced in place:
 //!   an unbucketed collective works on the slot itself, a bucket's unpack writes back into the
-//!   slots of its members. The `sync` step lists the slots that hold reduced gradients.
+//!   slots of its members (copies, or views of the reduced bucket when the graph's unpack says
+//!   `as=views`: the step then prints `view`, and launches no kernel where the device can bind
+//!   every member at its offset). The `sync` step lists the slots that hold reduced gradients.
 //! - Buckets have layouts from [`layout`](super::layout): offsets, alignment, padding.
 //! - The plan is a pure function of the graph; its text form ([`Plan`]'s `Display`) is
 //!   deterministic, and collective steps read like the NCCL calls they become.
