@@ -2,17 +2,15 @@
 //! reduces and where each sits in the flat buffer.
 //!
 //! Members are laid out in operand order, each starting at a multiple of the pack's `align`
-//! bytes of the wire dtype ([`ALIGN_BYTES`] for a collective without a pack, so vectorized
+//! bytes of the wire dtype ([`PACK_ALIGN_BYTES`] for a collective without a pack, so vectorized
 //! kernels and NCCL see aligned members); the gaps and the tail are padding that packs write as
 //! zero. A single-member collective has no padding.
 
 use serde::Serialize;
 
-use crate::graph::{CycleError, DType, Graph, GroupId, NodeId, Op, ReduceOp, Value};
-
-/// Every member of a multi-tensor bucket starts at a multiple of this many bytes of the wire
-/// dtype, and the buffer's length is rounded up to it (16 bytes: one 128-bit vector load).
-pub const ALIGN_BYTES: u64 = crate::graph::PACK_ALIGN_BYTES as u64;
+use crate::graph::{
+    CycleError, DType, Graph, GroupId, NodeId, Op, PACK_ALIGN_BYTES, ReduceOp, Value,
+};
 
 /// One tensor inside a bucket.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -81,7 +79,12 @@ pub(crate) fn layout_of(
                 graph.ty(*v).dtype,
                 u64::from(*align),
             ),
-            _ => (ops.to_vec(), None, graph.ty(ops[0]).dtype, ALIGN_BYTES),
+            _ => (
+                ops.to_vec(),
+                None,
+                graph.ty(ops[0]).dtype,
+                u64::from(PACK_ALIGN_BYTES),
+            ),
         };
     let align = if members_vals.len() > 1 {
         (align_bytes / wire.size()).max(1)
