@@ -170,7 +170,7 @@ mod nccl {
     use collective_fusion::graph::{DType, ReduceOp};
     use collective_fusion::model::ModelProfile;
     use collective_fusion::passes::compile;
-    use collective_fusion::runtime::comm::CollectiveDesc;
+    use collective_fusion::runtime::comm::{CollectiveDesc, CommError};
     use collective_fusion::runtime::nccl::{NcclComm, NcclInitError, unique_id};
     use collective_fusion::runtime::rendezvous::rendezvous;
     use collective_fusion::runtime::synthetic::seeded_gradients;
@@ -363,6 +363,32 @@ mod nccl {
             "{err}"
         );
         assert!(err.to_string().contains("ranks [0, 2]"), "{err}");
+    }
+
+    #[test]
+    fn an_aborted_rank_fails_its_later_collectives_with_the_reason() {
+        if !gpu_or_skip("nccl abort", 1, true) {
+            return;
+        }
+        let comm = single_rank();
+        let buf = HostBuffer::from_f64(DType::F32, &[1.0, 2.0]).unwrap();
+        let d = desc(ReduceOp::Sum, DType::F32, 2);
+        let wait = Duration::from_secs(30);
+        comm.all_reduce(buf.clone(), d.clone())
+            .unwrap()
+            .wait(wait)
+            .unwrap();
+        comm.abort("stopped by the test");
+        for _ in 0..2 {
+            let err = comm
+                .all_reduce(buf.clone(), d.clone())
+                .and_then(|p| p.wait(wait))
+                .expect_err("an aborted rank runs no collective");
+            assert!(
+                matches!(&err, CommError::Aborted { rank: 0, reason, .. } if reason == "stopped by the test"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -123,6 +123,18 @@ pub enum CommError {
         /// Why the group was aborted (the first failure).
         reason: String,
     },
+    /// The transport reported an error during the collective (NCCL's or the device's, on the
+    /// call or asynchronously while waiting). The communicator is aborted: later collectives
+    /// fail with [`CommError::Aborted`] and this reason.
+    #[error("rank {rank}: {what} failed in the transport: {why}")]
+    Failed {
+        /// The rank reporting.
+        rank: usize,
+        /// The collective.
+        what: CollectiveDesc,
+        /// The transport's error.
+        why: String,
+    },
     /// The communicator cannot do this collective.
     #[error("rank {rank}: {what}: {why}")]
     Unsupported {

@@ -19,9 +19,13 @@
 //! `ncclGroupEnd` ([`Communicator::group`]) and are waited for once.
 //!
 //! Nothing waits unbounded: after the call the thread records an event and polls it against
-//! the timeout; on expiry (a peer that never called, a dead rank) it aborts the NCCL
-//! communicator (`ncclCommAbort`, which makes the pending kernel return) and every later call
-//! fails with a typed error. `ncclCommInitRank` itself blocks until every rank calls it, so
+//! the timeout, and polls NCCL for an asynchronous error (`ncclCommGetAsyncError`: a failed
+//! peer or network) and the stream for a device error. On expiry (a peer that never called, a
+//! dead rank) or an error it aborts the NCCL communicator (`ncclCommAbort`, which makes the
+//! pending kernel return): the collective fails with [`CommError::Timeout`] or
+//! [`CommError::Failed`], every later call with [`CommError::Aborted`] naming the first
+//! failure, as after [`Communicator::abort`]. NCCL errors read as NCCL's name and text for
+//! them and its last message (`ncclGetLastError`). `ncclCommInitRank` itself blocks until every rank calls it, so
 //! [`NcclComm::new`] waits for it on the comm thread under the same timeout; the multi-process
 //! [`rendezvous`](super::rendezvous) before it makes that wait short.
 
@@ -29,13 +33,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use std::marker::PhantomData;
-
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
-    ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
-use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
+use cudarc::nccl::NcclType;
+use cudarc::nccl::result::NcclError;
+use cudarc::nccl::sys as nccl_sys;
 use half::{bf16, f16};
 
 use super::buffer::HostBuffer;
@@ -104,18 +107,137 @@ pub fn unique_id() -> Result<Vec<u8>, NcclInitError> {
     if !nccl_available() {
         return Err(NcclInitError::Unavailable);
     }
-    let id = Id::new().map_err(|e| NcclInitError::Cuda {
+    let id = cudarc::nccl::result::get_uniqueid().map_err(|e| NcclInitError::Cuda {
         rank: 0,
         what: "ncclGetUniqueId",
-        why: format!("{e:?}"),
+        why: nccl_why(&e),
     })?;
-    Ok(id.internal().iter().map(|c| *c as u8).collect())
+    Ok(id.internal.iter().map(|c| *c as u8).collect())
+}
+
+/// An NCCL error as its name, NCCL's text for it, and NCCL's last message (which says what
+/// went wrong, e.g. which peer), not cudarc's bare `NcclError`.
+fn nccl_why(e: &NcclError) -> String {
+    // SAFETY: NCCL returns pointers to static or thread-local NUL-terminated strings (or null);
+    // its last-error text takes a null communicator.
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .trim()
+                .to_string()
+        }
+    };
+    let what = text(unsafe { nccl_sys::ncclGetErrorString(e.0) });
+    let last = text(unsafe { nccl_sys::ncclGetLastError(std::ptr::null_mut()) });
+    if last.is_empty() {
+        format!("{:?} ({what})", e.0)
+    } else {
+        format!("{:?} ({what}): {last}", e.0)
+    }
+}
+
+/// This rank's NCCL communicator, owned by its comm thread. Dropping it aborts it
+/// (`ncclCommAbort`), which makes a kernel still waiting for a peer return.
+struct RawComm(nccl_sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time; only the comm
+// thread that created it uses it (and drops it).
+unsafe impl Send for RawComm {}
+
+impl RawComm {
+    /// `ncclCommInitRank`: blocks until every rank of the group has called it.
+    fn init(rank: usize, world: usize, id: [std::ffi::c_char; 128]) -> Result<Self, String> {
+        let ranks = |n: usize| {
+            std::ffi::c_int::try_from(n).map_err(|_| format!("{n} does not fit NCCL's int"))
+        };
+        let (rank, world) = (ranks(rank)?, ranks(world)?);
+        let mut comm = std::mem::MaybeUninit::<nccl_sys::ncclComm_t>::uninit();
+        // SAFETY: NCCL writes the communicator handle on success; the id is 128 bytes.
+        unsafe {
+            cudarc::nccl::result::comm_init_rank(
+                comm.as_mut_ptr(),
+                world,
+                nccl_sys::ncclUniqueId { internal: id },
+                rank,
+            )
+            .map_err(|e| nccl_why(&e))?;
+            Ok(RawComm(comm.assume_init()))
+        }
+    }
+
+    /// `ncclAllReduce` in place on `count` elements of type `T` at `ptr`, queued on `stream`.
+    ///
+    /// # Safety
+    /// `ptr` must be device memory of this communicator's GPU holding `count` elements of `T`,
+    /// left alone by everything else until the stream passes the call.
+    unsafe fn all_reduce_in_place<T: NcclType>(
+        &self,
+        ptr: u64,
+        count: usize,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        let op = match op {
+            ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Mean => nccl_sys::ncclRedOp_t::ncclAvg,
+        };
+        let buf = ptr as *mut std::ffi::c_void;
+        // SAFETY: the caller's contract; the stream belongs to this communicator's context.
+        unsafe {
+            cudarc::nccl::result::all_reduce(
+                buf,
+                buf,
+                count,
+                T::as_nccl_type(),
+                op,
+                self.0,
+                stream.cu_stream() as nccl_sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| format!("ncclAllReduce: {}", nccl_why(&e)))
+    }
+
+    /// An error NCCL met asynchronously (a peer that failed, a network error), if any.
+    fn async_error(&self) -> Option<String> {
+        let mut found = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the handle is live; NCCL writes one result.
+        let asked = unsafe { nccl_sys::ncclCommGetAsyncError(self.0, &mut found) };
+        match (asked.result(), found.result()) {
+            (Err(e), _) | (Ok(_), Err(e)) => Some(format!("NCCL reported {}", nccl_why(&e))),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and used by no one else; nothing uses it afterwards.
+        if let Err(e) = unsafe { cudarc::nccl::result::comm_abort(self.0) } {
+            tracing::warn!("ncclCommAbort: {}", nccl_why(&e));
+        }
+    }
 }
 
 /// Shared between the handle and its comm thread.
 struct Control {
     aborted: AtomicBool,
     reason: Mutex<String>,
+}
+
+impl Control {
+    /// Marks the rank aborted; the first reason given is the one later calls report.
+    fn abort(&self, why: String) {
+        if let Ok(mut r) = self.reason.lock()
+            && r.is_empty()
+        {
+            *r = why;
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+    }
 }
 
 /// A collective queued on the comm thread, or a group bracket.
@@ -201,12 +323,12 @@ impl NcclComm {
                     .map_err(cuda("creating the CUDA context"))
                     .and_then(|ctx| ctx.new_stream().map_err(cuda("creating the comm stream")))
                     .and_then(|stream| {
-                        Comm::from_rank(stream.clone(), rank, world, Id::uninit(internal))
+                        RawComm::init(rank, world, internal)
                             .map(|comm| (stream, comm))
-                            .map_err(|e| NcclInitError::Cuda {
+                            .map_err(|why| NcclInitError::Cuda {
                                 rank,
                                 what: "ncclCommInitRank",
-                                why: format!("{e:?}"),
+                                why,
                             })
                     });
                 let (stream, comm) = match setup {
@@ -331,7 +453,7 @@ impl NcclComm {
 fn serve(
     rank: usize,
     stream: Arc<CudaStream>,
-    comm: Comm,
+    comm: RawComm,
     rx: mpsc::Receiver<NcclJob>,
     control: &Control,
     timeout: Duration,
@@ -376,17 +498,22 @@ enum DevBuf {
 }
 
 /// Issues each job's NCCL call (inside one NCCL group when `grouped`), waits once for the
-/// stream, then finishes each job (device → host for host buffers) and replies.
+/// stream, then finishes each job (device → host for host buffers) and replies. A rank
+/// aborted before this (by [`Communicator::abort`], or by an earlier failure) issues nothing:
+/// its NCCL communicator is aborted and every job fails with the reason.
 fn run_jobs(
     rank: usize,
     stream: &Arc<CudaStream>,
-    comm: &mut Option<Comm>,
+    comm: &mut Option<RawComm>,
     jobs: Vec<NcclJob>,
     grouped: bool,
     control: &Control,
     timeout: Duration,
 ) {
     let start = Instant::now();
+    if control.aborted.load(Ordering::SeqCst) {
+        *comm = None;
+    }
     let issued: Vec<(Issued, Option<Result<(), Failure>>)> = match comm.as_ref() {
         None => jobs
             .into_iter()
@@ -401,7 +528,7 @@ fn run_jobs(
                     let mut i = unissued(j)?;
                     let r = match &mut i.job {
                         NcclJob::Device { memory, .. } => {
-                            memory.wait_ready().map_err(Failure::Call)
+                            memory.wait_ready().map_err(Failure::Local)
                         }
                         _ => Ok(()),
                     };
@@ -411,7 +538,7 @@ fn run_jobs(
             let opened = if grouped {
                 cudarc::nccl::result::group_start()
                     .map(|_| ())
-                    .map_err(|e| Failure::Call(format!("ncclGroupStart: {e:?}")))
+                    .map_err(|e| Failure::Nccl(format!("ncclGroupStart: {}", nccl_why(&e))))
             } else {
                 Ok(())
             };
@@ -427,13 +554,13 @@ fn run_jobs(
                 && opened.is_ok()
                 && let Err(e) = cudarc::nccl::result::group_end()
             {
-                let why = Failure::Call(format!("ncclGroupEnd: {e:?}"));
+                let why = Failure::Nccl(format!("ncclGroupEnd: {}", nccl_why(&e)));
                 for (_, r) in &mut issued {
                     *r = Err(why.clone());
                 }
             }
             let waited = if issued.iter().any(|(_, r)| r.is_ok()) {
-                await_stream(stream, control, timeout)
+                await_stream(stream, c, control, timeout)
             } else {
                 Ok(())
             };
@@ -456,7 +583,7 @@ fn run_jobs(
                 what,
                 reply,
             } => {
-                // The memory stays held until NCCL is done with it.
+                // The memory stays held until NCCL is done with it (or aborted above).
                 drop(memory);
                 let _ = reply.send(outcome(rank, comm, done, bucket, what, start, control));
             }
@@ -475,18 +602,17 @@ fn unissued(job: NcclJob) -> Option<Issued> {
 
 /// Queues a job's work on the stream: host → device and `ncclAllReduce` in place for a host
 /// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
-fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<(), Failure>) {
-    let op = |what: &CollectiveDesc| nccl_op(what.op);
+fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result<(), Failure>) {
     let issued = match &i.job {
         NcclJob::Host(job) => {
-            let op = op(&job.what);
+            let op = job.what.op;
             match &job.buffer {
                 b if b.is_empty() => Ok(None),
-                HostBuffer::F32(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F32(d))),
-                HostBuffer::F64(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F64(d))),
-                HostBuffer::F16(v) => to_device(stream, comm, v, &op).map(|d| Some(DevBuf::F16(d))),
+                HostBuffer::F32(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F32(d))),
+                HostBuffer::F64(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F64(d))),
+                HostBuffer::F16(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F16(d))),
                 HostBuffer::BF16(v) => {
-                    to_device(stream, comm, v, &op).map(|d| Some(DevBuf::BF16(d)))
+                    to_device(stream, comm, v, op).map(|d| Some(DevBuf::BF16(d)))
                 }
             }
         }
@@ -496,17 +622,27 @@ fn issue(stream: &Arc<CudaStream>, comm: &Comm, i: Issued) -> (Issued, Result<()
             what,
             ..
         } => {
-            let op = op(what);
-            let (ptr, len) = (memory.ptr, bucket.len());
-            match bucket.dtype() {
-                DType::F32 => in_place::<f32>(stream, comm, ptr, len, &op),
-                DType::F64 => in_place::<f64>(stream, comm, ptr, len, &op),
-                DType::F16 => in_place::<f16>(stream, comm, ptr, len, &op),
-                DType::BF16 => in_place::<bf16>(stream, comm, ptr, len, &op),
-                other => Err(Failure::Call(format!(
-                    "an {other} bucket cannot be reduced in place"
-                ))),
+            let (ptr, len, op) = (memory.ptr, bucket.len(), what.op);
+            // SAFETY: `all_reduce_device` checked that the memory is on this communicator's
+            // GPU and holds the bucket; the pack kernel that wrote it was waited for, and the
+            // bucket is held (and left alone) until the stream has passed the call.
+            unsafe {
+                match bucket.dtype() {
+                    DType::F32 => comm.all_reduce_in_place::<f32>(ptr, len, op, stream),
+                    DType::F64 => comm.all_reduce_in_place::<f64>(ptr, len, op, stream),
+                    DType::F16 => comm.all_reduce_in_place::<f16>(ptr, len, op, stream),
+                    DType::BF16 => comm.all_reduce_in_place::<bf16>(ptr, len, op, stream),
+                    other => {
+                        return (
+                            i,
+                            Err(Failure::Local(format!(
+                                "an {other} bucket cannot be reduced in place"
+                            ))),
+                        );
+                    }
+                }
             }
+            .map_err(Failure::Nccl)
             .map(|()| None)
         }
         NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
@@ -527,35 +663,28 @@ fn copy_back(
     match (dev, host) {
         (None, _) => Ok(()),
         (Some(DevBuf::F32(d)), HostBuffer::F32(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
         }
         (Some(DevBuf::F64(d)), HostBuffer::F64(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
         }
         (Some(DevBuf::F16(d)), HostBuffer::F16(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
         }
         (Some(DevBuf::BF16(d)), HostBuffer::BF16(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(call_failed(back))
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
         }
-        _ => Err(Failure::Call(
+        _ => Err(Failure::Local(
             "the device copy and the host buffer differ in dtype".into(),
         )),
     }
 }
 
-fn nccl_op(op: ReduceOp) -> NcclOp {
-    match op {
-        ReduceOp::Sum => NcclOp::Sum,
-        ReduceOp::Mean => NcclOp::Avg,
-    }
-}
-
-/// The reply for one job: its buffer, or the typed error. A timeout or abort drops the NCCL
-/// communicator (`comm = None`: aborted, so the pending kernel returns and nothing more runs).
+/// The reply for one job: its buffer, or the typed error. Any failure aborts this rank: the NCCL communicator is dropped (`ncclCommAbort`, so the pending kernel
+/// returns) and every later call fails with [`CommError::Aborted`] naming the first failure.
 fn outcome<T>(
     rank: usize,
-    comm: &mut Option<Comm>,
+    comm: &mut Option<RawComm>,
     done: Option<Result<(), Failure>>,
     value: T,
     what: CollectiveDesc,
@@ -563,6 +692,10 @@ fn outcome<T>(
     control: &Control,
 ) -> CommResult<T> {
     let reason = || control.reason.lock().map(|r| r.clone()).unwrap_or_default();
+    let abort = |comm: &mut Option<RawComm>, why: String| {
+        *comm = None;
+        control.abort(why);
+    };
     match done {
         None => Err(CommError::Aborted {
             rank,
@@ -576,13 +709,16 @@ fn outcome<T>(
                 end: Instant::now(),
             },
         )),
-        Some(Err(Failure::Call(why))) => Err(CommError::Unsupported { rank, what, why }),
+        Some(Err(Failure::Local(why))) => {
+            abort(comm, format!("rank {rank}: {what}: {why}"));
+            Err(CommError::Unsupported { rank, what, why })
+        }
+        Some(Err(Failure::Nccl(why))) => {
+            abort(comm, format!("rank {rank}: {what} failed: {why}"));
+            Err(CommError::Failed { rank, what, why })
+        }
         Some(Err(Failure::Timeout)) => {
-            *comm = None;
-            if let Ok(mut r) = control.reason.lock() {
-                *r = format!("rank {rank} timed out in NCCL");
-            }
-            control.aborted.store(true, Ordering::SeqCst);
+            abort(comm, format!("rank {rank} timed out in NCCL"));
             Err(CommError::Timeout {
                 rank,
                 what,
@@ -601,28 +737,46 @@ fn outcome<T>(
     }
 }
 
+/// Why a job did not complete.
 #[derive(Clone)]
 enum Failure {
-    Call(String),
+    /// Refused here before NCCL was called. The rank still aborts: its later calls would
+    /// otherwise meet its peers' calls for this one, as NCCL pairs calls by their order.
+    Local(String),
+    /// NCCL or the device reported an error on the call, or while it ran (this rank aborts).
+    Nccl(String),
+    /// The stream did not pass the call within the timeout (this rank aborts).
     Timeout,
+    /// This rank was aborted while waiting.
     Aborted,
 }
 
-fn call_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Failure + '_ {
-    move |e| Failure::Call(format!("{what}: {e:?}"))
+/// A CUDA driver error on a copy this rank queued: the device is in trouble, so the rank aborts.
+fn device_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Failure + '_ {
+    move |e| Failure::Nccl(format!("{what}: {e:?}"))
 }
 
-/// Waits (bounded, abortable) for everything queued on `stream` so far.
+/// Waits (bounded, abortable) for everything queued on `stream` so far, and fails early on a
+/// device error of the stream or an error NCCL met asynchronously (such as a failed peer).
 fn await_stream(
     stream: &Arc<CudaStream>,
+    comm: &RawComm,
     control: &Control,
     timeout: Duration,
 ) -> Result<(), Failure> {
     let done = stream
         .record_event(None)
-        .map_err(call_failed("recording the completion event"))?;
+        .map_err(device_failed("recording the completion event"))?;
     let deadline = Instant::now() + timeout;
-    while !done.is_complete() {
+    loop {
+        match done.try_is_complete() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(Failure::Nccl(format!("the comm stream failed: {e:?}"))),
+        }
+        if let Some(why) = comm.async_error() {
+            return Err(Failure::Nccl(why));
+        }
         if control.aborted.load(Ordering::SeqCst) {
             return Err(Failure::Aborted);
         }
@@ -631,72 +785,26 @@ fn await_stream(
         }
         std::thread::sleep(Duration::from_micros(50));
     }
-    Ok(())
 }
 
 /// Host → device and `ncclAllReduce` in place on the copy, queued on the stream.
 fn to_device<T: DeviceRepr + ValidAsZeroBits + NcclType>(
     stream: &Arc<CudaStream>,
-    comm: &Comm,
+    comm: &RawComm,
     host: &[T],
-    op: &NcclOp,
+    op: ReduceOp,
 ) -> Result<CudaSlice<T>, Failure> {
     let mut dev = stream
         .clone_htod(host)
-        .map_err(call_failed("copying the buffer to the device"))?;
-    comm.all_reduce_in_place(&mut dev, op)
-        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))?;
+        .map_err(device_failed("copying the buffer to the device"))?;
+    let len = dev.len();
+    let (ptr, written) = dev.device_ptr_mut(stream);
+    // SAFETY: the copy is this communicator's GPU memory of `len` elements, written by the
+    // copy queued before on the same stream and read back only after the stream passes.
+    let reduced = unsafe { comm.all_reduce_in_place::<T>(ptr, len, op, stream) };
+    drop(written);
+    reduced.map_err(Failure::Nccl)?;
     Ok(dev)
-}
-
-/// Device memory NCCL reduces in place: a bucket's own buffer, which another allocator owns.
-struct InPlace<T> {
-    ptr: cudarc::driver::sys::CUdeviceptr,
-    len: usize,
-    stream: Arc<CudaStream>,
-    _elem: PhantomData<T>,
-}
-
-impl<T> DeviceSlice<T> for InPlace<T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-}
-
-impl<T> DevicePtrMut<T> for InPlace<T> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        _stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        // The writer (the pack kernel) was waited for before the job was queued.
-        (self.ptr, SyncOnDrop::Record(None))
-    }
-}
-
-/// `ncclAllReduce` in place on a bucket's device memory, queued on the stream.
-fn in_place<T: NcclType>(
-    stream: &Arc<CudaStream>,
-    comm: &Comm,
-    ptr: u64,
-    len: usize,
-    op: &NcclOp,
-) -> Result<(), Failure> {
-    if len == 0 {
-        return Ok(());
-    }
-    let mut buf = InPlace::<T> {
-        ptr,
-        len,
-        stream: stream.clone(),
-        _elem: PhantomData,
-    };
-    comm.all_reduce_in_place(&mut buf, op)
-        .map(|_| ())
-        .map_err(|e| Failure::Call(format!("ncclAllReduce: {e:?}")))
 }
 
 /// The CUDA device that owns `ptr`, if the driver can say.
@@ -729,7 +837,8 @@ impl Communicator for NcclComm {
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
         match self.jobs.lock() {
-            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), buffer, what),
+            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), buffer, what)
+                .map_err(|e| self.refused(e)),
             Err(_) => Err(CommError::Closed {
                 rank: self.rank,
                 what,
@@ -756,6 +865,32 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce_device(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<DeviceLaunch, CommError> {
+        self.launch_device(bucket, what)
+            .map_err(|e| self.refused(e))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.control.abort(reason.to_string());
+    }
+}
+
+impl NcclComm {
+    /// A collective this rank could not queue aborts the rank (later calls fail with
+    /// [`CommError::Aborted`] and this reason): NCCL pairs the ranks' calls by their order, so
+    /// a later call of this rank would otherwise meet its peers' calls for this one.
+    fn refused(&self, e: CommError) -> CommError {
+        if !matches!(e, CommError::Aborted { .. }) {
+            self.control.abort(e.to_string());
+        }
+        e
+    }
+
+    /// [`Communicator::all_reduce_device`] before [`NcclComm::refused`].
+    fn launch_device(
         &self,
         bucket: Box<dyn DeviceBucket>,
         what: CollectiveDesc,
@@ -834,13 +969,6 @@ impl Communicator for NcclComm {
         } else {
             Err(CommError::Closed { rank, what })
         }
-    }
-
-    fn abort(&self, reason: &str) {
-        if let Ok(mut r) = self.control.reason.lock() {
-            *r = reason.to_string();
-        }
-        self.control.aborted.store(true, Ordering::SeqCst);
     }
 }
 
