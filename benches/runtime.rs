@@ -7,6 +7,9 @@
 //!   buffer (what the communicator takes) and back into device buffers: staged (each gradient
 //!   read into host memory, host pack and unpack, each written back) vs device buckets (CubeCL
 //!   pack and unpack on the device, one read and one write of the flat bucket).
+//! - `declined_read/{n}x{bytes}`: a backward pass of device work with a wgpu bucket launched over
+//!   a host communicator after each piece: the bucket read into host memory on the caller's
+//!   thread against on the communicator's; prints the time the caller spent in the launches.
 //!
 //! Run with `cargo bench --bench runtime`; criterion prints each throughput, the ratios are
 //! throughput(x) / throughput(memcpy) within one group.
@@ -271,5 +274,96 @@ fn bucket_io(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, allreduce, pack, bucket_io);
+/// A host communicator that reads a declined device bucket on the caller's thread (the
+/// trait's default), as the executor did before the host communicators read it on their own.
+struct CallerReads(collective_fusion::runtime::InProcessComm);
+
+impl Communicator for CallerReads {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<collective_fusion::runtime::PendingReduce, collective_fusion::runtime::CommError>
+    {
+        self.0.all_reduce(buffer, what)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.0.abort(reason)
+    }
+}
+
+/// A backward pass that queues device work and launches a declined device bucket after each
+/// piece (a wgpu bucket over a host communicator): the bucket read on the caller's thread
+/// (which then waits for the device before it can queue the next piece) against the read on
+/// the communicator's thread. Prints the time the caller spent in the launches.
+fn declined_read(c: &mut Criterion) {
+    const BUCKETS: usize = 8;
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    let bytes = 4 << 20;
+    let n = bytes / 4;
+    let grads = |n: usize| -> Vec<CubeGrad<WgpuRuntime>> {
+        (0..16)
+            .map(|i| {
+                let h = HostBuffer::F32(vec![0.5 + i as f32; n / 16]);
+                CubeGrad {
+                    client: client.clone(),
+                    handle: client.create_from_slice(h.as_bytes()),
+                    len: h.len(),
+                    dtype: DType::F32,
+                }
+            })
+            .collect()
+    };
+    // The bucket's gradients, and "backward work": a pack of four times as many bytes.
+    let (bucket_grads, work_grads) = (grads(n), grads(4 * n));
+    let members: Vec<&dyn DeviceGrad> = bucket_grads.iter().map(|g| g as &dyn DeviceGrad).collect();
+    let work: Vec<&dyn DeviceGrad> = work_grads.iter().map(|g| g as &dyn DeviceGrad).collect();
+    let (l, lw) = (layout(n, 16), layout(4 * n, 16));
+    let step = |comm: &dyn Communicator| -> Duration {
+        let mut in_launch = Duration::ZERO;
+        let mut pending = Vec::with_capacity(BUCKETS);
+        for _ in 0..BUCKETS {
+            let done = work[0].pack(&lw, &work, None).unwrap();
+            let flat = members[0].pack(&l, &members, Some(1)).unwrap().unwrap();
+            let t = std::time::Instant::now();
+            pending.push(comm.all_reduce_read(flat, desc(n)).unwrap());
+            in_launch += t.elapsed();
+            black_box(done);
+        }
+        for p in pending {
+            black_box(p.wait(Duration::from_secs(60)).unwrap());
+        }
+        in_launch
+    };
+    let on_comm = InProcessGroup::ranks(1, Duration::from_secs(60)).remove(0);
+    let on_caller = CallerReads(InProcessGroup::ranks(1, Duration::from_secs(60)).remove(0));
+    let mut g = c.benchmark_group(format!("declined_read/{BUCKETS}x{}KiB", bytes >> 10));
+    g.throughput(Throughput::Bytes((BUCKETS * bytes) as u64));
+    g.measurement_time(Duration::from_secs(5)).sample_size(10);
+    g.bench_function("read_on_caller", |b| b.iter(|| step(&on_caller)));
+    g.bench_function("read_on_comm_thread", |b| b.iter(|| step(&on_comm)));
+    g.finish();
+    let median = |comm: &dyn Communicator| {
+        let mut t: Vec<Duration> = (0..7).map(|_| step(comm)).collect();
+        t.sort();
+        t[3]
+    };
+    println!(
+        "declined_read/{BUCKETS}x{}KiB/caller: the backward thread spent {:.1} ms in the launches reading on it, {:.1} ms with the communicator's thread reading (medians of 7 steps)",
+        bytes >> 10,
+        median(&on_caller).as_secs_f64() * 1e3,
+        median(&on_comm).as_secs_f64() * 1e3,
+    );
+}
+
+criterion_group!(benches, allreduce, pack, bucket_io, declined_read);
 criterion_main!(benches);

@@ -570,3 +570,95 @@ fn the_calls_of_one_unpacked_collective_are_one_group() {
         }
     }
 }
+
+/// A device bucket double: holds host values, notes which thread reads it, and can fail the
+/// read. Only what the communicators call on a declined bucket is implemented.
+struct NotingBucket {
+    values: HostBuffer,
+    fail: bool,
+    read_on: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl collective_fusion::runtime::DeviceBucket for NotingBucket {
+    fn dtype(&self) -> collective_fusion::graph::DType {
+        self.values.dtype()
+    }
+
+    fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn read(&self) -> Result<HostBuffer, collective_fusion::runtime::host::KernelError> {
+        let name = std::thread::current().name().unwrap_or("?").to_string();
+        self.read_on.lock().unwrap().push(name);
+        if self.fail {
+            return Err(collective_fusion::runtime::host::KernelError::Device {
+                what: "reading packed bucket b0 from the device".into(),
+                why: "the device is lost".into(),
+            });
+        }
+        Ok(self.values.clone())
+    }
+
+    fn into_grad(self: Box<Self>) -> Box<dyn collective_fusion::runtime::DeviceGrad> {
+        unreachable!("a declined bucket is read, not unpacked on the device")
+    }
+}
+
+#[test]
+fn a_declined_device_bucket_is_read_on_the_communicators_thread_not_the_callers() {
+    let comms = InProcessGroup::ranks(2, Duration::from_secs(10));
+    let read_on = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let pending: Vec<_> = comms
+        .iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let bucket = NotingBucket {
+                values: HostBuffer::F32(vec![r as f32 + 1.0; 8]),
+                fail: false,
+                read_on: read_on.clone(),
+            };
+            c.all_reduce_read(Box::new(bucket), desc(0, 8)).unwrap()
+        })
+        .collect();
+    for p in pending {
+        let (out, _) = p.wait(Duration::from_secs(10)).unwrap();
+        assert!(out.bits_eq(&HostBuffer::F32(vec![3.0; 8])));
+    }
+    let mut names = read_on.lock().unwrap().clone();
+    names.sort();
+    assert_eq!(names, ["cf-comm-r0", "cf-comm-r1"]);
+}
+
+#[test]
+fn a_bucket_that_cannot_be_read_fails_its_rank_and_aborts_the_others_at_once() {
+    let comms = InProcessGroup::ranks(2, Duration::from_secs(60));
+    let read_on = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let p0 = comms[0]
+        .all_reduce(HostBuffer::F32(vec![1.0; 8]), desc(0, 8))
+        .unwrap();
+    let bad = NotingBucket {
+        values: HostBuffer::F32(vec![2.0; 8]),
+        fail: true,
+        read_on,
+    };
+    let p1 = comms[1].all_reduce_read(Box::new(bad), desc(0, 8)).unwrap();
+    let e1 = p1.wait(Duration::from_secs(30)).unwrap_err();
+    assert!(
+        matches!(&e1, CommError::Failed { rank: 1, .. }),
+        "rank 1: {e1}"
+    );
+    for needle in ["rank 1", "bucket b0", "the device is lost"] {
+        assert!(e1.to_string().contains(needle), "`{needle}` missing: {e1}");
+    }
+    // Rank 0 is not left waiting for its 60 s timeout: the group was aborted with the reason.
+    let e0 = p0.wait(Duration::from_secs(30)).unwrap_err();
+    assert!(
+        matches!(&e0, CommError::Aborted { rank: 0, reason, .. } if reason.contains("the device is lost")),
+        "rank 0: {e0}"
+    );
+}

@@ -123,10 +123,10 @@ pub enum CommError {
         /// Why the group was aborted (the first failure).
         reason: String,
     },
-    /// The transport reported an error during the collective (NCCL's or the device's, on the
-    /// call or asynchronously while waiting). The communicator is aborted: later collectives
-    /// fail with [`CommError::Aborted`] and this reason.
-    #[error("rank {rank}: {what} failed in the transport: {why}")]
+    /// The collective failed on this rank: the transport reported an error (NCCL's, on the
+    /// call or asynchronously while waiting), or the device did (reading the bucket, or the
+    /// stream). The rank is aborted: later collectives fail with [`CommError::Aborted`].
+    #[error("rank {rank}: {what} failed: {why}")]
     Failed {
         /// The rank reporting.
         rank: usize,
@@ -228,35 +228,91 @@ pub enum DeviceLaunch {
     Declined(Box<dyn DeviceBucket>),
 }
 
+/// A rank's part of a collective, as queued on its communicator's stream.
+pub(crate) enum Contribution {
+    /// Host memory.
+    Host(HostBuffer),
+    /// A bucket in device memory that the communicator does not reduce in place: its thread
+    /// reads it into host memory first ([`Contribution::into_host`]), so the thread that
+    /// packed it goes on.
+    Device(Box<dyn DeviceBucket>),
+}
+
+impl Contribution {
+    fn dtype(&self) -> DType {
+        match self {
+            Contribution::Host(b) => b.dtype(),
+            Contribution::Device(b) => b.dtype(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Contribution::Host(b) => b.len(),
+            Contribution::Device(b) => b.len(),
+        }
+    }
+
+    /// The contribution in host memory: a device bucket is read now, on the calling thread
+    /// (the communicator's). The device orders the read after the kernel that packed it; a
+    /// failed read is [`CommError::Failed`].
+    pub(crate) fn into_host(self, rank: usize, what: &CollectiveDesc) -> CommResult<HostBuffer> {
+        let start = Instant::now();
+        let buffer = match self {
+            Contribution::Host(b) => b,
+            Contribution::Device(b) => b.read().map_err(|e| CommError::Failed {
+                rank,
+                what: what.clone(),
+                why: e.to_string(),
+            })?,
+        };
+        Ok((
+            buffer,
+            CommSpan {
+                start,
+                end: Instant::now(),
+            },
+        ))
+    }
+}
+
 /// A collective queued on a communicator's stream (its thread).
 pub(crate) struct Job {
-    /// This rank's buffer.
-    pub buffer: HostBuffer,
+    /// This rank's part.
+    pub contribution: Contribution,
     /// What it is.
     pub what: CollectiveDesc,
     /// Where the outcome goes.
     pub reply: mpsc::Sender<CommResult>,
 }
 
-/// Checks that `buffer` is what `what` says (dtype, count), queues it on `stream` and returns
-/// the pending collective; a closed stream (`None`, or its thread gone) is
+/// Checks that `contribution` is what `what` says (dtype, count), queues it on `stream` and
+/// returns the pending collective; a closed stream (`None`, or its thread gone) is
 /// [`CommError::Closed`].
 pub(crate) fn enqueue<J: From<Job>>(
     rank: usize,
     stream: Option<&mpsc::Sender<J>>,
-    buffer: HostBuffer,
+    contribution: Contribution,
     what: CollectiveDesc,
 ) -> Result<PendingReduce, CommError> {
-    if buffer.dtype() != what.dtype || buffer.len() as u64 != what.count {
+    if contribution.dtype() != what.dtype || contribution.len() as u64 != what.count {
+        let kind = match contribution {
+            Contribution::Host(_) => "buffer",
+            Contribution::Device(_) => "bucket",
+        };
         return Err(CommError::Unsupported {
             rank,
             what,
-            why: format!("the buffer is {}[{}]", buffer.dtype(), buffer.len()),
+            why: format!(
+                "the {kind} is {}[{}]",
+                contribution.dtype(),
+                contribution.len()
+            ),
         });
     }
     let (reply, rx) = mpsc::channel();
     let job = Job {
-        buffer,
+        contribution,
         what: what.clone(),
         reply,
     };
@@ -303,6 +359,19 @@ pub trait Communicator: Send + Sync {
     ) -> Result<DeviceLaunch, CommError> {
         let _ = what;
         Ok(DeviceLaunch::Declined(bucket))
+    }
+    /// Enqueues an all-reduce of a device bucket that [`Communicator::all_reduce_device`]
+    /// declined: it is read into host memory and reduced as by [`Communicator::all_reduce`].
+    /// The host communicators read it on their own thread, in queue order, so the caller (the
+    /// backward pass that packed it) goes on queueing work instead of waiting for the device.
+    /// Default: reads it on the caller's thread, then [`Communicator::all_reduce`].
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        let (buffer, _) = Contribution::Device(bucket).into_host(self.rank(), &what)?;
+        self.all_reduce(buffer, what)
     }
     /// Fails the group: every rank's pending and future collectives return
     /// [`CommError::Aborted`] with `reason`, instead of waiting for this rank.

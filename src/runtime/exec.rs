@@ -246,13 +246,13 @@ enum Pending {
 
 impl Pending {
     /// Enqueues the all-reduce of `buf`: a device bucket goes to the communicator in place when
-    /// it reduces that memory, and is read into host memory for it otherwise.
+    /// it reduces that memory; otherwise the communicator reads it into host memory on its own
+    /// thread ([`Communicator::all_reduce_read`]), so this one goes on.
     fn launch(
         comm: &dyn Communicator,
         buf: Packed,
         what: CollectiveDesc,
         report: &mut ExecReport,
-        rank: usize,
     ) -> Result<Self, ExecError> {
         let bucket = match buf {
             Packed::Host(b) => return Ok(Pending::Host(comm.all_reduce(b, what)?)),
@@ -263,11 +263,9 @@ impl Pending {
                 report.device_collectives += 1;
                 Ok(Pending::Device(p))
             }
+            // Read into host memory on the communicator's thread, not this one.
             DeviceLaunch::Declined(bucket) => {
-                let b = bucket
-                    .read()
-                    .map_err(|source| ExecError::Kernel { rank, source })?;
-                Ok(Pending::Host(comm.all_reduce(b, what)?))
+                Ok(Pending::Host(comm.all_reduce_read(bucket, what)?))
             }
         }
     }
@@ -585,7 +583,7 @@ impl Execution {
                             why: format!("collective #{} is ready before its pack", c.id),
                         })?;
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
-                    InFlight::Bucket(Pending::launch(comm, buf, what, report, rank)?)
+                    InFlight::Bucket(Pending::launch(comm, buf, what, report)?)
                 } else {
                     // The calls of one collective launch together (one NCCL group).
                     let grouped = c.slots.len() > 1;
@@ -715,7 +713,7 @@ fn launch_slots(
             None => Packed::Host(g.into_host().map_err(kerr)?),
         };
         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
-        calls.push((*s, Pending::launch(comm, buf, what, report, rank)?));
+        calls.push((*s, Pending::launch(comm, buf, what, report)?));
     }
     Ok(calls)
 }

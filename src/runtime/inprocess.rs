@@ -22,7 +22,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::{Element, HostBuffer};
-use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
+use super::comm::{
+    CollectiveDesc, CommError, CommSpan, Communicator, Contribution, Job, PendingReduce,
+};
+use super::grad::DeviceBucket;
 use crate::graph::ReduceOp;
 
 /// Default bound on a rank's wait for the others.
@@ -430,18 +433,26 @@ impl InProcessGroup {
                 let worker = thread::Builder::new()
                     .name(format!("cf-comm-r{rank}"))
                     .spawn(move || {
-                        for (seq, mut job) in rx.into_iter().enumerate() {
-                            let res = sh.run(rank, seq as u64, &mut job.buffer, &job.what);
-                            let out = res.map(|start| {
-                                (
-                                    job.buffer,
-                                    CommSpan {
-                                        start,
-                                        end: Instant::now(),
-                                    },
-                                )
-                            });
-                            let _ = job.reply.send(out);
+                        for (seq, job) in rx.into_iter().enumerate() {
+                            let Job {
+                                contribution,
+                                what,
+                                reply,
+                            } = job;
+                            let out = match contribution.into_host(rank, &what) {
+                                Ok((mut buffer, _)) => {
+                                    sh.run(rank, seq as u64, &mut buffer, &what).map(|start| {
+                                        let end = Instant::now();
+                                        (buffer, CommSpan { start, end })
+                                    })
+                                }
+                                Err(e) => {
+                                    // This rank will not arrive: the others stop waiting.
+                                    sh.abort(e.to_string());
+                                    Err(e)
+                                }
+                            };
+                            let _ = reply.send(out);
                         }
                     })
                     .expect("spawning a communication thread");
@@ -480,7 +491,25 @@ impl Communicator for InProcessComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(self.rank, self.tx.as_ref(), buffer, what)
+        super::comm::enqueue(
+            self.rank,
+            self.tx.as_ref(),
+            Contribution::Host(buffer),
+            what,
+        )
+    }
+
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        super::comm::enqueue(
+            self.rank,
+            self.tx.as_ref(),
+            Contribution::Device(bucket),
+            what,
+        )
     }
 
     fn abort(&self, reason: &str) {

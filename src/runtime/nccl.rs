@@ -12,7 +12,9 @@
 //!   launched the kernel goes on), and `ncclAllReduce` runs on the communicator's stream over
 //!   the bucket's own memory; nothing crosses to the host;
 //! - a host buffer (the gradients of a host inner backend such as NdArray) is copied to the
-//!   device on the communicator's stream, reduced in place, and copied back.
+//!   device on the communicator's stream, reduced in place, and copied back; a device bucket
+//!   it declines (another GPU's memory, wgpu's) is first read into host memory on the comm
+//!   thread ([`Communicator::all_reduce_read`]).
 //!
 //! Either way the call is `ncclSum`, or `ncclAvg` for a mean. The calls of one plan collective
 //! (several gradients reduced without a bucket) launch inside one `ncclGroupStart`/
@@ -43,7 +45,8 @@ use half::{bf16, f16};
 
 use super::buffer::HostBuffer;
 use super::comm::{
-    CollectiveDesc, CommError, CommResult, CommSpan, Communicator, DeviceLaunch, Job, PendingReduce,
+    CollectiveDesc, CommError, CommResult, CommSpan, Communicator, Contribution, DeviceLaunch, Job,
+    PendingReduce,
 };
 use super::grad::{CudaMemory, DeviceBucket};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
@@ -92,7 +95,9 @@ pub enum NcclInitError {
         /// The ranks on it.
         ranks: Vec<usize>,
     },
-    /// `ncclCommInitRank` did not return within the timeout (a rank never called it).
+    /// `ncclCommInitRank` did not return within the timeout (a rank never called it). The
+    /// blocking call cannot be cancelled: its thread stays in it, idle, until the process ends
+    /// or the missing rank arrives.
     #[error("NCCL: rank {rank}: ncclCommInitRank did not complete within {waited:?}")]
     InitTimeout {
         /// The rank.
@@ -247,7 +252,18 @@ enum NcclJob {
     /// Closes a group.
     GroupEnd,
     /// A host buffer: copied over, reduced, copied back.
-    Host(Job),
+    Host {
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+        reply: mpsc::Sender<CommResult>,
+    },
+    /// A device bucket this communicator does not reduce in place: read on the comm thread,
+    /// then a [`NcclJob::Host`].
+    Read {
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+        reply: mpsc::Sender<CommResult>,
+    },
     /// A device bucket, reduced in place.
     Device {
         bucket: Box<dyn DeviceBucket>,
@@ -259,7 +275,23 @@ enum NcclJob {
 
 impl From<Job> for NcclJob {
     fn from(job: Job) -> Self {
-        NcclJob::Host(job)
+        let Job {
+            contribution,
+            what,
+            reply,
+        } = job;
+        match contribution {
+            Contribution::Host(buffer) => NcclJob::Host {
+                buffer,
+                what,
+                reply,
+            },
+            Contribution::Device(bucket) => NcclJob::Read {
+                bucket,
+                what,
+                reply,
+            },
+        }
     }
 }
 
@@ -520,25 +552,20 @@ fn run_jobs(
             .filter_map(|job| unissued(job).map(|i| (i, None)))
             .collect(),
         Some(c) => {
-            // First each device bucket's pack kernel is waited for (on this thread, so the
-            // backward thread that launched it went on), then the calls are issued.
+            // First each device bucket's pack kernel is waited for, and each declined bucket
+            // read (on this thread, so the backward thread that launched the kernel went on);
+            // then the calls are issued, none if any of that failed (the rank aborts).
             let ready: Vec<(Issued, Result<(), Failure>)> = jobs
                 .into_iter()
-                .filter_map(|j| {
-                    let mut i = unissued(j)?;
-                    let r = match &mut i.job {
-                        NcclJob::Device { memory, .. } => {
-                            memory.wait_ready().map_err(Failure::Local)
-                        }
-                        _ => Ok(()),
-                    };
-                    Some((i, r))
-                })
+                .filter_map(|j| unissued(j).map(prepare))
                 .collect();
-            let opened = if grouped {
+            let refused = ready.iter().find_map(|(_, r)| r.clone().err());
+            let opened = if let Some(first) = refused {
+                Err(first)
+            } else if grouped {
                 cudarc::nccl::result::group_start()
                     .map(|_| ())
-                    .map_err(|e| Failure::Nccl(format!("ncclGroupStart: {}", nccl_why(&e))))
+                    .map_err(|e| Failure::Failed(format!("ncclGroupStart: {}", nccl_why(&e))))
             } else {
                 Ok(())
             };
@@ -546,15 +573,15 @@ fn run_jobs(
                 .into_iter()
                 .map(|(i, r)| match (&opened, r) {
                     (Ok(()), Ok(())) => issue(stream, c, i),
-                    (Err(e), _) => (i, Err(e.clone())),
                     (_, Err(e)) => (i, Err(e)),
+                    (Err(e), _) => (i, Err(e.clone())),
                 })
                 .collect();
             if grouped
                 && opened.is_ok()
                 && let Err(e) = cudarc::nccl::result::group_end()
             {
-                let why = Failure::Nccl(format!("ncclGroupEnd: {}", nccl_why(&e)));
+                let why = Failure::Failed(format!("ncclGroupEnd: {}", nccl_why(&e)));
                 for (_, r) in &mut issued {
                     *r = Err(why.clone());
                 }
@@ -572,10 +599,20 @@ fn run_jobs(
     };
     for (Issued { job, dev }, done) in issued {
         match job {
-            NcclJob::Host(mut job) => {
-                let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut job.buffer)));
-                let out = outcome(rank, comm, done, job.buffer, job.what, start, control);
-                let _ = job.reply.send(out);
+            NcclJob::Host {
+                mut buffer,
+                what,
+                reply,
+            } => {
+                let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut buffer)));
+                let _ = reply.send(outcome(rank, comm, done, buffer, what, start, control));
+            }
+            NcclJob::Read { what, reply, .. } => {
+                // Still unread: its read failed, or the rank was aborted before it.
+                let unread = || Failure::Local("the declined bucket was not read".into());
+                let done = done.map(|r| r.and(Err(unread())));
+                let none = HostBuffer::F32(Vec::new());
+                let _ = reply.send(outcome(rank, comm, done, none, what, start, control));
             }
             NcclJob::Device {
                 bucket,
@@ -592,6 +629,38 @@ fn run_jobs(
     }
 }
 
+/// Makes a job ready to issue on this thread: waits for a device bucket's pack kernel; reads
+/// a declined bucket into host memory (a [`NcclJob::Host`] then).
+fn prepare(mut i: Issued) -> (Issued, Result<(), Failure>) {
+    let r = match i.job {
+        NcclJob::Device { ref mut memory, .. } => memory.wait_ready().map_err(Failure::Failed),
+        NcclJob::Read {
+            bucket,
+            what,
+            reply,
+        } => match bucket.read() {
+            Ok(buffer) => {
+                i.job = NcclJob::Host {
+                    buffer,
+                    what,
+                    reply,
+                };
+                Ok(())
+            }
+            Err(e) => {
+                i.job = NcclJob::Read {
+                    bucket,
+                    what,
+                    reply,
+                };
+                Err(Failure::Failed(e.to_string()))
+            }
+        },
+        _ => Ok(()),
+    };
+    (i, r)
+}
+
 /// A job as not yet issued (`None` for the group markers).
 fn unissued(job: NcclJob) -> Option<Issued> {
     match job {
@@ -604,9 +673,10 @@ fn unissued(job: NcclJob) -> Option<Issued> {
 /// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
 fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result<(), Failure>) {
     let issued = match &i.job {
-        NcclJob::Host(job) => {
-            let op = job.what.op;
-            match &job.buffer {
+        NcclJob::Read { .. } => Err(Failure::Local("the declined bucket was not read".into())),
+        NcclJob::Host { buffer, what, .. } => {
+            let op = what.op;
+            match buffer {
                 b if b.is_empty() => Ok(None),
                 HostBuffer::F32(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F32(d))),
                 HostBuffer::F64(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F64(d))),
@@ -642,7 +712,7 @@ fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result
                     }
                 }
             }
-            .map_err(Failure::Nccl)
+            .map_err(Failure::Failed)
             .map(|()| None)
         }
         NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
@@ -713,7 +783,7 @@ fn outcome<T>(
             abort(comm, format!("rank {rank}: {what}: {why}"));
             Err(CommError::Unsupported { rank, what, why })
         }
-        Some(Err(Failure::Nccl(why))) => {
+        Some(Err(Failure::Failed(why))) => {
             abort(comm, format!("rank {rank}: {what} failed: {why}"));
             Err(CommError::Failed { rank, what, why })
         }
@@ -744,7 +814,7 @@ enum Failure {
     /// otherwise meet its peers' calls for this one, as NCCL pairs calls by their order.
     Local(String),
     /// NCCL or the device reported an error on the call, or while it ran (this rank aborts).
-    Nccl(String),
+    Failed(String),
     /// The stream did not pass the call within the timeout (this rank aborts).
     Timeout,
     /// This rank was aborted while waiting.
@@ -753,7 +823,7 @@ enum Failure {
 
 /// A CUDA driver error on a copy this rank queued: the device is in trouble, so the rank aborts.
 fn device_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Failure + '_ {
-    move |e| Failure::Nccl(format!("{what}: {e:?}"))
+    move |e| Failure::Failed(format!("{what}: {e:?}"))
 }
 
 /// Waits (bounded, abortable) for everything queued on `stream` so far, and fails early on a
@@ -772,10 +842,10 @@ fn await_stream(
         match done.try_is_complete() {
             Ok(true) => return Ok(()),
             Ok(false) => {}
-            Err(e) => return Err(Failure::Nccl(format!("the comm stream failed: {e:?}"))),
+            Err(e) => return Err(Failure::Failed(format!("the comm stream failed: {e:?}"))),
         }
         if let Some(why) = comm.async_error() {
-            return Err(Failure::Nccl(why));
+            return Err(Failure::Failed(why));
         }
         if control.aborted.load(Ordering::SeqCst) {
             return Err(Failure::Aborted);
@@ -803,7 +873,7 @@ fn to_device<T: DeviceRepr + ValidAsZeroBits + NcclType>(
     // copy queued before on the same stream and read back only after the stream passes.
     let reduced = unsafe { comm.all_reduce_in_place::<T>(ptr, len, op, stream) };
     drop(written);
-    reduced.map_err(Failure::Nccl)?;
+    reduced.map_err(Failure::Failed)?;
     Ok(dev)
 }
 
@@ -837,8 +907,10 @@ impl Communicator for NcclComm {
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
         match self.jobs.lock() {
-            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), buffer, what)
-                .map_err(|e| self.refused(e)),
+            Ok(jobs) => {
+                super::comm::enqueue(self.rank, jobs.as_ref(), Contribution::Host(buffer), what)
+                    .map_err(|e| self.refused(e))
+            }
             Err(_) => Err(CommError::Closed {
                 rank: self.rank,
                 what,
@@ -871,6 +943,23 @@ impl Communicator for NcclComm {
     ) -> Result<DeviceLaunch, CommError> {
         self.launch_device(bucket, what)
             .map_err(|e| self.refused(e))
+    }
+
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        match self.jobs.lock() {
+            Ok(jobs) => {
+                super::comm::enqueue(self.rank, jobs.as_ref(), Contribution::Device(bucket), what)
+                    .map_err(|e| self.refused(e))
+            }
+            Err(_) => Err(CommError::Closed {
+                rank: self.rank,
+                what,
+            }),
+        }
     }
 
     fn abort(&self, reason: &str) {

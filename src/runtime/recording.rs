@@ -84,7 +84,7 @@ impl<C: Communicator> Communicator for Recording<C> {
         what: CollectiveDesc,
     ) -> Result<DeviceLaunch, CommError> {
         let launch = self.inner.all_reduce_device(bucket, what.clone())?;
-        // A declined bucket comes back through `all_reduce`, which records it then.
+        // A declined bucket comes back through `all_reduce_read`, which records it then.
         if let DeviceLaunch::Launched(_) = launch {
             self.calls
                 .lock()
@@ -92,6 +92,18 @@ impl<C: Communicator> Communicator for Recording<C> {
                 .push(what);
         }
         Ok(launch)
+    }
+
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        self.calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(what.clone());
+        self.inner.all_reduce_read(bucket, what)
     }
 
     fn abort(&self, reason: &str) {

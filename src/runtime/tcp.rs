@@ -30,7 +30,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, Job, PendingReduce};
+use super::comm::{
+    CollectiveDesc, CommError, CommSpan, Communicator, Contribution, Job, PendingReduce,
+};
+use super::grad::DeviceBucket;
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::{DType, ReduceOp};
 
@@ -176,12 +179,16 @@ impl TcpComm {
                 let mut links = links;
                 for job in rx {
                     let Job {
-                        mut buffer,
+                        contribution,
                         what,
                         reply,
                     } = job;
-                    let out = run(&sh, &mut links, world, timeout, &mut buffer, &what)
-                        .map(|span| (buffer, span));
+                    let out = contribution
+                        .into_host(rank, &what)
+                        .and_then(|(mut buffer, _)| {
+                            run(&sh, &mut links, world, timeout, &mut buffer, &what)
+                                .map(|span| (buffer, span))
+                        });
                     if let Err(e) = &out {
                         sh.abort(e.to_string());
                     }
@@ -490,7 +497,25 @@ impl Communicator for TcpComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(self.rank, self.tx.as_ref(), buffer, what)
+        super::comm::enqueue(
+            self.rank,
+            self.tx.as_ref(),
+            Contribution::Host(buffer),
+            what,
+        )
+    }
+
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        super::comm::enqueue(
+            self.rank,
+            self.tx.as_ref(),
+            Contribution::Device(bucket),
+            what,
+        )
     }
 
     fn abort(&self, reason: &str) {
