@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, DeviceLaunch, PendingReduce};
-use super::grad::{DeviceBucket, DeviceGrad, Grad, Packed};
+use super::grad::{DeviceBucket, DeviceGrad, Grad, Packed, WholeGrad};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::graph::DType;
@@ -691,7 +691,7 @@ impl Execution {
 
 /// Enqueues one all-reduce per slot of an unpacked collective. A device gradient goes to a
 /// communicator that reduces device memory as a copy (its buffer may be shared), else to the
-/// host.
+/// communicator to read into host memory on its own thread.
 fn launch_slots(
     plan: &Plan,
     c: &PlanCollective,
@@ -708,9 +708,11 @@ fn launch_slots(
             Some(d) if comm.reduces_device_memory() => d.copy_to_bucket().map_err(kerr)?,
             _ => None,
         };
-        let buf = match copy {
-            Some(bucket) => Packed::Device(bucket),
-            None => Packed::Host(g.into_host().map_err(kerr)?),
+        let buf = match (copy, g) {
+            (Some(bucket), _) => Packed::Device(bucket),
+            // Read on the communicator's thread, as a declined bucket of one.
+            (None, Grad::Device(d)) => Packed::Device(Box::new(WholeGrad(d))),
+            (None, Grad::Host(b)) => Packed::Host(b),
         };
         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
         calls.push((*s, Pending::launch(comm, buf, what, report)?));

@@ -102,6 +102,33 @@ pub trait DeviceBucket: Send + 'static {
     }
 }
 
+/// A device gradient with an all-reduce of its own, handed to a communicator that does not
+/// reduce its memory as a bucket of one, so that the communicator reads it into host memory
+/// on its own thread ([`Communicator::all_reduce_read`](super::Communicator::all_reduce_read)).
+pub(crate) struct WholeGrad(pub Box<dyn DeviceGrad>);
+
+impl DeviceBucket for WholeGrad {
+    fn dtype(&self) -> DType {
+        self.0.dtype()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn read(&self) -> Result<HostBuffer, KernelError> {
+        self.0.read()
+    }
+
+    fn into_grad(self: Box<Self>) -> Box<dyn DeviceGrad> {
+        self.0
+    }
+}
+
 /// Waits until the kernels that wrote a bucket have finished; an error names what failed.
 pub type ReadyWait = Box<dyn FnOnce() -> Result<(), String> + Send>;
 

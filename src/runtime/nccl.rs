@@ -906,16 +906,7 @@ impl Communicator for NcclComm {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        match self.jobs.lock() {
-            Ok(jobs) => {
-                super::comm::enqueue(self.rank, jobs.as_ref(), Contribution::Host(buffer), what)
-                    .map_err(|e| self.refused(e))
-            }
-            Err(_) => Err(CommError::Closed {
-                rank: self.rank,
-                what,
-            }),
-        }
+        self.enqueue(Contribution::Host(buffer), what)
     }
 
     fn reduces_device_memory(&self) -> bool {
@@ -950,16 +941,7 @@ impl Communicator for NcclComm {
         bucket: Box<dyn DeviceBucket>,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        match self.jobs.lock() {
-            Ok(jobs) => {
-                super::comm::enqueue(self.rank, jobs.as_ref(), Contribution::Device(bucket), what)
-                    .map_err(|e| self.refused(e))
-            }
-            Err(_) => Err(CommError::Closed {
-                rank: self.rank,
-                what,
-            }),
-        }
+        self.enqueue(Contribution::Device(bucket), what)
     }
 
     fn abort(&self, reason: &str) {
@@ -968,6 +950,22 @@ impl Communicator for NcclComm {
 }
 
 impl NcclComm {
+    /// Queues a host-path collective on the comm thread.
+    fn enqueue(
+        &self,
+        contribution: Contribution,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        match self.jobs.lock() {
+            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), contribution, what)
+                .map_err(|e| self.refused(e)),
+            Err(_) => Err(CommError::Closed {
+                rank: self.rank,
+                what,
+            }),
+        }
+    }
+
     /// A collective this rank could not queue aborts the rank (later calls fail with
     /// [`CommError::Aborted`] and this reason): NCCL pairs the ranks' calls by their order, so
     /// a later call of this rank would otherwise meet its peers' calls for this one.
