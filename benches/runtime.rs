@@ -178,6 +178,25 @@ fn pack(c: &mut Criterion) {
     }
 }
 
+/// Sixteen wgpu gradients of `n / 16` f32 each, gradient `i` filled with `base + i`.
+fn sixteen_grads(
+    client: &ComputeClient<WgpuRuntime>,
+    n: usize,
+    base: f32,
+) -> Vec<CubeGrad<WgpuRuntime>> {
+    (0..16)
+        .map(|i| {
+            let h = HostBuffer::F32(vec![base + i as f32; n / 16]);
+            CubeGrad {
+                client: client.clone(),
+                handle: client.create_from_slice(h.as_bytes()),
+                len: h.len(),
+                dtype: DType::F32,
+            }
+        })
+        .collect()
+}
+
 fn bucket_io(c: &mut Criterion) {
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
     for bytes in SIZES {
@@ -186,17 +205,7 @@ fn bucket_io(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("bucket_io/{}KiB", bytes >> 10));
         g.throughput(Throughput::Bytes(bytes as u64));
         g.measurement_time(Duration::from_secs(3)).sample_size(10);
-        let grads: Vec<CubeGrad<WgpuRuntime>> = (0..16)
-            .map(|i| {
-                let h = HostBuffer::F32(vec![1.5 + i as f32; n / 16]);
-                CubeGrad {
-                    client: client.clone(),
-                    handle: client.create_from_slice(h.as_bytes()),
-                    len: h.len(),
-                    dtype: DType::F32,
-                }
-            })
-            .collect();
+        let grads = sixteen_grads(&client, n, 1.5);
         let members: Vec<&dyn DeviceGrad> = grads.iter().map(|g| g as &dyn DeviceGrad).collect();
         g.bench_function("host_staged", |b| {
             b.iter(|| {
@@ -310,19 +319,7 @@ fn declined_read(c: &mut Criterion) {
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
     let bytes = 4 << 20;
     let n = bytes / 4;
-    let grads = |n: usize| -> Vec<CubeGrad<WgpuRuntime>> {
-        (0..16)
-            .map(|i| {
-                let h = HostBuffer::F32(vec![0.5 + i as f32; n / 16]);
-                CubeGrad {
-                    client: client.clone(),
-                    handle: client.create_from_slice(h.as_bytes()),
-                    len: h.len(),
-                    dtype: DType::F32,
-                }
-            })
-            .collect()
-    };
+    let grads = |n: usize| sixteen_grads(&client, n, 0.5);
     // The bucket's gradients, and "backward work": a pack of four times as many bytes.
     let (bucket_grads, work_grads) = (grads(n), grads(4 * n));
     let members: Vec<&dyn DeviceGrad> = bucket_grads.iter().map(|g| g as &dyn DeviceGrad).collect();

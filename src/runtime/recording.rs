@@ -39,6 +39,13 @@ impl<C: Communicator> Recording<C> {
     pub fn calls(&self) -> Vec<CollectiveDesc> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    fn note(&self, what: &CollectiveDesc) {
+        self.calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(what.clone());
+    }
 }
 
 impl<C: Communicator> Communicator for Recording<C> {
@@ -55,10 +62,7 @@ impl<C: Communicator> Communicator for Recording<C> {
         buffer: HostBuffer,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        self.calls
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(what.clone());
+        self.note(&what);
         self.inner.all_reduce(buffer, what)
     }
 
@@ -86,10 +90,7 @@ impl<C: Communicator> Communicator for Recording<C> {
         let launch = self.inner.all_reduce_device(bucket, what.clone())?;
         // A declined bucket comes back through `all_reduce_read`, which records it then.
         if let DeviceLaunch::Launched(_) = launch {
-            self.calls
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(what);
+            self.note(&what);
         }
         Ok(launch)
     }
@@ -99,10 +100,7 @@ impl<C: Communicator> Communicator for Recording<C> {
         bucket: Box<dyn DeviceBucket>,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        self.calls
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(what.clone());
+        self.note(&what);
         self.inner.all_reduce_read(bucket, what)
     }
 
