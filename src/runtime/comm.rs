@@ -224,7 +224,7 @@ pub enum DeviceLaunch {
     /// Enqueued, to be reduced in place in device memory; the bucket comes back reduced.
     Launched(PendingReduce<Box<dyn DeviceBucket>>),
     /// This communicator does not reduce that device's memory: the bucket is handed back, for
-    /// the caller to read into host memory and pass to [`Communicator::all_reduce`].
+    /// the caller to pass to [`Communicator::all_reduce_read`].
     Declined(Box<dyn DeviceBucket>),
 }
 

@@ -10,8 +10,8 @@
 //!
 //! A bucket packed on the device stays there ([`DeviceBucket`]) until its collective: a
 //! communicator that reduces that device's memory (NCCL on the bucket's GPU) reduces it in
-//! place, and the unpack reads it on the device; any other communicator gets it read into host
-//! memory, and the unpack writes the reduced bucket back first.
+//! place, and the unpack reads it on the device; any other communicator reads it into host
+//! memory on its own thread, and the unpack writes the reduced bucket back first.
 
 use std::any::Any;
 
