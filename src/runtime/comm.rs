@@ -256,23 +256,19 @@ impl Contribution {
     /// The contribution in host memory: a device bucket is read now, on the calling thread
     /// (the communicator's). The device orders the read after the kernel that packed it; a
     /// failed read is [`CommError::Failed`].
-    pub(crate) fn into_host(self, rank: usize, what: &CollectiveDesc) -> CommResult<HostBuffer> {
-        let start = Instant::now();
-        let buffer = match self {
-            Contribution::Host(b) => b,
+    pub(crate) fn into_host(
+        self,
+        rank: usize,
+        what: &CollectiveDesc,
+    ) -> Result<HostBuffer, CommError> {
+        match self {
+            Contribution::Host(b) => Ok(b),
             Contribution::Device(b) => b.read().map_err(|e| CommError::Failed {
                 rank,
                 what: what.clone(),
                 why: e.to_string(),
-            })?,
-        };
-        Ok((
-            buffer,
-            CommSpan {
-                start,
-                end: Instant::now(),
-            },
-        ))
+            }),
+        }
     }
 }
 
@@ -370,7 +366,7 @@ pub trait Communicator: Send + Sync {
         bucket: Box<dyn DeviceBucket>,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        let (buffer, _) = Contribution::Device(bucket).into_host(self.rank(), &what)?;
+        let buffer = Contribution::Device(bucket).into_host(self.rank(), &what)?;
         self.all_reduce(buffer, what)
     }
     /// Fails the group: every rank's pending and future collectives return

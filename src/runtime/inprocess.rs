@@ -440,7 +440,7 @@ impl InProcessGroup {
                                 reply,
                             } = job;
                             let out = match contribution.into_host(rank, &what) {
-                                Ok((mut buffer, _)) => {
+                                Ok(mut buffer) => {
                                     sh.run(rank, seq as u64, &mut buffer, &what).map(|start| {
                                         let end = Instant::now();
                                         (buffer, CommSpan { start, end })

@@ -183,12 +183,10 @@ impl TcpComm {
                         what,
                         reply,
                     } = job;
-                    let out = contribution
-                        .into_host(rank, &what)
-                        .and_then(|(mut buffer, _)| {
-                            run(&sh, &mut links, world, timeout, &mut buffer, &what)
-                                .map(|span| (buffer, span))
-                        });
+                    let out = contribution.into_host(rank, &what).and_then(|mut buffer| {
+                        run(&sh, &mut links, world, timeout, &mut buffer, &what)
+                            .map(|span| (buffer, span))
+                    });
                     if let Err(e) = &out {
                         sh.abort(e.to_string());
                     }
