@@ -1,16 +1,31 @@
 #!/usr/bin/env python3
-"""Generates src/backend/ops.rs: `Collective<I>`'s implementation of every required method of
-Burn's op traits. An op of the `LAZY` table records a node (`lazy.rs`) with its shape and dtype
-rule and returns at once; the inner backend runs it when the value is needed. Every other op
-runs eagerly: it forces its inputs, calls the inner backend `I`, and wraps the results with the
-rank of the first tensor or device argument.
+"""Generates src/backend/ops.rs: `Collective<I>`'s implementation of *every* method of Burn's op
+traits, required or with a default body, so that `Collective<I>` computes exactly what `I`
+computes (a default body of Burn's would bypass the inner backend's own implementation).
 
-Usage: scripts/gen_backend_ops.py BURN_BACKEND_SRC > src/backend/ops.rs && cargo fmt
-where BURN_BACKEND_SRC is the `src` folder of the burn-backend crate the project depends on
-(after `cargo fetch`, under cargo's registry folder).
+The generator holds no rules. It emits plumbing only:
+- An op that has a function of the same name in `src/backend/op_table.rs` (the record rules,
+  Rust) records a node: its rule gets what is known of each tensor argument (`Meta`) and a
+  reference to every other argument, and the node calls `I::<op>` when it runs.
+- Every other op runs eagerly: it forces its tensor inputs, calls `I::<op>` and wraps the results
+  with the rank of its device argument or first tensor (a float/int/bool result computed from
+  tensors is logged, so the step graph stays connected through it).
+
+Usage:
+  scripts/gen_backend_ops.py BURN_BACKEND_SRC            # writes src/backend/ops.rs (rustfmt'd)
+  scripts/gen_backend_ops.py BURN_BACKEND_SRC --check    # exits 1 if src/backend/ops.rs is stale
+BURN_BACKEND_SRC is the `src` folder of the burn-backend crate the project depends on; without
+it, the script asks `cargo metadata` where that is.
 """
+import json
+import os
 import re
+import subprocess
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "src/backend/ops.rs")
+TABLE = os.path.join(ROOT, "src/backend/op_table.rs")
 
 TRAITS = [
     ("backend/ops/tensor.rs", "FloatTensorOps"),
@@ -18,78 +33,32 @@ TRAITS = [
     ("backend/ops/bool_tensor.rs", "BoolTensorOps"),
     ("backend/ops/qtensor.rs", "QTensorOps"),
     ("backend/ops/modules/base.rs", "ModuleOps"),
+    ("backend/ops/activation.rs", "ActivationOps"),
+    ("backend/ops/transaction.rs", "TransactionOps"),
 ]
-TENSORS = ("FloatTensor", "IntTensor", "BoolTensor", "QuantizedTensor")
-SPECIAL_RET = {
-    "MaxPool2dWithIndices<B>": "wrap_max_pool2d_with_indices",
-    "MaxPool2dBackward<B>": "wrap_max_pool2d_backward",
-    "DeformConv2dBackward<B>": "wrap_deform_conv2d_backward",
+KINDS = {"FloatTensor": "float", "IntTensor": "int", "BoolTensor": "bool", "QuantizedTensor": "q"}
+# Results whose tensors the `forward` module wraps (pooling with indices, backward structs).
+WRAPPED = {
+    "MaxPool1dWithIndices<B>": "max_pool_with_indices_1d",
+    "MaxPool1dBackward<B>": "max_pool_backward_1d",
+    "MaxPool2dWithIndices<B>": "max_pool_with_indices_2d",
+    "MaxPool2dBackward<B>": "max_pool_backward_2d",
+    "DeformConv2dBackward<B>": "deform_conv2d_backward",
 }
-
-
-def same(t):
-    return (f"{t}.shape_hint()", f"{t}.dtype_hint()")
-
-
-def bcast(a, b, dtype=True):
-    return (f"rules::broadcast({a}.shape_hint(), {b}.shape_hint())", f"{a}.dtype_hint()" if dtype else "None")
-
-
-UNARY = """recip exp log log1p sqrt abs cos sin tan cosh sinh tanh acos acosh asin asinh atan atanh
-round floor ceil trunc erf""".split()
-SCALAR = "add_scalar sub_scalar mul_scalar div_scalar remainder_scalar".split()
-BINARY = "add sub mul div remainder powf atan2".split()
-COMPARE = "equal greater greater_equal lower lower_equal".split()
-
-# op -> (shape expression, dtype expression) over the op's argument names.
-LAZY = {}
-for op in UNARY:
-    LAZY[f"float_{op}"] = same("tensor")
-for op in SCALAR:
-    LAZY[f"float_{op}"] = same("lhs")
-for op in BINARY:
-    LAZY[f"float_{op}"] = bcast("lhs", "rhs")
-for op in COMPARE:
-    LAZY[f"float_{op}"] = (bcast("lhs", "rhs")[0], "Some(DType::from(out_dtype))")
-    LAZY[f"float_{op}_elem"] = ("lhs.shape_hint()", "Some(DType::from(out_dtype))")
-LAZY.update({
-    "float_powf_scalar_impl": same("tensor"),
-    "float_cumsum": same("tensor"),
-    "float_cumprod": same("tensor"),
-    "float_mask_fill": same("tensor"),
-    "float_mask_where": ("rules::broadcast3(tensor.shape_hint(), mask.shape_hint(), value.shape_hint())", "tensor.dtype_hint()"),
-    "float_matmul": ("rules::matmul(lhs.shape_hint(), rhs.shape_hint())", "lhs.dtype_hint()"),
-    "float_swap_dims": ("rules::swap(tensor.shape_hint(), dim1, dim2)", "tensor.dtype_hint()"),
-    "float_permute": ("rules::permute(tensor.shape_hint(), axes)", "tensor.dtype_hint()"),
-    "float_reshape": ("Some(shape.clone())", "tensor.dtype_hint()"),
-    "float_expand": ("Some(shape.clone())", "tensor.dtype_hint()"),
-    "float_sum": ("rules::scalar()", "tensor.dtype_hint()"),
-    "float_sum_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
-    "float_mean_dim": ("rules::reduce_dim(tensor.shape_hint(), dim)", "tensor.dtype_hint()"),
-    "float_cast": ("tensor.shape_hint()", "Some(DType::from(dtype))"),
-    "float_argmax": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
-    "float_argmin": ("rules::reduce_dim(tensor.shape_hint(), dim)", "Some(DType::from(out_dtype))"),
-    # Cross-entropy's gather and its backward; embeddings' select and its backward.
-    "float_gather": ("indices.shape_hint()", "tensor.dtype_hint()"),
-    "float_scatter_add": same("tensor"),
-    "float_select": ("rules::select(tensor.shape_hint(), dim, indices.shape_hint())", "tensor.dtype_hint()"),
-    "float_select_add": same("tensor"),
-    "conv2d": ("rules::conv(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
-    "conv_transpose2d": ("rules::conv_transpose(x.shape_hint(), weight.shape_hint(), &options)", "x.dtype_hint()"),
-})
-# op -> (kind, flops expression); the default is elementwise, one flop per result element.
-KIND = {
-    "float_matmul": ("matmul", "rules::matmul_flops(&node_shape, &lhs.shape_hint())"),
-    "conv2d": ("conv", "rules::conv_flops(&node_shape, &weight.shape_hint())"),
-    "conv_transpose2d": ("conv", "rules::conv_flops(&x.shape_hint(), &weight.shape_hint())"),
-}
-for op in ["float_sum", "float_sum_dim", "float_mean_dim", "float_argmax", "float_argmin", "float_cumsum", "float_cumprod"]:
-    KIND[op] = ("reduction", "rules::numel(&tensor.shape_hint())")
-for op in ["float_swap_dims", "float_permute", "float_reshape", "float_expand"]:
-    KIND[op] = ("opaque", "0")
-
 # Borrowed arguments a recorded closure keeps as an owned copy.
 OWNED = {"&[usize]": "to_vec()"}
+
+
+def burn_backend_src():
+    host = next(l.split(": ", 1)[1] for l in subprocess.check_output(
+        ["rustc", "-vV"], text=True).splitlines() if l.startswith("host: "))
+    meta = json.loads(subprocess.check_output(
+        ["cargo", "metadata", "--format-version", "1", "--locked", "--filter-platform", host],
+        cwd=ROOT))
+    for p in meta["packages"]:
+        if p["name"] == "burn-backend":
+            return os.path.join(os.path.dirname(p["manifest_path"]), "src")
+    raise SystemExit("burn-backend is not a dependency")
 
 
 def split_args(args):
@@ -109,154 +78,263 @@ def split_args(args):
     return [a.strip() for a in out if a.strip()]
 
 
-def trait_methods(src, trait):
+def trait_body(src, trait):
+    """The text between the trait's braces, comments removed."""
     s = re.sub(r"//[^\n]*", "", src)
-    start = s.index(f"pub trait {trait}")
-    body = s[start:]
+    start = s.index("{", s.index(f"pub trait {trait}"))
+    depth = 0
+    for i in range(start, len(s)):
+        if s[i] == "{":
+            depth += 1
+        elif s[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return s[start + 1:i]
+    raise SystemExit(f"unbalanced trait {trait}")
+
+
+def trait_methods(src, trait):
+    body = trait_body(src, trait)
     for m in re.finditer(
         r"\n    (?:unsafe )?fn (\w+)(<[^>]*>)?\(((?:[^()]|\([^()]*\))*)\)\s*(?:->\s*([^;{]+?))?\s*([;{])",
         body,
     ):
-        name, gen, args, ret, term = m.groups()
-        if term == ";":
-            yield name, gen or "", split_args(args), (ret or "").strip()
+        name, gen, args, ret, _ = m.groups()
+        yield name, gen or "", split_args(args), (ret or "").strip()
 
 
-def convert_arg(name, ty, op):
-    """(expression passed to the inner backend, rank source or None). `op` names what forces
-    a lazy input: the eager op, or nothing inside a recorded closure (its inputs already ran)."""
-    t = ty.replace(" ", "")
-    into = f'into_inner_for("{op}")' if op else "into_inner()"
-    ref = f'inner_for("{op}")' if op else "inner()"
-    for k in TENSORS:
+def lazy_ops():
+    return set(re.findall(r"\npub\(crate\) fn (\w+)", open(TABLE).read()))
+
+
+def tensor_kind(t):
+    """(kind, form) of a tensor-carrying argument type: form is one of value, ref, option, vec."""
+    for k in KINDS:
         if t == f"{k}<B>":
-            return f"{name}.{into}", f"{name}.rank"
+            return k, "value"
         if t == f"&{k}<B>":
-            return f"&{name}.{ref}", f"{name}.rank"
+            return k, "ref"
         if t == f"Option<{k}<B>>":
-            return f"{name}.map(|t| t.{into})", None
+            return k, "option"
+        if t == f"Vec<{k}<B>>":
+            return k, "vec"
+    return None, None
+
+
+def convert_arg(name, t, force):
+    """The expression passed to the inner backend. `force` names the eager op that forces a
+    lazy input; None inside a recorded closure, whose inputs already ran."""
+    into = f'into_inner_for("{force}")' if force else "into_inner()"
+    ref = f'inner_for("{force}")' if force else "inner()"
+    k, form = tensor_kind(t)
+    if form == "value":
+        return f"{name}.{into}"
+    if form == "ref":
+        return f"&{name}.{ref}"
+    if form == "option":
+        return f"{name}.map(|t| t.{into})"
+    if form == "vec":
+        return f"{name}.into_iter().map(|t| t.{into}).collect()"
     if t == "&Device<B>":
-        return f"&{name}.inner", f"{name}.rank"
+        return f"&{name}.inner"
+    if t == "TensorPrimitive<B>":
+        return f'forward::primitive_inner({name}, "{force}")'
     if t == "QuantizationParametersPrimitive<B>":
-        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.{into} }}", f"{name}.scales.rank"
+        return f"QuantizationParametersPrimitive {{ scales: {name}.scales.{into} }}"
+    if t == "TransactionPrimitive<B>":
+        return f"forward::transaction::<I>({name})"
     if "<B>" in t:
-        raise SystemExit(f"unhandled argument type {ty}")
-    return name, None
+        raise SystemExit(f"unhandled argument type {t}")
+    return name
 
 
-DEVICE_OF = {"FloatTensor": "float_device", "IntTensor": "int_device", "BoolTensor": "bool_device"}
+def rank_source(name, t):
+    k, form = tensor_kind(t)
+    if form in ("value", "ref"):
+        return f"{name}.rank"
+    if form == "vec":
+        return f"forward::rank_of(&{name})"
+    if t == "&Device<B>":
+        return f"{name}.rank"
+    if t == "TensorPrimitive<B>":
+        return f"forward::primitive_rank(&{name})"
+    if t == "QuantizationParametersPrimitive<B>":
+        return f"{name}.scales.rank"
+    return None
 
 
-def convert_ret(ret, expr, op=None, inputs=None):
-    t = ret.replace(" ", "")
-    if t == "":
-        return expr
-    for k in TENSORS:
+def wrap(t, expr, logged):
+    """Wraps the inner backend's result `expr` of type `t` into `Collective`'s."""
+    for k, kind in KINDS.items():
         if t == f"{k}<B>":
-            if k in DEVICE_OF and inputs:
-                # An eager op on recorded tensors: logged, so the step graph stays connected.
-                return (f"{{ let p = {expr}; let device: AnyDevice = Arc::new(I::{DEVICE_OF[k]}(&p)); "
-                        f"CTensor::eager(rank, Record {{ op: \"{op}\", kind: \"opaque\", device, shape: None, dtype: None, "
-                        f"inputs: rules::inputs([{', '.join(f'{i}_seq' for i in inputs)}]), flops: 0 }}, p) }}")
+            if logged and kind != "q":
+                return f"log.{kind}::<I>(rank, {expr})"
             return f"CTensor::new({expr}, rank)"
     if t == "Device<B>":
         return f"CollectiveDevice::new({expr}, rank)"
-    if t == "(FloatTensor<B>,FloatTensor<B>)":
-        return f"{{ let (a, b) = {expr}; (CTensor::new(a, rank), CTensor::new(b, rank)) }}"
-    if t in SPECIAL_RET:
-        return f"{SPECIAL_RET[t]}({expr}, rank)"
+    if t == "TensorPrimitive<B>":
+        return f"forward::primitive({expr}, rank)"
+    if t in WRAPPED:
+        return f"forward::{WRAPPED[t]}({expr}, rank)"
+    m = re.fullmatch(r"\((\w+<B>),(\w+<B>)\)", t)
+    if m:
+        a = wrap(m.group(1), "a", logged)
+        b = wrap(m.group(2), "b", logged)
+        if logged:
+            a = a.replace("log.", "log.clone().", 1)
+        return f"{{ let (a, b) = {expr}; ({a}, {b}) }}"
+    m = re.fullmatch(r"implFuture<Output=(\w+<B>)>\+'static\+Send", t)
+    if m:
+        inner = wrap(m.group(1), "fut.await", False)
+        return f"{{ let fut = {expr}; async move {{ {inner} }} }}"
     if "<B>" in t:
-        raise SystemExit(f"unhandled return type {ret}")
+        raise SystemExit(f"unhandled return type {t}")
     return expr
 
 
-def main():
-    root = sys.argv[1]
+def first_device(args):
+    """`name.device_handle(..)` of the first tensor argument, for a recorded node."""
+    for n, t in args:
+        k, form = tensor_kind(t)
+        if form == "value" and k != "QuantizedTensor":
+            return f"{n}.device_handle(|p| I::{KINDS[k]}_device(p))"
+    raise SystemExit(f"no tensor argument to take the device from: {args}")
+
+
+def method(trait, name, gen, raw_args, ret, lazy):
+    args = []
+    for a in raw_args:
+        n, ty = [x.strip() for x in a.split(":", 1)]
+        ty = ty.replace("crate::", "burn_backend::")
+        args.append((n.replace("mut ", ""), ty.replace(" ", "")))
+    ret_t = ret.replace(" ", "")
+    params = ", ".join(
+        f"{n}: {a.split(':', 1)[1].strip().replace('crate::', 'burn_backend::').replace('<B>', '<Self>')}"
+        for (n, _), a in zip(args, raw_args))
+    sig_ret = f" -> {ret.replace('<B>', '<Self>')}" if ret else ""
+    # A device argument names the rank of the result (`to_device` moves ranks); otherwise the
+    # first tensor does.
+    rank = None
+    for n, t in args:
+        r = rank_source(n, t)
+        if r is not None and (rank is None or t == "&Device<B>"):
+            rank = r
+    needs_rank = "<B>" in ret_t and not ret_t.startswith("implFuture<Output=Result<")
+    body = []
+    if needs_rank:
+        if rank is None:
+            raise SystemExit(f"{trait}::{name}: no rank source")
+        body.append(f"let rank = {rank};")
+    tensors = [(n, t) for n, t in args if tensor_kind(t)[0]]
+    if name in ("float_device", "int_device", "bool_device", "q_device"):
+        body.append(f"CollectiveDevice::new(tensor.device(|p| I::{name}(p)), rank)")
+    elif lazy:
+        rule_args = []
+        for n, t in args:
+            k, form = tensor_kind(t)
+            if form == "value":
+                rule_args.append(f"{n}.meta()")
+            elif form == "option":
+                rule_args.append(f"{n}.as_ref().map(CTensor::meta)")
+            elif form is not None:
+                raise SystemExit(f"{trait}::{name}: a recorded op takes {t}")
+            elif t.startswith("&"):
+                rule_args.append(n)
+            else:
+                rule_args.append(f"&{n}")
+        body.append(f"let rule = op_table::{name}({', '.join(rule_args)});")
+        seqs = ", ".join(
+            f"{n}.seq()" if tensor_kind(t)[1] == "value" else f"{n}.as_ref().and_then(CTensor::seq)"
+            for n, t in tensors)
+        body.append(f"let node = rule.record(\"{name}\", {first_device(args)}, rules::inputs([{seqs}]));")
+        call = []
+        for n, t in args:
+            if t.startswith("&") and tensor_kind(t)[0] is None:
+                if t not in OWNED:
+                    raise SystemExit(f"{trait}::{name}: cannot record argument {n}: {t}")
+                body.append(f"let {n} = {n}.{OWNED[t]};")
+                call.append(f"&{n}")
+            else:
+                call.append(convert_arg(n, t, None))
+        body.append(f"CTensor::lazy(rank, node, move || I::{name}({', '.join(call)}))")
+    else:
+        logged = bool(tensors) and re.search(r"(Float|Int|Bool)Tensor<B>", ret_t) is not None
+        if logged:
+            seqs = []
+            for n, t in tensors:
+                form = tensor_kind(t)[1]
+                seqs.append({
+                    "value": f"{n}.seq()", "ref": f"{n}.seq()",
+                    "option": f"{n}.as_ref().and_then(CTensor::seq)",
+                }.get(form, f"{n}.iter().filter_map(CTensor::seq)"))
+            singles = [s for s in seqs if not s.endswith("filter_map(CTensor::seq)")]
+            vecs = [s for s in seqs if s.endswith("filter_map(CTensor::seq)")]
+            it = f"rules::inputs([{', '.join(singles)}])"
+            for v in vecs:
+                it = f"{it}.into_iter().chain({v}).collect()" if singles else f"{v}.collect()"
+            body.append(f"let log = Eager::new(\"{name}\", {it});")
+        call = [convert_arg(n, t, name) for n, t in args]
+        body.append(wrap(ret_t, f"I::{name}({', '.join(call)})", logged))
+    lines = [f"    fn {name}{gen}({params}){sig_ret} {{"]
+    lines += [f"        {b}" for b in body]
+    lines.append("    }")
+    return lines
+
+
+def generate(src_root):
+    lazy = lazy_ops()
     out = [
         "//! Generated by `scripts/gen_backend_ops.py` from burn-backend 0.21.0's op traits: every",
-        "//! required method of `Collective<I>` unwraps its rank-carrying tensors and devices, calls",
-        "//! the inner backend and wraps the results with the rank of its first tensor or device.",
-        "//! Do not edit by hand; regenerate.",
+        "//! method of `Collective<I>`, required or defaulted, calls the inner backend's own. An op",
+        "//! with a rule in `op_table.rs` records a node; every other op runs eagerly on its forced",
+        "//! inputs. Do not edit by hand: change `op_table.rs` and regenerate (CI checks it is current).",
         "#![allow(clippy::all, unused_variables, missing_docs)]",
         "",
+        "use burn_backend::distribution::Distribution;",
         "use burn_backend::ops::*;",
+        "use burn_backend::quantization::*;",
+        "use burn_backend::tensor::Device;",
         "use burn_backend::tensor::*;",
         "use burn_backend::*;",
-        "use burn_backend::quantization::*;",
-        "use burn_backend::distribution::Distribution;",
         "use burn_std::Slice;",
-        "use burn_backend::tensor::Device;",
+        "use core::ops::Range;",
         "",
-        "use super::{Collective, CollectiveDevice, CTensor, wrap_max_pool2d_with_indices, wrap_max_pool2d_backward, wrap_deform_conv2d_backward};",
-        "use super::lazy::{rules, AnyDevice, Record};",
-        "use std::sync::Arc;",
+        "use super::forward::{self, Eager};",
+        "use super::{CTensor, Collective, CollectiveDevice, op_table, rules};",
         "",
     ]
+    seen = set()
     for path, trait in TRAITS:
-        src = open(f"{root}/{path}").read()
+        src = open(f"{src_root}/{path}").read()
         out.append(f"impl<I: Backend> {trait}<Self> for Collective<I> {{")
         for name, gen, args, ret in trait_methods(src, trait):
-            params, call, rank = [], [], None
-            tensor_args = []
-            for a in args:
-                n0, ty0 = [x.strip() for x in a.split(":", 1)]
-                t0 = ty0.replace(" ", "")
-                if any(t0 in (f"{k}<B>", f"&{k}<B>") for k in TENSORS):
-                    tensor_args.append((n0.replace("mut ", ""), f"{n0.replace('mut ', '')}.seq()"))
-                elif any(t0 == f"Option<{k}<B>>" for k in TENSORS):
-                    tensor_args.append((n0.replace("mut ", ""), f"{n0.replace('mut ', '')}.as_ref().and_then(|t| t.seq())"))
-                n, ty = [x.strip() for x in a.split(":", 1)]
-                n = n.replace("mut ", "")
-                params.append(f"{n}: {ty.replace('<B>', '<Self>')}")
-                e, r = convert_arg(n, ty, None if name in LAZY else name)
-                call.append(e)
-                # A device argument names the rank of the result (`to_device` moves ranks);
-                # otherwise the first tensor does.
-                if r is not None and (rank is None or ty.replace(" ", "") == "&Device<B>"):
-                    rank = r
-            sig_ret = f" -> {ret.replace('<B>', '<Self>')}" if ret else ""
-            needs_rank = any(k in ret for k in TENSORS + ("Device<B>",) + tuple(SPECIAL_RET))
-            body = []
-            if needs_rank:
-                if rank is None:
-                    raise SystemExit(f"{trait}::{name}: no rank source")
-                body.append(f"let rank = {rank};")
-            inner = f"I::{name}({', '.join(call)})"
-            kind_device = {"float_device": "float", "int_device": "int", "bool_device": "bool"}
-            eager_logged = name not in LAZY and name not in kind_device and tensor_args and any(f"{k}<B>" == ret.replace(" ", "") for k in DEVICE_OF)
-            if eager_logged:
-                for n, e in tensor_args:
-                    body.append(f"let {n}_seq = {e};")
-            if name in kind_device:
-                body.append(f"CollectiveDevice::new(tensor.device(|p| I::{name}(p)), rank)")
-            elif name in LAZY:
-                shape, dtype = LAZY.pop(name)
-                first = next(x.split(":")[0].strip() for x in args if x.split(":", 1)[1].strip().replace(" ", "") == "FloatTensor<B>")
-                body.append(f"let node_device = {first}.device_handle(|p| I::float_device(p));")
-                kind, flops = KIND.pop(name, ("elementwise", "rules::numel(&node_shape)"))
-                body.append(f"let node_inputs = rules::inputs([{', '.join(e for _, e in tensor_args)}]);")
-                body.append(f"let node_shape = {shape};")
-                body.append(f"let node_dtype = {dtype};")
-                for a in args:
-                    n, ty = [x.strip() for x in a.split(":", 1)]
-                    t = ty.replace(" ", "")
-                    if t.startswith("&") and t not in ("&Device<B>",):
-                        if t not in OWNED:
-                            raise SystemExit(f"{trait}::{name}: cannot record argument {a}")
-                        body.append(f"let {n} = {n}.{OWNED[t]};")
-                        inner = inner.replace(f"({n})", f"(&{n})").replace(f", {n})", f", &{n})").replace(f", {n},", f", &{n},").replace(f"({n},", f"(&{n},")
-                body.append(f'let node_flops = {flops};\nCTensor::lazy(rank, Record {{ op: "{name}", kind: "{kind}", device: node_device, shape: node_shape, dtype: node_dtype, inputs: node_inputs, flops: node_flops }}, move || {inner})')
-            else:
-                body.append(convert_ret(ret, inner, name, [n for n, _ in tensor_args] if eager_logged else None))
-            out.append(f"    fn {name}{gen}({', '.join(params)}){sig_ret} {{")
-            for b in body:
-                out.append(f"        {b}")
-            out.append("    }")
+            out += method(trait, name, gen, args, ret, name in lazy)
+            seen.add(name)
         out.append("}")
         out.append("")
-    if LAZY:
-        raise SystemExit(f"lazy ops not found in the traits: {sorted(LAZY)}")
-    print("\n".join(out))
+    missing = sorted(lazy - seen)
+    if missing:
+        raise SystemExit(f"op_table.rs has rules for ops no trait has: {missing}")
+    text = "\n".join(out) + "\n"
+    fmt = subprocess.run(["rustfmt", "--edition", "2024", "--emit", "stdout"], input=text,
+                         capture_output=True, text=True, cwd=ROOT)
+    if fmt.returncode != 0:
+        sys.stderr.write(fmt.stderr)
+        raise SystemExit("rustfmt failed on the generated file")
+    return fmt.stdout
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    src_root = args[0] if args else burn_backend_src()
+    text = generate(src_root)
+    if "--check" in sys.argv:
+        if open(OUT).read() != text:
+            sys.stderr.write("src/backend/ops.rs is stale: run scripts/gen_backend_ops.py\n")
+            sys.exit(1)
+        print("src/backend/ops.rs is current")
+    else:
+        open(OUT, "w").write(text)
 
 
 main()

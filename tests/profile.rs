@@ -191,10 +191,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     // The recorded step: the MLP's forward and backward ops and the syncs among them.
     assert!(text.contains("recorded step (rank 0): "), "{text}");
     let graph = std::fs::read_to_string(&step_graph).unwrap();
-    assert!(
-        graph.contains("compute \"float_matmul\" kind=matmul"),
-        "{graph}"
-    );
+    assert!(graph.contains("compute \"linear\" kind=matmul"), "{graph}");
     assert!(graph.contains("grad_sync"), "{graph}");
     collective_fusion::graph::parse::parse(&graph).expect("the step graph parses back");
     // The recorded step profiles like a model: every policy at 8 ranks, and the chosen policy's

@@ -27,6 +27,9 @@ use burn_backend::{QTensorPrimitive, TensorMetadata};
 use burn_std::{DType, Shape};
 use smallvec::SmallVec;
 
+use super::rules::Meta;
+use crate::graph::ComputeKind;
+
 /// Ranks with a recorder (the device id keeps 8 bits of rank).
 const RANKS: usize = 256;
 
@@ -80,8 +83,8 @@ const MAX_LOG: usize = 1 << 16;
 pub(crate) struct Record {
     /// The op (`float_matmul`, `relu`, ...).
     pub op: &'static str,
-    /// Its class: `elementwise`, `reduction`, `matmul`, `conv` or `opaque`.
-    pub kind: &'static str,
+    /// Its kind of work.
+    pub kind: ComputeKind,
     /// The inner device, from its first input.
     pub device: AnyDevice,
     /// Result shape, when its rule knows it.
@@ -101,8 +104,8 @@ pub(crate) struct LogEntry {
     pub seq: u64,
     /// The op.
     pub op: &'static str,
-    /// Its class.
-    pub kind: &'static str,
+    /// Its kind of work.
+    pub kind: ComputeKind,
     /// Nodes it reads (only those recorded).
     pub inputs: SmallVec<[u64; 3]>,
     /// Result shape, if known.
@@ -366,15 +369,6 @@ impl<P: Clone + Send + 'static> CTensor<P> {
         }
     }
 
-    /// A node of `rank` that computes its value with `f` when forced.
-    pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
-        let node = recorder(rank).push(rec, State::Pending(Box::new(f)));
-        CTensor {
-            repr: Repr::Lazy(node),
-            rank,
-        }
-    }
-
     /// The node number of this tensor, if an op recorded it.
     pub(crate) fn seq(&self) -> Option<u64> {
         match &self.repr {
@@ -486,6 +480,40 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
         }
     }
 
+    /// A node of `rank` that computes its value with `f` when forced. Debug builds check the
+    /// computed tensor against the shape and dtype the record claimed (its rule in
+    /// `op_table.rs`), so a wrong rule fails where it is, not as a wrong graph later.
+    pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
+        let thunk: Thunk<P> = if cfg!(debug_assertions) {
+            let (op, shape, dtype) = (rec.op, rec.shape.clone(), rec.dtype);
+            Box::new(move || {
+                let p = f();
+                if let Some(s) = &shape {
+                    assert_eq!(&p.shape(), s, "record rule of {op}: shape");
+                }
+                if let Some(d) = dtype {
+                    assert_eq!(p.dtype(), d, "record rule of {op}: dtype");
+                }
+                p
+            })
+        } else {
+            Box::new(f)
+        };
+        let node = recorder(rank).push(rec, State::Pending(thunk));
+        CTensor {
+            repr: Repr::Lazy(node),
+            rank,
+        }
+    }
+
+    /// What is known of this tensor without computing it (for a record rule).
+    pub(crate) fn meta(&self) -> Meta {
+        Meta {
+            shape: self.shape_hint(),
+            dtype: self.dtype_hint(),
+        }
+    }
+
     /// The shape if known without computing anything.
     pub(crate) fn shape_hint(&self) -> Option<Shape> {
         match &self.repr {
@@ -550,128 +578,5 @@ impl<P: QTensorPrimitive + TensorMetadata + Clone + Send + 'static> QTensorPrimi
     }
     fn default_scheme() -> burn_backend::quantization::QuantScheme {
         P::default_scheme()
-    }
-}
-
-/// Shape rules of the ops recorded lazily (`None`: unknown, computed when asked), on Burn's own
-/// shape arithmetic.
-pub(crate) mod rules {
-    use burn_std::Shape;
-
-    /// Broadcast of two shapes.
-    pub fn broadcast(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
-        a?.broadcast(&b?).ok()
-    }
-
-    /// Three-way broadcast (`mask_where`).
-    pub fn broadcast3(a: Option<Shape>, b: Option<Shape>, c: Option<Shape>) -> Option<Shape> {
-        broadcast(broadcast(a, b), c)
-    }
-
-    /// Batched matrix product.
-    pub fn matmul(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
-        burn_std::calculate_matmul_output(&a?, &b?).ok()
-    }
-
-    /// Dims `d1` and `d2` swapped.
-    pub fn swap(a: Option<Shape>, d1: usize, d2: usize) -> Option<Shape> {
-        a?.swapped(d1, d2).ok()
-    }
-
-    /// Dims reordered by `axes`.
-    pub fn permute(a: Option<Shape>, axes: &[usize]) -> Option<Shape> {
-        a?.permuted(axes).ok()
-    }
-
-    /// Dim `dim` reduced to 1.
-    pub fn reduce_dim(a: Option<Shape>, dim: usize) -> Option<Shape> {
-        a?.reduce(dim).ok()
-    }
-
-    /// Dim `dim` of `a` replaced by the length of the one-dimensional `indices`.
-    pub fn select(a: Option<Shape>, dim: usize, indices: Option<Shape>) -> Option<Shape> {
-        let (mut a, indices) = (a?, indices?);
-        if indices.num_dims() != 1 || dim >= a.num_dims() {
-            return None;
-        }
-        a[dim] = indices[0];
-        Some(a)
-    }
-
-    /// The input and weight shapes of an `N`-d convolution, if both are known and of rank
-    /// `N + 2`.
-    fn conv_operands<const N: usize>(
-        x: Option<Shape>,
-        weight: Option<Shape>,
-    ) -> Option<(Shape, Shape)> {
-        let (x, w) = (x?, weight?);
-        (x.num_dims() == N + 2 && w.num_dims() == N + 2).then_some((x, w))
-    }
-
-    /// Convolution: `[batch, c_in, spatial..] * [c_out, c_in / groups, kernel..]` gives
-    /// `[batch, c_out, (size + 2 padding - dilation (kernel - 1) - 1) / stride + 1 ..]`.
-    pub fn conv<const N: usize>(
-        x: Option<Shape>,
-        weight: Option<Shape>,
-        options: &burn_backend::ops::ConvOptions<N>,
-    ) -> Option<Shape> {
-        let (x, w) = conv_operands::<N>(x, weight)?;
-        let mut dims = vec![x[0], w[0]];
-        for i in 0..N {
-            let span = options.dilation[i].checked_mul(w[i + 2].checked_sub(1)?)? + 1;
-            let padded = x[i + 2] + 2 * options.padding[i];
-            dims.push(padded.checked_sub(span)? / options.stride[i].max(1) + 1);
-        }
-        Some(Shape::from(dims))
-    }
-
-    /// Transposed convolution: `[batch, c_in, spatial..] * [c_in, c_out / groups, kernel..]`
-    /// gives `[batch, c_out, (size - 1) stride + dilation (kernel - 1) + padding_out + 1
-    /// - 2 padding ..]`.
-    pub fn conv_transpose<const N: usize>(
-        x: Option<Shape>,
-        weight: Option<Shape>,
-        options: &burn_backend::ops::ConvTransposeOptions<N>,
-    ) -> Option<Shape> {
-        let (x, w) = conv_operands::<N>(x, weight)?;
-        let mut dims = vec![x[0], w[1] * options.groups.max(1)];
-        for i in 0..N {
-            let full = x[i + 2].checked_sub(1)? * options.stride[i]
-                + options.dilation[i] * w[i + 2].checked_sub(1)?
-                + options.padding_out[i]
-                + 1;
-            dims.push(full.checked_sub(2 * options.padding[i])?);
-        }
-        Some(Shape::from(dims))
-    }
-
-    /// The node numbers among an op's inputs.
-    pub fn inputs<const N: usize>(seqs: [Option<u64>; N]) -> smallvec::SmallVec<[u64; 3]> {
-        seqs.into_iter().flatten().collect()
-    }
-
-    /// Elements of a shape (0 when unknown).
-    pub fn numel(s: &Option<Shape>) -> u64 {
-        s.as_ref().map_or(0, |s| s.num_elements() as u64)
-    }
-
-    /// `2 · out · k` for a matrix product whose left operand is `[.., m, k]`.
-    pub fn matmul_flops(out: &Option<Shape>, lhs: &Option<Shape>) -> u64 {
-        let k = lhs.as_ref().and_then(|l| l.last().copied()).unwrap_or(0);
-        2 * numel(out) * k as u64
-    }
-
-    /// `2 · elements · (weight elements per output channel)` for a convolution over
-    /// `elements` outputs (a transposed convolution: inputs) and a weight `[c, c' / g, k..]`.
-    pub fn conv_flops(elements: &Option<Shape>, weight: &Option<Shape>) -> u64 {
-        let per = weight
-            .as_ref()
-            .map_or(0, |w| w.iter().skip(1).product::<usize>() as u64);
-        2 * numel(elements) * per
-    }
-
-    /// A full reduction: one element.
-    pub fn scalar() -> Option<Shape> {
-        Some(Shape::new([1]))
     }
 }

@@ -1,7 +1,8 @@
 //! The Burn glue: `Collective<I>`, a Burn 0.21 backend over an inner backend `I` (NdArray here,
 //! Burn's CubeCL backends on GPUs) that owns Burn's gradient-sync hooks.
 //!
-//! Tensor ops record lazily (`lazy.rs`; `ops.rs` is generated from Burn's op traits): a node
+//! Tensor ops record lazily (`lazy.rs`; `ops.rs` is generated from Burn's op traits and forwards every op, required or
+//! defaulted, to `I`; `op_table.rs` holds the record rules of the ops recorded lazily): a node
 //! with its shape, dtype and flop estimate, run on `I` in record order when a value is needed; at
 //! each sync point a rank's recorded ops become its step graph (`record.rs`,
 //! [`recorded_step_graph`]). The distributed hooks are compiled. The first step records a
@@ -23,16 +24,16 @@
 mod api;
 mod device;
 mod distributed;
+mod forward;
 mod lazy;
+mod op_table;
 mod ops;
 mod record;
+mod rules;
 
 use std::fmt;
 
-use burn_backend::ops::{ActivationOps, TransactionOps};
-use burn_backend::ops::{DeformConv2dBackward, MaxPool2dBackward, MaxPool2dWithIndices};
-use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, BackendTypes, DTypeUsageSet, DeviceId, DeviceOps, Scalar};
+use burn_backend::{Backend, BackendTypes, DTypeUsageSet, DeviceId, DeviceOps};
 use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
@@ -134,71 +135,4 @@ impl<I: Backend> Backend for Collective<I> {
     fn memory_cleanup(device: &Self::Device) {
         I::memory_cleanup(&device.inner)
     }
-}
-
-/// Activations record one node that calls the inner backend's own activation (Burn's default
-/// implementations would build them from comparisons and masks).
-macro_rules! lazy_activation {
-    ($name:ident($($t:ident),+ $(; $a:ident: $aty:ty)?) shape of $first:ident) => {
-        fn $name($($t: FloatTensor<Self>,)+ $($a: $aty)?) -> FloatTensor<Self> {
-            let rank = $first.rank;
-            let shape = $first.shape_hint();
-            let dtype = $first.dtype_hint();
-            let device = $first.device_handle(|p| I::float_device(p));
-            let rec = lazy::Record {
-                op: stringify!($name),
-                kind: "elementwise",
-                device,
-                flops: lazy::rules::numel(&shape),
-                shape,
-                dtype,
-                inputs: lazy::rules::inputs([$($t.seq()),+]),
-            };
-            CTensor::lazy(rank, rec, move || {
-                I::$name($($t.into_inner(),)+ $($a)?)
-            })
-        }
-    };
-}
-
-impl<I: Backend> ActivationOps<Self> for Collective<I> {
-    lazy_activation!(relu(tensor) shape of tensor);
-    lazy_activation!(relu_backward(output, grad) shape of output);
-    lazy_activation!(leaky_relu(tensor; negative_slope: Scalar) shape of tensor);
-    lazy_activation!(gelu(tensor) shape of tensor);
-    lazy_activation!(gelu_backward(x, grad) shape of x);
-    lazy_activation!(sigmoid(tensor) shape of tensor);
-    lazy_activation!(sigmoid_backward(output, grad) shape of output);
-    lazy_activation!(log_sigmoid(tensor) shape of tensor);
-    lazy_activation!(log_sigmoid_backward(x, grad) shape of x);
-    lazy_activation!(softmax(tensor; dim: usize) shape of tensor);
-    lazy_activation!(log_softmax(tensor; dim: usize) shape of tensor);
-}
-impl<I: Backend> TransactionOps<Self> for Collective<I> {}
-
-pub(crate) fn wrap_max_pool2d_with_indices<I: Backend>(
-    r: MaxPool2dWithIndices<I>,
-    rank: u32,
-) -> MaxPool2dWithIndices<Collective<I>> {
-    MaxPool2dWithIndices::new(CTensor::new(r.output, rank), CTensor::new(r.indices, rank))
-}
-
-pub(crate) fn wrap_max_pool2d_backward<I: Backend>(
-    r: MaxPool2dBackward<I>,
-    rank: u32,
-) -> MaxPool2dBackward<Collective<I>> {
-    MaxPool2dBackward::new(CTensor::new(r.x_grad, rank))
-}
-
-pub(crate) fn wrap_deform_conv2d_backward<I: Backend>(
-    r: DeformConv2dBackward<I>,
-    rank: u32,
-) -> DeformConv2dBackward<Collective<I>> {
-    DeformConv2dBackward::new(
-        CTensor::new(r.x_grad, rank),
-        CTensor::new(r.offset_grad, rank),
-        CTensor::new(r.weight_grad, rank),
-        r.mask_grad.map(|t| CTensor::new(t, rank)),
-        r.bias_grad.map(|t| CTensor::new(t, rank)),
-    )
 }

@@ -12,7 +12,7 @@
 use hashbrown::HashMap;
 
 use super::lazy::LogEntry;
-use crate::graph::{ComputeKind, DType, Graph, GroupId, NodeId, Op, ReduceOp, TensorType, Value};
+use crate::graph::{DType, Graph, GroupId, NodeId, Op, ReduceOp, TensorType, Value};
 
 /// A gradient submitted for sync.
 pub(crate) struct SubmittedGradient<'a> {
@@ -36,10 +36,6 @@ fn dtype(d: burn_std::DType) -> DType {
         B::Bool(_) => DType::Bool,
         B::I32 | B::I16 | B::I8 | B::U32 | B::U16 | B::U8 | B::QFloat(_) => DType::I32,
     }
-}
-
-fn kind(k: &str) -> ComputeKind {
-    ComputeKind::from_name(k).unwrap_or(ComputeKind::Opaque)
 }
 
 /// The graph of one recorded step of one rank.
@@ -87,7 +83,7 @@ pub(crate) fn step_graph(
         let id = g.add_node(
             Op::Compute {
                 name: e.op.to_string(),
-                kind: kind(e.kind),
+                kind: e.kind,
                 flops: e.flops,
             },
             [ty],

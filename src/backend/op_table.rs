@@ -1,0 +1,759 @@
+//! The record rules: one function per op that `Collective<I>` records lazily instead of running
+//! at once. This table is the source of truth: `scripts/gen_backend_ops.py` makes every op
+//! named here a recorded node in `ops.rs`, and every other op of Burn's traits an eager call of
+//! the inner backend (CI fails when `ops.rs` is stale).
+//!
+//! A rule gets what is known of each tensor argument ([`Meta`], by value; `Option<Meta>` for an
+//! optional tensor) and a reference to every other argument, in the op's own order, and says
+//! what the result will be ([`Rule`]): its shape and dtype when they can be known without running
+//! anything (`None` otherwise: asking then forces the node), its kind of work and flops (what the
+//! step graph and the cost model see). Debug builds check every rule against the tensor the
+//! inner backend computed.
+//!
+//! To record a new op lazily: add its function here (the op's Burn name, its arguments as
+//! above), run `scripts/gen_backend_ops.py`, and test its result against the inner backend.
+
+#![allow(clippy::ptr_arg)]
+
+use burn_backend::Scalar;
+use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
+use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape};
+
+use super::rules::{self, Meta, Rule};
+use crate::graph::ComputeKind;
+
+// Elementwise, shaped like the input.
+
+pub(crate) fn float_recip(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_exp(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_log(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_log1p(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_sqrt(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_abs(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_cos(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_sin(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_tan(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_cosh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_sinh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_tanh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_acos(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_acosh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_asin(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_asinh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_atan(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_atanh(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_round(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_floor(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_ceil(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_trunc(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_erf(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_neg(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_sign(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_add_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_sub_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_mul_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_div_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_remainder_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_powi_scalar(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_powi_scalar_impl(lhs: Meta, _rhs: &Scalar) -> Rule {
+    Rule::like(&lhs)
+}
+
+pub(crate) fn float_powf_scalar(tensor: Meta, _value: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_powf_scalar_impl(tensor: Meta, _value: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_clamp_min(tensor: Meta, _min: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_clamp_max(tensor: Meta, _max: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_clamp(tensor: Meta, _min: &Scalar, _max: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_cumsum(tensor: Meta, _dim: &usize) -> Rule {
+    Rule::like(&tensor).costing(ComputeKind::Reduction, rules::numel(&tensor.shape))
+}
+
+pub(crate) fn float_cumprod(tensor: Meta, _dim: &usize) -> Rule {
+    Rule::like(&tensor).costing(ComputeKind::Reduction, rules::numel(&tensor.shape))
+}
+
+pub(crate) fn float_mask_fill(tensor: Meta, _mask: Meta, _value: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_mask_where(tensor: Meta, mask: Meta, value: Meta) -> Rule {
+    Rule::elementwise(
+        rules::broadcast3(tensor.shape, mask.shape, value.shape),
+        tensor.dtype,
+    )
+}
+
+pub(crate) fn float_cast(tensor: Meta, dtype: &FloatDType) -> Rule {
+    Rule::elementwise(tensor.shape, Some(DType::from(*dtype)))
+}
+
+// Elementwise on two operands, broadcast.
+
+pub(crate) fn float_add(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_sub(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_mul(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_div(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_remainder(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_powf(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_atan2(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+pub(crate) fn float_powi(lhs: Meta, rhs: Meta) -> Rule {
+    Rule::elementwise(rules::broadcast(lhs.shape, rhs.shape), lhs.dtype)
+}
+
+// Comparisons: a bool tensor of the dtype asked for.
+
+pub(crate) fn float_equal(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_equal_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_not_equal(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_not_equal_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_greater(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_greater_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_greater_equal(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_greater_equal_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_lower(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_lower_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_lower_equal(lhs: Meta, rhs: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(
+        rules::broadcast(lhs.shape, rhs.shape),
+        Some(DType::from(*out_dtype)),
+    )
+}
+
+pub(crate) fn float_lower_equal_elem(lhs: Meta, _rhs: &Scalar, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(lhs.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_is_nan(tensor: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(tensor.shape, Some(DType::from(*out_dtype)))
+}
+
+pub(crate) fn float_is_inf(tensor: Meta, out_dtype: &BoolDType) -> Rule {
+    Rule::elementwise(tensor.shape, Some(DType::from(*out_dtype)))
+}
+
+// Layout: no arithmetic.
+
+pub(crate) fn float_swap_dims(tensor: Meta, dim1: &usize, dim2: &usize) -> Rule {
+    Rule::layout(rules::swap(tensor.shape, *dim1, *dim2), tensor.dtype)
+}
+
+pub(crate) fn float_transpose(tensor: Meta) -> Rule {
+    Rule::layout(rules::transpose(tensor.shape), tensor.dtype)
+}
+
+pub(crate) fn float_permute(tensor: Meta, axes: &[usize]) -> Rule {
+    Rule::layout(rules::permute(tensor.shape, axes), tensor.dtype)
+}
+
+pub(crate) fn float_reshape(tensor: Meta, shape: &Shape) -> Rule {
+    Rule::layout(Some(shape.clone()), tensor.dtype)
+}
+
+pub(crate) fn float_expand(tensor: Meta, shape: &Shape) -> Rule {
+    Rule::layout(Some(shape.clone()), tensor.dtype)
+}
+
+// Reductions.
+
+pub(crate) fn float_sum(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_mean(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_prod(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_max(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_min(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_max_abs(tensor: Meta) -> Rule {
+    Rule::reduction(rules::scalar(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn float_sum_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_mean_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_prod_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_max_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_min_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_max_abs_dim(tensor: Meta, dim: &usize) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        tensor.dtype,
+        &tensor,
+    )
+}
+
+pub(crate) fn float_argmax(tensor: Meta, dim: &usize, out_dtype: &IntDType) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        Some(DType::from(*out_dtype)),
+        &tensor,
+    )
+}
+
+pub(crate) fn float_argmin(tensor: Meta, dim: &usize, out_dtype: &IntDType) -> Rule {
+    Rule::reduction(
+        rules::reduce_dim(tensor.shape.clone(), *dim),
+        Some(DType::from(*out_dtype)),
+        &tensor,
+    )
+}
+
+// Indexing: cross-entropy's gather, embeddings' select, and their backward.
+
+pub(crate) fn float_gather(_dim: &usize, tensor: Meta, indices: Meta) -> Rule {
+    Rule::elementwise(indices.shape, tensor.dtype)
+}
+
+pub(crate) fn float_scatter_add(_dim: &usize, tensor: Meta, _indices: Meta, _value: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn float_select(tensor: Meta, dim: &usize, indices: Meta) -> Rule {
+    Rule::elementwise(
+        rules::select(tensor.shape, *dim, indices.shape),
+        tensor.dtype,
+    )
+}
+
+pub(crate) fn float_select_add(tensor: Meta, _dim: &usize, _indices: Meta, _value: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn embedding(weights: Meta, indices: Meta) -> Rule {
+    Rule::elementwise(
+        rules::embedding(weights.shape, indices.shape),
+        weights.dtype,
+    )
+}
+
+pub(crate) fn embedding_backward(weights: Meta, output_grad: Meta, _indices: Meta) -> Rule {
+    Rule::like(&weights).costing(ComputeKind::Elementwise, rules::numel(&output_grad.shape))
+}
+
+// Matrix products.
+
+pub(crate) fn float_matmul(lhs: Meta, rhs: Meta) -> Rule {
+    let shape = rules::matmul(lhs.shape.clone(), rhs.shape);
+    let flops = rules::matmul_flops(&shape, &lhs.shape);
+    Rule::elementwise(shape, lhs.dtype).costing(ComputeKind::Matmul, flops)
+}
+
+pub(crate) fn linear(x: Meta, weight: Meta, _bias: Option<Meta>) -> Rule {
+    let shape = rules::linear(x.shape.clone(), weight.shape);
+    let flops = rules::matmul_flops(&shape, &x.shape);
+    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Matmul, flops)
+}
+
+pub(crate) fn linear_x_backward(weight: Meta, output_grad: Meta) -> Rule {
+    let shape = rules::linear(output_grad.shape.clone(), rules::transpose(weight.shape));
+    let flops = rules::matmul_flops(&shape, &output_grad.shape);
+    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Matmul, flops)
+}
+
+pub(crate) fn linear_weight_backward(x: Meta, output_grad: Meta) -> Rule {
+    let shape = match (&x.shape, &output_grad.shape) {
+        (Some(x), Some(g)) => Some(Shape::new([
+            *x.last().unwrap_or(&0),
+            *g.last().unwrap_or(&0),
+        ])),
+        _ => None,
+    };
+    let flops = rules::matmul_flops(&output_grad.shape, &x.shape);
+    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Matmul, flops)
+}
+
+pub(crate) fn linear_bias_backward(output_grad: Meta) -> Rule {
+    let shape = output_grad
+        .shape
+        .as_ref()
+        .and_then(|g| g.last())
+        .map(|n| Shape::new([*n]));
+    Rule::reduction(shape, output_grad.dtype, &output_grad)
+}
+
+// Convolutions: the forward pass and the gradients of input, weight and bias.
+
+pub(crate) fn conv1d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<1>) -> Rule {
+    let shape = rules::conv(x.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv1d_x_backward(
+    x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<1>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&x).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv1d_weight_backward(
+    _x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<1>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv1d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+pub(crate) fn conv_transpose1d(
+    x: Meta,
+    weight: Meta,
+    _bias: Option<Meta>,
+    options: &ConvTransposeOptions<1>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::elementwise(
+        rules::conv_transpose(x.shape, weight.shape, options),
+        x.dtype,
+    )
+    .costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose1d_x_backward(
+    weight: Meta,
+    output_grad: Meta,
+    options: &ConvTransposeOptions<1>,
+) -> Rule {
+    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose1d_weight_backward(
+    x: Meta,
+    weight: Meta,
+    _output_grad: Meta,
+    _options: &ConvTransposeOptions<1>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose1d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+pub(crate) fn conv2d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<2>) -> Rule {
+    let shape = rules::conv(x.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv2d_x_backward(
+    x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<2>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&x).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv2d_weight_backward(
+    _x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<2>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv2d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+pub(crate) fn conv_transpose2d(
+    x: Meta,
+    weight: Meta,
+    _bias: Option<Meta>,
+    options: &ConvTransposeOptions<2>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::elementwise(
+        rules::conv_transpose(x.shape, weight.shape, options),
+        x.dtype,
+    )
+    .costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose2d_x_backward(
+    weight: Meta,
+    output_grad: Meta,
+    options: &ConvTransposeOptions<2>,
+) -> Rule {
+    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose2d_weight_backward(
+    x: Meta,
+    weight: Meta,
+    _output_grad: Meta,
+    _options: &ConvTransposeOptions<2>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose2d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+pub(crate) fn conv3d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<3>) -> Rule {
+    let shape = rules::conv(x.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv3d_x_backward(
+    x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<3>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&x).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv3d_weight_backward(
+    _x: Meta,
+    weight: Meta,
+    output_grad: Meta,
+    _options: &ConvOptions<3>,
+) -> Rule {
+    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv3d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+pub(crate) fn conv_transpose3d(
+    x: Meta,
+    weight: Meta,
+    _bias: Option<Meta>,
+    options: &ConvTransposeOptions<3>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::elementwise(
+        rules::conv_transpose(x.shape, weight.shape, options),
+        x.dtype,
+    )
+    .costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose3d_x_backward(
+    weight: Meta,
+    output_grad: Meta,
+    options: &ConvTransposeOptions<3>,
+) -> Rule {
+    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
+    let flops = rules::conv_flops(&shape, &weight.shape);
+    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose3d_weight_backward(
+    x: Meta,
+    weight: Meta,
+    _output_grad: Meta,
+    _options: &ConvTransposeOptions<3>,
+) -> Rule {
+    let flops = rules::conv_flops(&x.shape, &weight.shape);
+    Rule::like(&weight).costing(ComputeKind::Conv, flops)
+}
+
+pub(crate) fn conv_transpose3d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
+}
+
+// Normalization and activations: one node calling the inner backend's own kernel.
+
+pub(crate) fn layer_norm(tensor: Meta, _gamma: Meta, _beta: Option<Meta>, _epsilon: &f64) -> Rule {
+    Rule::reduction(tensor.shape.clone(), tensor.dtype, &tensor)
+}
+
+pub(crate) fn relu(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn gelu(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn sigmoid(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn log_sigmoid(tensor: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn leaky_relu(tensor: Meta, _negative_slope: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn hard_sigmoid(tensor: Meta, _alpha: &Scalar, _beta: &Scalar) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn prelu(tensor: Meta, _alpha: Meta) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn softmax(tensor: Meta, _dim: &usize) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn log_softmax(tensor: Meta, _dim: &usize) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn softmin(tensor: Meta, _dim: &usize) -> Rule {
+    Rule::like(&tensor)
+}
+
+pub(crate) fn relu_backward(output: Meta, _grad: Meta) -> Rule {
+    Rule::like(&output)
+}
+
+pub(crate) fn sigmoid_backward(output: Meta, _grad: Meta) -> Rule {
+    Rule::like(&output)
+}
+
+pub(crate) fn gelu_backward(x: Meta, _grad: Meta) -> Rule {
+    Rule::like(&x)
+}
+
+pub(crate) fn log_sigmoid_backward(x: Meta, _grad: Meta) -> Rule {
+    Rule::like(&x)
+}
