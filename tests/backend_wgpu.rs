@@ -2,7 +2,8 @@
 //! data-parallel on 2 ranks (threads sharing the wgpu device; Mesa's software Vulkan driver in
 //! CI) and ends where one rank trained on the concatenated batch ends. Its gradient buckets are
 //! packed by the CubeCL kernels on the gradients' own buffers, and give the same bits as staging
-//! every gradient through host memory.
+//! every gradient through host memory. Both as Burn's users have it (`burn_wgpu::Wgpu`, with its
+//! fusion layer) and as a bare `CubeBackend` without fusion.
 
 mod common;
 
@@ -13,7 +14,7 @@ use burn_core::tensor::Tensor;
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
-use burn_wgpu::{Wgpu, WgpuDevice};
+use burn_wgpu::{CubeBackend, Wgpu, WgpuDevice, WgpuRuntime};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed,
     recorded_step_graph, sync_stats,
@@ -21,8 +22,8 @@ use collective_fusion::backend::{
 use collective_fusion::graph::Graph;
 use collective_fusion::train::{module_weights, synthetic_batch};
 
-type Inner = Collective<Wgpu>;
-type B = Autodiff<Inner>;
+/// Burn's wgpu backend without its fusion layer.
+type Unfused = CubeBackend<WgpuRuntime, f32, i32, u32>;
 type Dev = CollectiveDevice<WgpuDevice>;
 
 const WORLD: u32 = 2;
@@ -36,41 +37,46 @@ fn adapter() -> bool {
     common::cube::wgpu_client().is_some()
 }
 
-type Mlp = Vec<Linear<B>>;
+/// A wgpu backend of Burn's: `Wgpu` (fused) or `Unfused`.
+trait Inner: burn_backend::Backend<Device = WgpuDevice> {}
+impl<W: burn_backend::Backend<Device = WgpuDevice>> Inner for W {}
 
-fn init(d: &Dev) -> Mlp {
-    <B as burn_backend::Backend>::seed(d, 7);
-    let m: Mlp = [INPUTS, 16, OUTPUTS]
+type A<W> = Autodiff<Collective<W>>;
+type Mlp<W> = Vec<Linear<A<W>>>;
+
+fn init<W: Inner>(d: &Dev) -> Mlp<W> {
+    <A<W> as burn_backend::Backend>::seed(d, 7);
+    let m: Mlp<W> = [INPUTS, 16, OUTPUTS]
         .windows(2)
         .map(|w| LinearConfig::new(w[0], w[1]).init(d))
         .collect();
-    let _ = module_weights::<B, Mlp>(&m);
+    let _ = module_weights::<A<W>, Mlp<W>>(&m);
     m
 }
 
-fn forward(m: &Mlp, x: Tensor<B, 2>) -> Tensor<B, 2> {
+fn forward<W: Inner>(m: &Mlp<W>, x: Tensor<A<W>, 2>) -> Tensor<A<W>, 2> {
     let h = burn_core::tensor::activation::relu(m[0].forward(x));
     m[1].forward(h)
 }
 
-fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
-    let mut optim = SgdConfig::new().init::<B, Mlp>();
+fn train<W: Inner>(mut m: Mlp<W>, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
+    let mut optim = SgdConfig::new().init::<A<W>, Mlp<W>>();
     for step in 0..STEPS {
         if distributed {
-            m = mark_distributed::<B, Mlp>(m);
+            m = mark_distributed::<A<W>, Mlp<W>>(m);
         }
-        let (x, y) = synthetic_batch::<B>(step, rows, INPUTS, OUTPUTS, d);
+        let (x, y) = synthetic_batch::<A<W>>(step, rows, INPUTS, OUTPUTS, d);
         let loss = MseLoss::new().forward(forward(&m, x), y, Reduction::Mean);
         let grads = GradientsParams::from_grads(loss.backward(), &m);
         m = optim.step(0.05, m, grads);
     }
-    module_weights::<B, Mlp>(&m)
+    module_weights::<A<W>, Mlp<W>>(&m)
 }
 
 /// Trains on `WORLD` wgpu ranks (gradients kept on the device or read into host memory; reduced
 /// gradients copied out of their bucket or views of it); returns each rank's final weights,
 /// rank 0's sync statistics and recorded step.
-fn distributed(
+fn distributed<W: Inner>(
     devices: &[Dev],
     device_buckets: bool,
     views: bool,
@@ -81,14 +87,14 @@ fn distributed(
         ..CollectiveOptions::default()
     };
     options.config.gradient_as_bucket_view = views;
-    options.install::<Wgpu>();
-    Inner::start_communication_server(
+    options.install::<W>();
+    Collective::<W>::start_communication_server(
         devices,
         DistributedConfig {
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    let start = init(&devices[0]);
+    let start = init::<W>(&devices[0]);
     let ranks: Vec<Vec<f32>> = std::thread::scope(|s| {
         let hs: Vec<_> = devices
             .iter()
@@ -102,21 +108,39 @@ fn distributed(
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let stats = sync_stats::<Wgpu>(0);
-    let step = recorded_step_graph::<Wgpu>(0).expect("a recorded step");
-    Inner::close_communication_server(&devices[0]);
+    let stats = sync_stats::<W>(0);
+    let step = recorded_step_graph::<W>(0).expect("a recorded step");
+    Collective::<W>::close_communication_server(&devices[0]);
     (ranks, stats, step)
 }
 
+/// Burn's default wgpu backend, its fusion layer on: gradients are resolved to their CubeCL
+/// tensors through the fusion client and packed on the device.
 #[test]
-fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+fn an_mlp_on_two_fused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     if !adapter() {
         return;
     }
+    equals_one_rank::<Wgpu>();
+}
+
+#[test]
+fn an_mlp_on_two_unfused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+    if !adapter() {
+        return;
+    }
+    equals_one_rank::<Unfused>();
+}
+
+/// The tests share ranks 0 and 1, whose recorders are per process: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn equals_one_rank<W: Inner>() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
         .collect();
-    let (ranks, stats, step) = distributed(&devices, true, false);
+    let (ranks, stats, step) = distributed::<W>(&devices, true, false);
     // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
     let matmuls = collective_fusion::graph::print::print(&step)
         .matches(" kind=matmul ")
@@ -133,7 +157,7 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     // Staging every gradient through host memory instead gives the same bits.
-    let (host, host_stats, _) = distributed(&devices, false, false);
+    let (host, host_stats, _) = distributed::<W>(&devices, false, false);
     assert_eq!(host_stats.device_buckets, 0, "{host_stats:?}");
     for (i, (a, b)) in ranks[0].iter().zip(&host[0]).enumerate() {
         assert_eq!(
@@ -145,7 +169,7 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
     // So does handing the reduced gradients back as views of their buckets
     // (`gradient_as_bucket_view`): the optimizer reads slices of the bucket.
     assert_eq!(stats.view_grads, 0, "{stats:?}");
-    let (viewed, view_stats, _) = distributed(&devices, true, true);
+    let (viewed, view_stats, _) = distributed::<W>(&devices, true, true);
     assert!(
         view_stats.view_grads >= 2 * STEPS as u64,
         "every step has a bucket of several gradients: {view_stats:?}"
@@ -157,13 +181,13 @@ fn an_mlp_on_two_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
             "weight {i}: copied {a} vs views {b}"
         );
     }
-    let reference = train(
-        init(&devices[0]),
+    let reference = train::<W>(
+        init::<W>(&devices[0]),
         (0, WORLD as usize * ROWS),
         &devices[0],
         false,
     );
-    let initial = module_weights::<B, Mlp>(&init(&devices[0]));
+    let initial = module_weights::<A<W>, Mlp<W>>(&init::<W>(&devices[0]));
     let mut moved = 0.0f64;
     for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
         let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));

@@ -1,21 +1,46 @@
 //! Gradients that stay in the inner backend's device buffers: when `I` is one of Burn's CubeCL
-//! backends (wgpu; CUDA with the `cuda` feature) without its fusion layer, a submitted gradient
-//! is kept as its tensor's handle ([`CubeGrad`]), its bucket is packed and unpacked by the CubeCL
-//! kernels on those buffers, and the reduced gradient is written back as a new tensor of the same
-//! runtime, device, shape and dtype. Any other inner backend keeps the host path.
+//! backends (wgpu; CUDA with the `cuda` feature), with its fusion layer on (Burn's default,
+//! `burn::backend::Wgpu`/`Cuda`) or off (a bare `CubeBackend`), a submitted gradient is kept as
+//! its tensor's handle ([`CubeGrad`]), its bucket is packed and unpacked by the CubeCL kernels on
+//! those buffers, and the reduced gradient is written back as a new tensor of the same runtime,
+//! device, shape and dtype (for a fused backend: registered with its fusion client, as the fusion
+//! layer registers data it is given). Any other inner backend keeps the host path.
+//!
+//! A fused gradient is resolved to its `CubeTensor` through the fusion client, which runs the
+//! fused work queued before it (what any read of it would do) but copies nothing to the host.
 
 use std::any::Any;
 
 use burn_backend::TensorMetadata;
-use burn_cubecl::CubeRuntime;
+use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime};
+use burn_fusion::stream::OperationStreams;
+use burn_fusion::{FusionTensor, NoOp};
+use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 
 use super::distributed::graph_dtype;
 use crate::runtime::cube::CubeGrad;
 use crate::runtime::grad::DeviceGrad;
 
+/// The CubeCL backend a fused tensor of runtime `R` resolves through. Its element types do not
+/// matter here: a resolved tensor carries its own dtype.
+type Cube<R> = CubeBackend<R, f32, i32, u32>;
+
+/// `p` as a CubeCL tensor of runtime `R`: itself, or the tensor behind a fusion tensor of `R`.
+fn cube_tensor<R: CubeRuntime, P: 'static>(p: &P) -> Option<CubeTensor<R>> {
+    let any = p as &dyn Any;
+    if let Some(t) = any.downcast_ref::<CubeTensor<R>>() {
+        return Some(t.clone());
+    }
+    let t = any.downcast_ref::<FusionTensor<FusionCubeRuntime<R>>>()?;
+    // A dtype the kernels cannot pack stays on the host path: do not drain the queue for it.
+    graph_dtype(t.dtype)?;
+    Some(t.client.resolve_tensor_float::<Cube<R>>(t.clone()))
+}
+
 fn grad_of<R: CubeRuntime, P: 'static>(p: &P) -> Option<Box<dyn DeviceGrad>> {
-    let t = (p as &dyn Any).downcast_ref::<CubeTensor<R>>()?.clone();
+    let t = cube_tensor::<R, P>(p)?;
     let dtype = graph_dtype(t.dtype)?;
     // The kernels read a member as `len` consecutive elements from its handle.
     let t = if t.is_contiguous() {
@@ -32,35 +57,60 @@ fn grad_of<R: CubeRuntime, P: 'static>(p: &P) -> Option<Box<dyn DeviceGrad>> {
     }))
 }
 
+/// `out` as the `P` it is (`P` was checked to be `out`'s type by the caller's downcast).
+fn as_p<T: 'static, P: 'static>(out: T) -> P {
+    match (Box::new(out) as Box<dyn Any>).downcast::<P>() {
+        Ok(p) => *p,
+        Err(_) => unreachable!("the result has the type `like` was downcast to"),
+    }
+}
+
 fn tensor_of<R: CubeRuntime, P: 'static>(
     like: &P,
     g: Box<dyn DeviceGrad>,
 ) -> Result<P, Box<dyn DeviceGrad>> {
-    let Some(t) = (like as &dyn Any).downcast_ref::<CubeTensor<R>>() else {
-        return Err(g);
-    };
-    if !g.as_any().is::<CubeGrad<R>>() {
+    let any = like as &dyn Any;
+    let bare = any.downcast_ref::<CubeTensor<R>>();
+    let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<R>>>();
+    if (bare.is_none() && fused.is_none()) || !g.as_any().is::<CubeGrad<R>>() {
         return Err(g);
     }
     let Ok(g) = g.into_any().downcast::<CubeGrad<R>>() else {
         unreachable!("checked just above")
     };
-    let out = CubeTensor::new_contiguous(
-        t.client.clone(),
-        t.device.clone(),
-        t.shape(),
-        g.handle,
-        t.dtype,
-    );
-    match (Box::new(out) as Box<dyn Any>).downcast::<P>() {
-        Ok(p) => Ok(*p),
-        // `like` is a `P` that is a `CubeTensor<R>`, so `out` is a `P` too.
-        Err(_) => unreachable!("a CubeTensor<R> is the P it was downcast from"),
+    if let Some(t) = bare {
+        let out = CubeTensor::new_contiguous(
+            t.client.clone(),
+            t.device.clone(),
+            t.shape(),
+            g.handle,
+            t.dtype,
+        );
+        return Ok(as_p(out));
     }
+    let Some(t) = fused else {
+        unreachable!("one of the two, checked above")
+    };
+    let client = t.client.clone();
+    let device = client.device().clone();
+    let cube = CubeTensor::new_contiguous(g.client, device, t.shape.clone(), g.handle, t.dtype);
+    // As the fusion layer takes data it is given: the handle registered, an init op recorded.
+    let handle = <Cube<R> as BackendIr>::float_tensor_handle(cube);
+    let desc = InitOperationIr::create(t.shape.clone(), t.dtype, || {
+        client.register_tensor_handle(handle)
+    });
+    let out: FusionTensor<FusionCubeRuntime<R>> = client
+        .register(
+            OperationStreams::default(),
+            OperationIr::Init(desc),
+            NoOp::<Cube<R>>::new(),
+        )
+        .output();
+    Ok(as_p(out))
 }
 
 /// The gradient `p` as a device gradient, when it is a tensor of a CubeCL runtime this crate
-/// knows; a non-contiguous one is made contiguous first (a copy on the device).
+/// knows, fused or not; a non-contiguous one is made contiguous first (a copy on the device).
 pub(crate) fn device_grad<P: 'static>(p: &P) -> Option<Box<dyn DeviceGrad>> {
     #[cfg(feature = "cuda")]
     if let Some(g) = grad_of::<cubecl::cuda::CudaRuntime, P>(p) {
@@ -69,8 +119,8 @@ pub(crate) fn device_grad<P: 'static>(p: &P) -> Option<Box<dyn DeviceGrad>> {
     grad_of::<cubecl::wgpu::WgpuRuntime, P>(p)
 }
 
-/// A tensor like `like` (its runtime, device, shape and dtype) holding the device gradient `g`;
-/// `Err(g)` when `g` is not of `like`'s runtime.
+/// A tensor like `like` (its runtime, device, shape and dtype; fused if it is) holding the device
+/// gradient `g`; `Err(g)` when `g` is not of `like`'s runtime.
 pub(crate) fn tensor_from<P: 'static>(
     like: &P,
     g: Box<dyn DeviceGrad>,
