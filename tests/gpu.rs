@@ -1,7 +1,7 @@
 //! GPU tests: the CubeCL bucket kernels on CubeCL's CUDA runtime against the host path, their
 //! bandwidth against the device's copy bandwidth, and the NCCL communicator (feature `cuda`). They are compiled always and, on a machine
 //! without a GPU, libcuda or libnccl (or without the feature), each says so on stderr and
-//! passes; `CF_REQUIRE_GPU=1` (what `scripts/gpu-check.sh` sets) turns that skip into a failure.
+//! passes; `CF_REQUIRE_GPU=1` (what `scripts/gpu-run.sh` sets) turns that skip into a failure.
 
 mod common;
 
@@ -456,15 +456,22 @@ mod training {
         // The same starting weights on both backends.
         for (l, w) in m.iter_mut().zip(init.chunks(2)) {
             let (o, i) = (l.weight.dims()[1], l.weight.dims()[0]);
+            // A parameter's new value must require gradients itself: `Param::map` takes the
+            // flag from the tensor it is given, and without it backward computes no gradient.
             l.weight = l.weight.clone().map(|_| {
                 Tensor::from_data(burn_core::tensor::TensorData::new(w[0].clone(), [i, o]), &d)
+                    .require_grad()
             });
             if let Some(b) = &l.bias {
                 l.bias = Some(b.clone().map(|_| {
                     Tensor::from_data(burn_core::tensor::TensorData::new(w[1].clone(), [o]), &d)
+                        .require_grad()
                 }));
             }
         }
+        let start = module_weights::<Bk<I>, _>(&m);
+        let flat: Vec<f32> = init.iter().flatten().copied().collect();
+        assert_eq!(start, flat, "the seeded weights were installed");
         let mut optim = SgdConfig::new().init::<Bk<I>, Vec<Linear<Bk<I>>>>();
         for step in 0..3 {
             m = mark_distributed::<Bk<I>, _>(m);
@@ -477,7 +484,14 @@ mod training {
         let stats = sync_stats::<I>(0);
         Collective::<I>::close_communication_server(&d);
         assert_eq!(stats.eager_steps + stats.flushed_steps, 3, "{stats:?}");
-        (module_weights::<Bk<I>, _>(&m), stats)
+        let end = module_weights::<Bk<I>, _>(&m);
+        let moved: f64 = end
+            .iter()
+            .zip(&start)
+            .map(|(a, b)| f64::from((a - b).abs()))
+            .sum();
+        assert!(moved > 1e-3, "training did not move the weights ({moved})");
+        (end, stats)
     }
 
     #[test]
@@ -500,6 +514,29 @@ mod training {
         assert_eq!(gpu_stats.device_collectives, 0, "{gpu_stats:?}");
         assert_eq!(cpu_stats.device_buckets, 0, "{cpu_stats:?}");
         close(&gpu, &cpu, "ndarray");
+    }
+
+    /// Burn's CUDA backend without its fusion layer (`Cuda` is Burn's default, fused).
+    type UnfusedCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+    #[test]
+    fn an_unfused_collective_cuda_training_step_matches_the_fused_one() {
+        if !gpu_or_skip("Collective<CubeBackend<Cuda>> training", 1, false) {
+            return;
+        }
+        let init = initial_weights(5);
+        let (fused, fused_stats) = steps::<Cuda>(
+            CudaDevice::default(),
+            init.clone(),
+            Transport::InProcess,
+            false,
+        );
+        let (bare, bare_stats) =
+            steps::<UnfusedCuda>(CudaDevice::default(), init, Transport::InProcess, false);
+        // Both take the device path: the fused gradients resolved through the fusion client.
+        assert!(fused_stats.device_buckets >= 3, "{fused_stats:?}");
+        assert!(bare_stats.device_buckets >= 3, "{bare_stats:?}");
+        close(&fused, &bare, "unfused");
     }
 
     /// Seeded weights and biases of the two layers, in [-0.1, 0.1].

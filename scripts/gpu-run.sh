@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The run half of the GPU checks, on a machine with an NVIDIA GPU (no cargo needed): unpacks
+# what scripts/gpu-pack.sh packed beside it, finds libcuda, libnccl and libnvrtc, and runs
+# with skips turned into failures (CF_REQUIRE_GPU=1): the GPU tests (kernels against the host
+# path, NCCL through the rendezvous, CUDA gradients reduced in place, fused and unfused
+# `Collective<Cuda>` training; the pack-bandwidth and overlap benches print their tables), a
+# two-process rendezvous sharing a real NCCL id, and `Collective<Cuda>` training through the
+# CLI over NCCL. Logs go to $OUT (default /tmp/out); the last lines are one summary.
+# Usage: bash .gpu/run.sh   (under 5 minutes on one H200)
+set -uo pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+summary=()
+record() { summary+=("$1: $2"); echo "== $1: $2"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+tar -xJf bins.tar.xz
+# cudarc opens libnccl.so and libnvrtc.so by those names; on such machines they live under the
+# CUDA install and the system library folder, sometimes only as libnccl.so.2.
+libs=$(mktemp -d)
+find_lib() {
+  find /usr/lib /usr/lib64 /usr/local /opt -maxdepth 9 -name "$1*" 2>/dev/null \
+    | grep -v stubs | sort | head -1
+}
+for l in libnccl.so libnvrtc.so; do
+  found=$(find_lib "$l")
+  if [ -n "$found" ]; then
+    ln -sf "$found" "$libs/$l"
+    export LD_LIBRARY_PATH="$(dirname "$found"):${LD_LIBRARY_PATH:-}"
+    echo "$l: $found"
+  else
+    echo "$l: not found"
+  fi
+done
+export LD_LIBRARY_PATH="$libs:/usr/local/nvidia/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+export CF_REQUIRE_GPU=1
+
+timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
+rc=$?
+grep -E "^test |test result|SKIPPED|panicked" "$OUT/gpu-tests.log" | tail -40
+record "GPU tests" "exit $rc, $(grep -c ' \.\.\. ok$' "$OUT/gpu-tests.log") passed, $(grep -c ' \.\.\. FAILED$' "$OUT/gpu-tests.log") failed"
+grep -A30 "pack bandwidth\|overlap" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
+
+bin=bin/collective-fusion
+port=$((29500 + RANDOM % 1000))
+pids=()
+for r in 1 0; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    CF_RENDEZVOUS_TIMEOUT_MS=20000 timeout 60 "$bin" rendezvous > "$OUT/rendezvous-$r.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+record "two-process rendezvous" "exit $rc"
+
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((port + 1)) \
+  timeout 120 "$bin" run --backend cuda --transport nccl --bucket-view --world 1 --steps 3 --batch 8 \
+  > "$OUT/run-nccl.log" 2>&1
+record "run --backend cuda --transport nccl --bucket-view" "exit $?"
+timeout 120 "$bin" run --backend cuda --transport nccl-local --world 1 --steps 3 --batch 8 \
+  > "$OUT/run-nccl-local.log" 2>&1
+record "run --backend cuda --transport nccl-local" "exit $?"
+
+echo "== summary"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+! grep -qE "exit [1-9]|[1-9][0-9]* failed" "$OUT/summary.txt"
