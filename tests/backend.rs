@@ -427,12 +427,12 @@ fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
     for (r, o) in outcomes.iter().enumerate() {
         let msg = o.as_ref().expect_err("every rank fails");
         assert!(
-            msg.contains("param.") && msg.contains("NaN"),
+            msg.contains("0.weight") && msg.contains("NaN"),
             "rank {r}: {msg}"
         );
         if r == 2 {
             assert!(
-                msg.starts_with("collective-fusion: rank 2: the gradient of param."),
+                msg.starts_with("collective-fusion: rank 2: the gradient of 0.weight"),
                 "{msg}"
             );
         } else {
@@ -962,4 +962,105 @@ fn a_gradient_submitted_after_the_last_sync_point_is_named_when_the_server_close
         msg.contains("after the last sync point") && msg.contains("rank 0: param.9"),
         "{msg}"
     );
+}
+
+/// Two ranks whose steps differ only in which parameters are reduced together: the same two
+/// equal-size parameters in opposite order (one bucket each side), or different parameters of
+/// one size. Before the members were part of the plan agreement, both summed unrelated
+/// gradients without a word.
+#[test]
+fn ranks_that_reduce_different_members_fail_together_naming_them_and_write_nothing() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    /// A case: its name, each rank's submission order, the parameters the error must name.
+    type Case<'a> = (&'a str, [&'a [u64]; 2], [&'a str; 2]);
+    let cases: [Case<'_>; 2] = [
+        (
+            "opposite order",
+            [&[901, 902], &[902, 901]],
+            ["param.901", "param.902"],
+        ),
+        (
+            "different parameters",
+            [&[903], &[904]],
+            ["param.903", "param.904"],
+        ),
+    ];
+    for (case, order, names) in cases {
+        let devices: Vec<_> = (0..2).map(device).collect();
+        start_server(
+            &devices,
+            CollectiveOptions {
+                timeout: std::time::Duration::from_secs(30),
+                ..CollectiveOptions::default()
+            },
+            ReduceOperation::Sum,
+        );
+        let outcomes = on_every_rank(&devices, |d| {
+            let grads: Vec<(u64, Vec<f32>)> = order[d.rank as usize]
+                .iter()
+                .map(|id| (*id, vec![*id as f32 + d.rank as f32; 16]))
+                .collect();
+            let (outcome, values) = hook_step_outcome(d, &grads);
+            (outcome, values, grads)
+        });
+        Inner::close_communication_server(&devices[0]);
+        for (r, o) in outcomes.into_iter().enumerate() {
+            let (outcome, values, grads) = o.expect("the rank's thread returns");
+            let msg = outcome.expect_err(&format!("{case}: rank {r} fails"));
+            for n in names {
+                assert!(msg.contains(n), "{case}: rank {r} names {n}: {msg}");
+            }
+            let before: Vec<Vec<f32>> = grads.into_iter().map(|(_, v)| v).collect();
+            assert_eq!(values, before, "{case}: rank {r}: nothing written back");
+        }
+    }
+}
+
+/// `mark_distributed` names parameters by their module path, the same in every process that
+/// builds the same model, however Burn numbered them.
+#[test]
+fn marked_parameters_are_named_by_their_module_path() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..1).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions::default(),
+        ReduceOperation::Mean,
+    );
+    // Two models built apart (their `ParamId`s differ), as two processes would.
+    let names = |m: Mlp| -> Vec<String> {
+        let d = &devices[0];
+        let m = mark_distributed::<B, Mlp>(m.fork(d));
+        let (x, y) = batch(0, 0, 4, d);
+        let loss = MseLoss::new().forward(m.forward(x), y, Reduction::Mean);
+        let _ = loss.backward();
+        let g = recorded_step_graph::<NdArray>(0).expect("a recorded step");
+        let text = print(&g);
+        let mut names: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.split("grad_sync \"").nth(1))
+            .map(|rest| rest.split('"').next().unwrap().to_string())
+            .collect();
+        names.sort();
+        names
+    };
+    let a = names(init_model());
+    // A second model, built apart with `ParamId`s of its own: the same names.
+    let b = names(init_model());
+    Inner::close_communication_server(&devices[0]);
+    assert_eq!(a, b, "two builds of one model");
+    assert!(!a.is_empty());
+    assert!(
+        a.iter().all(|n| !n.starts_with("param.")),
+        "path names, not ids: {a:?}"
+    );
+    assert_eq!(
+        a,
+        [
+            "0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"
+        ],
+        "a Vec of three Linear layers"
+    );
+    let unique: std::collections::BTreeSet<_> = a.iter().collect();
+    assert_eq!(unique.len(), a.len(), "names are unique: {a:?}");
 }

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use burn_backend::distributed::{
-    CollectiveTensor, DistributedBackend, DistributedConfig, DistributedParamId, DistributedParams,
-    ReduceOperation, TensorRef,
+    CollectiveTensor, DistributedBackend, DistributedConfig, DistributedParams, ReduceOperation,
+    TensorRef,
 };
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, TensorData, TensorMetadata};
@@ -252,34 +252,8 @@ fn session<I: Backend>(what: &str) -> Arc<Session<I>> {
     }
 }
 
-/// Marks every float parameter of `module` as data-parallel, so that Burn's autodiff submits its
-/// gradient for sync (what burn-train's `grad_sharded` does for its learner).
-pub fn mark_distributed<B, M>(module: M) -> M
-where
-    B: burn_core::tensor::backend::AutodiffBackend,
-    M: burn_core::module::Module<B>,
-{
-    struct Sharder;
-    impl<B: burn_core::tensor::backend::AutodiffBackend> burn_core::module::ModuleMapper<B>
-        for Sharder
-    {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: burn_core::module::Param<burn_core::tensor::Tensor<B, D>>,
-        ) -> burn_core::module::Param<burn_core::tensor::Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
-            burn_core::module::Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    module.map(&mut Sharder)
-}
-
 fn param_name(p: &DistributedParams) -> String {
-    // `DistributedParamId(123)` → `param.123`
-    let dbg = format!("{:?}", p.param_id);
-    let digits: String = dbg.chars().filter(char::is_ascii_digit).collect();
-    format!("param.{digits}")
+    super::params::name_of(p.param_id)
 }
 
 pub(super) fn graph_dtype(d: burn_std::DType) -> Option<DType> {

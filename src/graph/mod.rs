@@ -864,9 +864,10 @@ impl Graph {
     }
 }
 
-/// FNV-1a, 64-bit: a small, stable hasher (std's `DefaultHasher` may change across releases).
+/// FNV-1a, 64-bit: a small, stable hasher (std's `DefaultHasher` may change across releases),
+/// for what must hash alike on every rank and in every build.
 #[derive(Clone, Copy)]
-struct Fnv64(u64);
+pub struct Fnv64(u64);
 
 impl Default for Fnv64 {
     fn default() -> Self {

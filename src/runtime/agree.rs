@@ -1,17 +1,21 @@
 //! Plan agreement: before a new plan's first collective, the ranks exchange its collective
-//! sequence (per call: launch index, bucket, reduce op, dtype, element count) and compare. A
-//! rank whose sequence differs would otherwise launch a mismatched collective and hang, or
-//! reduce garbage; here every rank fails at once with [`CommError::PlanMismatch`], which names
-//! the first differing collective on each side, before anything is launched.
+//! sequence (per call: launch index, bucket, reduce op, dtype, element count, and a 48-bit hash
+//! of its ordered member parameters) and compare. A rank whose sequence differs would otherwise
+//! launch a mismatched collective and hang, or reduce garbage (two equal-size parameters in
+//! opposite order inside one bucket, or different parameters of one size, sum unrelated
+//! gradients); here every rank fails at once with [`CommError::PlanMismatch`], before anything
+//! is launched. The error names the first differing collective on each side with its members
+//! and the first member that differs: on a mismatch the ranks gather the member names of the
+//! first call where they disagree (the same call on every rank, found from the same data).
 //!
 //! The exchange is two all-reduces of the plan's own communicator (a sum over zero-filled
 //! buffers where each rank writes only its own segment is an all-gather): the sequence lengths,
-//! then the sequences, padded to the longest.
+//! then the sequences, padded to the longest; on a mismatch, two more for the names.
 
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, Communicator};
 use crate::codegen::plan::Plan;
-use crate::graph::{DType, ReduceOp};
+use crate::graph::{DType, Fnv64, ReduceOp};
 
 /// Launch indices of the agreement's own all-reduces (far from any plan's).
 const AGREE_LEN: u32 = u32::MAX - 1_000_000;
@@ -29,7 +33,18 @@ pub fn is_agreement(d: &CollectiveDesc) -> bool {
 pub const AGREEMENT_LABEL: &str = "(plan agreement)";
 
 /// Fields per call in the exchange.
-const FIELDS: usize = 5;
+const FIELDS: usize = 6;
+
+/// The ordered member parameters of a call as 48 bits (exact in an `f64`).
+fn members_hash(params: &[String]) -> f64 {
+    use std::hash::Hasher;
+    let mut h = Fnv64::default();
+    for p in params {
+        h.write(p.as_bytes());
+        h.write_u8(0xff);
+    }
+    (h.finish() >> 16) as f64
+}
 
 /// The calls `plan` makes, in launch order (one per NCCL call: a bucket, or each unbucketed slot).
 pub fn plan_sequence(plan: &Plan) -> Vec<CollectiveDesc> {
@@ -71,6 +86,7 @@ fn encode(d: &CollectiveDesc) -> [f64; FIELDS] {
         f64::from(d.op.code()),
         f64::from(d.dtype.code()),
         d.count as f64,
+        members_hash(&d.params),
     ]
 }
 
@@ -163,25 +179,29 @@ pub fn agree(
         all[rank * width + i * FIELDS..][..FIELDS].copy_from_slice(&encode(d));
     }
     let all = exchange(comm, AGREE_SEQ, all, timeout)?;
-    for other in (0..world).filter(|r| *r != rank) {
-        for i in 0..longest {
-            let theirs = decode(&all[other * width + i * FIELDS..][..FIELDS]);
-            let ours = mine.get(i);
-            let same = match (ours, &theirs) {
-                (Some(a), Some(b)) => encode(a) == encode(b),
-                (None, None) => true,
-                _ => false,
-            };
-            if !same {
-                return Err(CommError::PlanMismatch {
-                    rank,
-                    index: i,
-                    mine: ours.cloned(),
-                    other_rank: other,
-                    theirs,
-                });
-            }
-        }
-    }
-    Ok(())
+    let slot = |r: usize, i: usize| &all[r * width + i * FIELDS..][..FIELDS];
+    // The first call where any two ranks differ: the same index on every rank.
+    let Some(index) = (0..longest).find(|i| (1..world).any(|r| slot(r, *i) != slot(0, *i))) else {
+        return Ok(());
+    };
+    // Every rank differs from some rank there; name the first.
+    let other = (0..world)
+        .find(|r| slot(*r, index) != slot(rank, index))
+        .unwrap_or(rank);
+    // Gather everyone's member names at that call, so both sides of the error are named.
+    let ours = mine.get(index).cloned();
+    let names = ours.as_ref().map_or(String::new(), |d| d.params.join("\n"));
+    let gathered = all_gather_bytes(comm, names.as_bytes(), timeout)?;
+    let theirs = decode(slot(other, index)).map(|mut d| {
+        let text = String::from_utf8_lossy(&gathered[other]).into_owned();
+        d.params = text.lines().map(str::to_string).collect();
+        d
+    });
+    Err(CommError::PlanMismatch {
+        rank,
+        index,
+        mine: ours,
+        other_rank: other,
+        theirs,
+    })
 }

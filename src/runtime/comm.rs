@@ -97,9 +97,10 @@ pub enum CommError {
     },
     /// The ranks compiled different plans: caught before the plan's first collective.
     #[error(
-        "rank {rank}: the ranks' plans differ at collective call {index}: rank {rank} would launch {}, rank {other_rank} would launch {}",
+        "rank {rank}: the ranks' plans differ at collective call {index}: rank {rank} would launch {}, rank {other_rank} would launch {}{}",
         mine.as_ref().map_or("nothing".to_string(), |d| d.to_string()),
-        theirs.as_ref().map_or("nothing".to_string(), |d| d.to_string())
+        theirs.as_ref().map_or("nothing".to_string(), |d| d.to_string()),
+        first_member_difference(mine.as_ref(), theirs.as_ref())
     )]
     PlanMismatch {
         /// The rank reporting.
@@ -110,7 +111,7 @@ pub enum CommError {
         mine: Option<CollectiveDesc>,
         /// The first rank that differs.
         other_rank: usize,
-        /// That rank's call there (parameters are not exchanged).
+        /// That rank's call there, its parameters included.
         theirs: Option<CollectiveDesc>,
     },
     /// The group was aborted by a rank's failure; this rank's collective did not run.
@@ -372,4 +373,25 @@ pub trait Communicator: Send + Sync {
     /// Fails the group: every rank's pending and future collectives return
     /// [`CommError::Aborted`] with `reason`, instead of waiting for this rank.
     fn abort(&self, reason: &str);
+}
+
+/// Where two calls' ordered member lists first differ, for [`CommError::PlanMismatch`]: the
+/// parameter each side has there (empty when the lists agree or either call is missing).
+fn first_member_difference(
+    mine: Option<&CollectiveDesc>,
+    theirs: Option<&CollectiveDesc>,
+) -> String {
+    let (Some(a), Some(b)) = (mine, theirs) else {
+        return String::new();
+    };
+    let none = "nothing";
+    (0..a.params.len().max(b.params.len()))
+        .find(|i| a.params.get(*i) != b.params.get(*i))
+        .map_or(String::new(), |i| {
+            format!(
+                "; member {i} is {} here and {} there",
+                a.params.get(i).map_or(none, String::as_str),
+                b.params.get(i).map_or(none, String::as_str)
+            )
+        })
 }
