@@ -807,6 +807,12 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
         Ok(text) if text.trim_start().starts_with("graph ") => {
             let g = collective_fusion::graph::parse::parse(&text)
                 .map_err(|e| format!("{}: {e}", a.model))?;
+            // Passes assume a valid graph: text from a file is verified first, in every build.
+            collective_fusion::graph::verify::verify(
+                &g,
+                &collective_fusion::graph::verify::VerifyOptions::default(),
+            )
+            .map_err(|e| format!("{}: {e}", a.model))?;
             if !g
                 .node_ids()
                 .any(|n| matches!(g.op(n), collective_fusion::graph::Op::GradSync { .. }))

@@ -168,7 +168,9 @@ impl ModelProfile {
 
     /// Total parameter bytes.
     pub fn total_bytes(&self) -> u64 {
-        self.params.iter().map(|p| p.bytes).sum()
+        self.params
+            .iter()
+            .fold(0u64, |a, p| a.saturating_add(p.bytes))
     }
 
     /// The layer whose backward makes a parameter's gradient final: for a tied weight, the one
@@ -195,8 +197,13 @@ impl ModelProfile {
                     p.name, p.i
                 ));
             }
-            let numel: u64 = p.shape.iter().product();
-            if numel != p.numel || numel * dtype.size() != p.bytes {
+            let Some(numel) = p.shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d)) else {
+                return Err(format!(
+                    "parameter '{}': shape {:?} has more elements than fit in 64 bits",
+                    p.name, p.shape
+                ));
+            };
+            if numel != p.numel || numel.checked_mul(dtype.size()) != Some(p.bytes) {
                 return Err(format!(
                     "parameter '{}': shape {:?} gives {numel} elements, but numel={} bytes={}",
                     p.name, p.shape, p.numel, p.bytes

@@ -189,21 +189,18 @@ fn bundled_profiles_load_and_bad_profiles_name_the_problem() {
 #[test]
 fn plan_command_prints_json_bucket_plan() {
     let exe = env!("CARGO_BIN_EXE_collective-fusion");
-    let out = std::process::Command::new(exe)
-        .args([
-            "plan",
-            "--model",
-            "gpt2",
-            "--policy",
-            "ddp",
-            "--bucket-cap",
-            "26214400",
-            "--first-bucket",
-            "1MiB",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let out = common::output_bounded(&mut std::process::Command::new(exe).args([
+        "plan",
+        "--model",
+        "gpt2",
+        "--policy",
+        "ddp",
+        "--bucket-cap",
+        "26214400",
+        "--first-bucket",
+        "1MiB",
+        "--json",
+    ]));
     assert!(
         out.status.success(),
         "{}",
@@ -233,10 +230,13 @@ fn plan_command_prints_json_bucket_plan() {
         profile.grad_ready_order[0]
     );
 
-    let bad = std::process::Command::new(exe)
-        .args(["plan", "--model", "gpt2", "--bucket-cap", "lots"])
-        .output()
-        .unwrap();
+    let bad = common::output_bounded(&mut std::process::Command::new(exe).args([
+        "plan",
+        "--model",
+        "gpt2",
+        "--bucket-cap",
+        "lots",
+    ]));
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("'lots' is not a size"));
 }

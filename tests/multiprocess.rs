@@ -6,7 +6,7 @@ mod common;
 
 use std::process::{Command, Output, Stdio};
 
-use common::free_port;
+use common::{PROCESS_LIMIT, free_port, output_bounded, wait_bounded};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collective-fusion");
 
@@ -47,13 +47,14 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
         .collect();
     let outs: Vec<Output> = children
         .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
+        .enumerate()
+        .map(|(r, c)| wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}")))
         .collect();
-    let threads = Command::new(BIN)
-        .args(ARGS)
-        .args(["--world", &world.to_string()])
-        .output()
-        .unwrap();
+    let threads = output_bounded(
+        &mut Command::new(BIN)
+            .args(ARGS)
+            .args(["--world", &world.to_string()]),
+    );
     let expected = digest(&threads);
     for (r, o) in outs.iter().enumerate() {
         let text = String::from_utf8_lossy(&o.stdout);
@@ -67,16 +68,16 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
 
 #[test]
 fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
-    let out = Command::new(BIN)
-        .args(ARGS)
-        .args(["--transport", "tcp"])
-        .env("RANK", "0")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", free_port().to_string())
-        .env("CF_RENDEZVOUS_TIMEOUT_MS", "500")
-        .output()
-        .unwrap();
+    let out = output_bounded(
+        &mut Command::new(BIN)
+            .args(ARGS)
+            .args(["--transport", "tcp"])
+            .env("RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", free_port().to_string())
+            .env("CF_RENDEZVOUS_TIMEOUT_MS", "500"),
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("rank(s) [1] of 2 never joined"), "{err}");
@@ -84,15 +85,15 @@ fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
 
 #[test]
 fn a_missing_launcher_variable_is_named() {
-    let out = Command::new(BIN)
-        .args(ARGS)
-        .args(["--transport", "tcp"])
-        .env_remove("RANK")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "1")
-        .output()
-        .unwrap();
+    let out = output_bounded(
+        &mut Command::new(BIN)
+            .args(ARGS)
+            .args(["--transport", "tcp"])
+            .env_remove("RANK")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", "1"),
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("RANK is not set"), "{err}");

@@ -120,15 +120,15 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
     let dir = std::env::temp_dir().join(format!("cf-profile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (trace, svg_path) = (dir.join("step.json"), dir.join("step.svg"));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-        .args([
-            "profile", "--model", "resnet50", "--policy", "ddp", "--trace",
-        ])
-        .arg(&trace)
-        .arg("--svg")
-        .arg(&svg_path)
-        .output()
-        .unwrap();
+    let out = common::output_bounded(
+        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            .args([
+                "profile", "--model", "resnet50", "--policy", "ddp", "--trace",
+            ])
+            .arg(&trace)
+            .arg("--svg")
+            .arg(&svg_path),
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -144,10 +144,13 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
             .contains("all-reduce b0")
     );
     // An unknown model is a clear error naming it.
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-        .args(["profile", "--model", "no_such_model"])
-        .output()
-        .unwrap();
+    let bad = common::output_bounded(
+        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion")).args([
+            "profile",
+            "--model",
+            "no_such_model",
+        ]),
+    );
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no_such_model"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -159,24 +162,24 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("run.json");
     let step_graph = dir.join("step.txt");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-        .args([
-            "run",
-            "--world",
-            "2",
-            "--steps",
-            "3",
-            "--batch",
-            "4",
-            "--bucket-cap",
-            "2MiB",
-            "--trace",
-        ])
-        .arg(&trace)
-        .arg("--step-graph")
-        .arg(&step_graph)
-        .output()
-        .unwrap();
+    let out = common::output_bounded(
+        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            .args([
+                "run",
+                "--world",
+                "2",
+                "--steps",
+                "3",
+                "--batch",
+                "4",
+                "--bucket-cap",
+                "2MiB",
+                "--trace",
+            ])
+            .arg(&trace)
+            .arg("--step-graph")
+            .arg(&step_graph),
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -196,19 +199,19 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     collective_fusion::graph::parse::parse(&graph).expect("the step graph parses back");
     // The recorded step profiles like a model: every policy at 8 ranks, and the chosen policy's
     // compiled graph with its buckets launched among the recorded ops.
-    let prof = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-        .args([
-            "profile",
-            "--world",
-            "8",
-            "--policy",
-            "ddp",
-            "--print-graph",
-            "--model",
-        ])
-        .arg(&step_graph)
-        .output()
-        .unwrap();
+    let prof = common::output_bounded(
+        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            .args([
+                "profile",
+                "--world",
+                "8",
+                "--policy",
+                "ddp",
+                "--print-graph",
+                "--model",
+            ])
+            .arg(&step_graph),
+    );
     assert!(
         prof.status.success(),
         "{}",
@@ -259,21 +262,21 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
         return;
     }
     let run = |extra: &[&str]| -> String {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-            .args([
-                "run",
-                "--backend",
-                "wgpu",
-                "--world",
-                "2",
-                "--steps",
-                "2",
-                "--batch",
-                "4",
-            ])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = common::output_bounded(
+            &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+                .args([
+                    "run",
+                    "--backend",
+                    "wgpu",
+                    "--world",
+                    "2",
+                    "--steps",
+                    "2",
+                    "--batch",
+                    "4",
+                ])
+                .args(extra),
+        );
         assert!(
             out.status.success(),
             "{}",
@@ -304,4 +307,30 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
     };
     assert_eq!(digest(&copies), digest(&views), "{copies}\n{views}");
     assert!(digest(&copies).is_some());
+}
+
+/// Inputs that parse but are wrong (`tests/malformed/`): `profile` says `error: ...` and exits
+/// with code 1, in every build; none reaches a pass or an unchecked size unverified.
+#[test]
+fn malformed_inputs_are_errors_never_panics() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/malformed");
+    let mut cases = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "md") {
+            continue;
+        }
+        cases += 1;
+        let out = common::output_bounded(
+            std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+                .args(["profile", "--model"])
+                .arg(&path)
+                // As in a release build: no verification after passes.
+                .env("CF_VERIFY", "0"),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}: {err}", path.display());
+        assert!(err.starts_with("error:"), "{}: {err}", path.display());
+    }
+    assert!(cases >= 5, "only {cases} malformed inputs");
 }

@@ -3,15 +3,12 @@
 //! rank 0 that never shows up and a wrong world size are errors on every process that ran,
 //! within the timeout, naming what was wrong.
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
+use common::{PROCESS_LIMIT, free_port, output_bounded, wait_bounded};
 
 fn spawn(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Child {
     Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
@@ -32,8 +29,9 @@ fn spawn(rank: usize, world: usize, port: u16, timeout_ms: u64) -> Child {
 fn finish(children: Vec<Child>) -> Vec<(bool, String, String)> {
     children
         .into_iter()
-        .map(|c| {
-            let o = c.wait_with_output().expect("the process ends");
+        .enumerate()
+        .map(|(r, c)| {
+            let o = wait_bounded(c, PROCESS_LIMIT, &format!("process {r}"));
             (
                 o.status.success(),
                 String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -117,12 +115,12 @@ fn a_process_started_with_another_world_size_fails_both() {
 
 #[test]
 fn a_missing_environment_variable_is_named() {
-    let o = Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-        .arg("rendezvous")
-        .env_remove("RANK")
-        .env("WORLD_SIZE", "2")
-        .output()
-        .expect("the command runs");
+    let o = output_bounded(
+        &mut Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            .arg("rendezvous")
+            .env_remove("RANK")
+            .env("WORLD_SIZE", "2"),
+    );
     assert!(!o.status.success());
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(

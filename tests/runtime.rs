@@ -662,3 +662,50 @@ fn a_bucket_that_cannot_be_read_fails_its_rank_and_aborts_the_others_at_once() {
         "rank 0: {e0}"
     );
 }
+
+/// A rank of a group of one whose second all-reduce fails.
+struct FailsSecond {
+    inner: collective_fusion::runtime::InProcessComm,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Communicator for FailsSecond {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: collective_fusion::runtime::CollectiveDesc,
+    ) -> Result<collective_fusion::runtime::PendingReduce, CommError> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            return Err(CommError::Closed { rank: 0, what });
+        }
+        self.inner.all_reduce(buffer, what)
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason);
+    }
+}
+
+#[test]
+fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
+    let plan = on_group_of(&plan_for("resnet50", Ddp, MIB, ReduceOp::Mean, true), 1);
+    assert!(plan.collectives.len() > 2, "several collectives");
+    let comm = FailsSecond {
+        inner: InProcessGroup::ranks(1, Duration::from_secs(10))
+            .pop()
+            .unwrap(),
+        calls: std::sync::atomic::AtomicUsize::new(0),
+    };
+    let before = seeded_gradients(&plan, 0, 1);
+    let mut g = before.clone();
+    let err = execute(&plan, &comm, &mut g, &mut NoHooks, ExecOptions::default());
+    assert!(err.is_err(), "the second collective failed");
+    for (i, (a, b)) in g.iter().zip(&before).enumerate() {
+        assert!(a.bits_eq(b), "slot {i} changed");
+    }
+}

@@ -148,14 +148,24 @@ impl TensorType {
         }
     }
 
-    /// Number of elements.
+    /// Number of elements (`u64::MAX` when it does not fit: the verifier reports such a type).
     pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+        self.checked_numel().unwrap_or(u64::MAX)
     }
 
-    /// Size in bytes.
+    /// Size in bytes (`u64::MAX` when it does not fit: the verifier reports such a type).
     pub fn bytes(&self) -> u64 {
-        self.numel() * self.dtype.size()
+        self.checked_bytes().unwrap_or(u64::MAX)
+    }
+
+    /// Number of elements, if it fits in 64 bits.
+    pub fn checked_numel(&self) -> Option<u64> {
+        self.shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d))
+    }
+
+    /// Size in bytes, if it fits in 64 bits.
+    pub fn checked_bytes(&self) -> Option<u64> {
+        self.checked_numel()?.checked_mul(self.dtype.size())
     }
 }
 

@@ -20,6 +20,8 @@
 //!    member back to the type it had; its member alignment is a power of two of at most 64 KiB;
 //!    an unpack that hands members back as views of the bucket casts nothing.
 //!
+//! 9. **sizes fit**: every result's element and byte counts fit in 64 bits.
+//!
 //! Groups named by collectives must be declared in the header.
 
 use std::fmt;
@@ -121,6 +123,14 @@ pub fn verify(graph: &Graph, opts: &VerifyOptions) -> Result<(), VerifyError> {
     let mut grad_of_param: HashMap<&str, NodeId> = HashMap::new();
     let mut ready_seen: HashMap<u32, NodeId> = HashMap::new();
     for &id in &order {
+        for (i, ty) in graph.node(id).results.iter().enumerate() {
+            if ty.checked_bytes().is_none() {
+                c.report(
+                    id,
+                    format!("result {i} ({ty}) has more bytes than fit in 64 bits"),
+                );
+            }
+        }
         check_edges(&mut c, id);
         check_signature(&mut c, id);
         match graph.op(id) {

@@ -288,7 +288,10 @@ pub struct Workspace {
 }
 
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
-/// gradient when this returns `Ok`.
+/// gradient when this returns `Ok`. On an error every buffer is as it was: the plan runs on
+/// copies, which replace the caller's buffers only once every collective finished (the cost is
+/// one copy of the gradients; the backend's incremental path, [`Execution`], writes back only
+/// after success without one).
 pub fn execute(
     plan: &Plan,
     comm: &dyn Communicator,
@@ -296,25 +299,27 @@ pub fn execute(
     hooks: &mut dyn StepHooks,
     opts: ExecOptions,
 ) -> Result<ExecReport, ExecError> {
-    let mut slots: Vec<Grad> = grads
-        .iter_mut()
-        .map(|g| Grad::Host(std::mem::take(g)))
-        .collect();
-    let r = execute_in(
+    let mut slots: Vec<Grad> = grads.iter().map(|g| Grad::Host(g.clone())).collect();
+    let report = execute_in(
         plan,
         comm,
         &mut slots,
         hooks,
         opts,
         &mut Workspace::default(),
-    );
-    for (g, s) in grads.iter_mut().zip(slots) {
-        *g = s.into_host().map_err(|source| ExecError::Kernel {
+    )?;
+    let reduced = slots
+        .into_iter()
+        .map(Grad::into_host)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| ExecError::Kernel {
             rank: comm.rank(),
             source,
         })?;
+    for (g, r) in grads.iter_mut().zip(reduced) {
+        *g = r;
     }
-    r
+    Ok(report)
 }
 
 /// [`execute`] on gradient slots that may be device buffers, packing host buckets into the

@@ -127,3 +127,58 @@ pub fn assert_valid(g: &Graph, cap: Option<u64>) {
         panic!("{e}\n{}", print(g));
     }
 }
+
+/// How long a process a test starts may run before the test kills it and fails: far above what
+/// any of them takes, so that a hang fails the test instead of holding CI.
+pub const PROCESS_LIMIT: std::time::Duration = std::time::Duration::from_secs(180);
+
+/// Waits for `child` (stdout and stderr piped) at most `limit`; past it, kills the process and
+/// panics naming `what`. Its output is read on threads meanwhile, so a full pipe cannot stall it.
+pub fn wait_bounded(
+    mut child: std::process::Child,
+    limit: std::time::Duration,
+    what: &str,
+) -> std::process::Output {
+    use std::io::Read;
+    fn drain<R: Read + Send + 'static>(r: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    }
+    let out = drain(child.stdout.take());
+    let err = drain(child.stderr.take());
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("the process can be waited for") {
+            break s;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned();
+            panic!("{what}: still running after {limit:?}, killed; its stderr:\n{err}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
+/// Runs `cmd` to the end like `Command::output`, within [`PROCESS_LIMIT`].
+pub fn output_bounded(cmd: &mut std::process::Command) -> std::process::Output {
+    let what = format!("{cmd:?}");
+    let child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the command starts");
+    wait_bounded(child, PROCESS_LIMIT, &what)
+}
