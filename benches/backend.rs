@@ -3,7 +3,10 @@
 //!   `Collective<NdArray>`: recording a node, which never runs: the per-op recording overhead);
 //! - `op_chain64/…`: 64 dependent adds on a 1-element tensor and a read of the result (record,
 //!   run in order, read: divide by 64 for the cost per op);
-//! - `mlp_forward/…`: a 784 → 1024 → 1024 → 10 MLP forward pass on a batch of 64.
+//! - `mlp_forward/…`: a 784 → 1024 → 1024 → 10 MLP forward pass on a batch of 64;
+//! - `mlp_forward_wgpu/…`: the same on Burn's default wgpu backend (`burn_wgpu::Wgpu`, its
+//!   fusion layer on; Mesa's software Vulkan on a machine without a GPU) against
+//!   `Collective<Wgpu>` over it; skipped without a wgpu adapter.
 //!
 //! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
 //! a group.
@@ -96,6 +99,22 @@ fn overhead(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(5)).sample_size(30);
     mlp::<NdArray>(&mut g, "ndarray", &nd);
     mlp::<Collective<NdArray>>(&mut g, "collective_ndarray", &cd);
+    g.finish();
+    // Burn's default wgpu backend, fused, when an adapter exists.
+    let wd = burn_wgpu::WgpuDevice::DefaultDevice;
+    let probe = std::panic::catch_unwind(|| {
+        let t: Tensor<burn_wgpu::Wgpu, 1> = Tensor::from_data([1.0f32], &wd);
+        t.into_data()
+    });
+    if probe.is_err() {
+        eprintln!("mlp_forward_wgpu: skipped, no wgpu adapter");
+        return;
+    }
+    let cwd = CollectiveDevice::new(wd.clone(), 0);
+    let mut g = c.benchmark_group("mlp_forward_wgpu");
+    g.measurement_time(Duration::from_secs(5)).sample_size(10);
+    mlp::<burn_wgpu::Wgpu>(&mut g, "wgpu_fused", &wd);
+    mlp::<Collective<burn_wgpu::Wgpu>>(&mut g, "collective_wgpu_fused", &cwd);
     g.finish();
 }
 

@@ -189,7 +189,7 @@ fn bundled_profiles_load_and_bad_profiles_name_the_problem() {
 #[test]
 fn plan_command_prints_json_bucket_plan() {
     let exe = env!("CARGO_BIN_EXE_collective-fusion");
-    let out = common::output_bounded(&mut std::process::Command::new(exe).args([
+    let out = common::output_bounded(std::process::Command::new(exe).args([
         "plan",
         "--model",
         "gpt2",
@@ -230,7 +230,7 @@ fn plan_command_prints_json_bucket_plan() {
         profile.grad_ready_order[0]
     );
 
-    let bad = common::output_bounded(&mut std::process::Command::new(exe).args([
+    let bad = common::output_bounded(std::process::Command::new(exe).args([
         "plan",
         "--model",
         "gpt2",

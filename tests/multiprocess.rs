@@ -51,7 +51,7 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
         .map(|(r, c)| wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}")))
         .collect();
     let threads = output_bounded(
-        &mut Command::new(BIN)
+        Command::new(BIN)
             .args(ARGS)
             .args(["--world", &world.to_string()]),
     );
@@ -69,7 +69,7 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
 #[test]
 fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
     let out = output_bounded(
-        &mut Command::new(BIN)
+        Command::new(BIN)
             .args(ARGS)
             .args(["--transport", "tcp"])
             .env("RANK", "0")
@@ -86,7 +86,7 @@ fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
 #[test]
 fn a_missing_launcher_variable_is_named() {
     let out = output_bounded(
-        &mut Command::new(BIN)
+        Command::new(BIN)
             .args(ARGS)
             .args(["--transport", "tcp"])
             .env_remove("RANK")

@@ -121,7 +121,7 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
     std::fs::create_dir_all(&dir).unwrap();
     let (trace, svg_path) = (dir.join("step.json"), dir.join("step.svg"));
     let out = common::output_bounded(
-        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
             .args([
                 "profile", "--model", "resnet50", "--policy", "ddp", "--trace",
             ])
@@ -145,7 +145,7 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
     );
     // An unknown model is a clear error naming it.
     let bad = common::output_bounded(
-        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion")).args([
+        std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion")).args([
             "profile",
             "--model",
             "no_such_model",
@@ -163,7 +163,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     let trace = dir.join("run.json");
     let step_graph = dir.join("step.txt");
     let out = common::output_bounded(
-        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
             .args([
                 "run",
                 "--world",
@@ -200,7 +200,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     // The recorded step profiles like a model: every policy at 8 ranks, and the chosen policy's
     // compiled graph with its buckets launched among the recorded ops.
     let prof = common::output_bounded(
-        &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
             .args([
                 "profile",
                 "--world",
@@ -263,7 +263,7 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
     }
     let run = |extra: &[&str]| -> String {
         let out = common::output_bounded(
-            &mut std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+            std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
                 .args([
                     "run",
                     "--backend",

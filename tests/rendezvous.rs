@@ -116,7 +116,7 @@ fn a_process_started_with_another_world_size_fails_both() {
 #[test]
 fn a_missing_environment_variable_is_named() {
     let o = output_bounded(
-        &mut Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+        Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
             .arg("rendezvous")
             .env_remove("RANK")
             .env("WORLD_SIZE", "2"),

@@ -8,7 +8,10 @@
 //! that never shows up is an error on rank 0 naming it, and rank 0 tells the ranks that did
 //! show up, so they fail with the same error rather than wait; a rank 0 that never shows up is
 //! an error on each peer naming the address it tried. Hellos are checked: a wrong world size,
-//! a rank out of range or a rank started twice fail the rendezvous with their own error.
+//! a rank out of range or a rank started twice fail the rendezvous with their own error. Rank 0
+//! reads each connection's hello on a thread of its own, within a few seconds, so a stray
+//! connection that sends nothing, trickles or sends garbage is logged and dropped without
+//! holding up the real ranks.
 //!
 //! Wire format (little endian): hello = `b"CFRV"`, version `u8`, rank `u32`, world `u32`;
 //! answer = status `u8` (0: ok, 1: error), length `u32`, that many bytes (payload, or message).
@@ -198,6 +201,70 @@ fn answer(stream: &mut TcpStream, ok: bool, bytes: &[u8]) -> std::io::Result<()>
     stream.flush()
 }
 
+/// How long a connection may take to send its hello: real ranks send it as soon as they are
+/// connected, so this only bounds a stray connection's stay.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+
+/// Rank 0's reader of hellos on a listening socket: each accepted connection's first `N`
+/// bytes are read on a thread of its own (within [`HELLO_WAIT`] or the deadline), so a
+/// connection that sends nothing, trickles bytes or sends garbage holds no real rank up; such
+/// a connection is logged and dropped.
+pub(crate) struct HelloReader<const N: usize> {
+    tx: std::sync::mpsc::Sender<(TcpStream, SocketAddr, std::io::Result<[u8; N]>)>,
+    rx: std::sync::mpsc::Receiver<(TcpStream, SocketAddr, std::io::Result<[u8; N]>)>,
+    what: &'static str,
+}
+
+impl<const N: usize> HelloReader<N> {
+    /// A reader for `what` (`rendezvous`, `data port`), for log lines.
+    pub(crate) fn new(what: &'static str) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        HelloReader { tx, rx, what }
+    }
+
+    /// Accepts what is waiting on `listener` (non-blocking), and returns a connection whose
+    /// `N`-byte hello arrived, if one did within a few milliseconds.
+    pub(crate) fn poll(
+        &self,
+        listener: &TcpListener,
+        deadline: Instant,
+    ) -> std::io::Result<Option<(TcpStream, [u8; N])>> {
+        loop {
+            match listener.accept() {
+                Ok((mut s, addr)) => {
+                    let tx = self.tx.clone();
+                    let wait = deadline
+                        .saturating_duration_since(Instant::now())
+                        .min(HELLO_WAIT)
+                        .max(Duration::from_millis(1));
+                    std::thread::spawn(move || {
+                        let mut h = [0u8; N];
+                        let r = s
+                            .set_nonblocking(false)
+                            .and_then(|_| s.set_read_timeout(Some(wait)))
+                            .and_then(|_| s.read_exact(&mut h))
+                            .map(|_| h);
+                        let _ = tx.send((s, addr, r));
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        match self.rx.recv_timeout(Duration::from_millis(2)) {
+            Ok((s, _, Ok(h))) => Ok(Some((s, h))),
+            Ok((_, addr, Err(e))) => {
+                tracing::warn!(
+                    "{}: ignoring a connection from {addr} that sent no hello: {e}",
+                    self.what
+                );
+                Ok(None)
+            }
+            Err(_) => Ok(None),
+        }
+    }
+}
+
 /// Rank 0: accept every peer's hello, then answer all.
 fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, RendezvousError> {
     let start = Instant::now();
@@ -212,6 +279,7 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
         .map_err(io("configuring the listener"))?;
     let mut peers: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
     let mut joined = 1;
+    let hellos = HelloReader::<13>::new("rendezvous");
     let fail_all = |peers: &mut Vec<Option<TcpStream>>, err: RendezvousError| {
         let msg = err.to_string();
         for s in peers.iter_mut().flatten() {
@@ -235,26 +303,13 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
             };
             return fail_all(&mut peers, err);
         }
-        let mut stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
+        let (mut stream, h) = match hellos.poll(&listener, deadline) {
+            Ok(Some(x)) => x,
+            Ok(None) => continue,
             Err(e) => return fail_all(&mut peers, io("accepting a peer")(e)),
         };
-        let hello = stream
-            .set_nonblocking(false)
-            .and_then(|_| stream.set_read_timeout(Some(deadline.saturating_duration_since(now))))
-            .and_then(|_| {
-                let mut h = [0u8; 13];
-                stream.read_exact(&mut h).map(|_| h)
-            });
-        let Ok(h) = hello else {
-            // A stray or dead connection: not a rank; keep waiting for the real ones.
-            continue;
-        };
         if &h[..4] != MAGIC || h[4] != VERSION {
+            tracing::warn!("rendezvous: ignoring a connection whose hello is not ours");
             let _ = answer(
                 &mut stream,
                 false,
@@ -396,6 +451,58 @@ mod tests {
         for o in out {
             assert_eq!(o.unwrap(), vec![7u8; 128]);
         }
+    }
+
+    /// A connection to rank 0 that retries until it listens.
+    fn stray(port: u16) -> TcpStream {
+        loop {
+            if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Connections that are not ranks reach rank 0 before the real peers: one silent, one
+    /// with garbage for a hello, one trickling a byte at a time. Start-up still succeeds, well
+    /// within the deadline, and none of them is taken for a rank.
+    #[test]
+    fn stray_connections_before_the_peers_do_not_hold_up_start_up() {
+        let port = free_port();
+        let t0 = Instant::now();
+        let out: Vec<_> = std::thread::scope(|s| {
+            let root = s.spawn(move || rendezvous(&cfg(0, 3, port, 20_000), || vec![9u8; 16]));
+            let silent = stray(port);
+            let mut garbage = stray(port);
+            garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+            let mut trickle = stray(port);
+            s.spawn(move || {
+                for b in b"CFRV" {
+                    if trickle.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(400));
+                }
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let peers: Vec<_> = (1..3)
+                .map(|r| s.spawn(move || rendezvous(&cfg(r, 3, port, 20_000), Vec::new)))
+                .collect();
+            let mut out = vec![root.join().unwrap()];
+            out.extend(peers.into_iter().map(|h| h.join().unwrap()));
+            drop(silent);
+            out
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            assert_eq!(o.expect("start-up succeeds"), vec![9u8; 16], "rank {r}");
+        }
+        // Not a speed claim: before, the silent connection held rank 0 until the deadline
+        // (20 s) and the real peers were reported missing.
+        assert!(
+            t0.elapsed() < Duration::from_secs(12),
+            "the stray connections held start-up for {:?}",
+            t0.elapsed()
+        );
     }
 
     #[test]

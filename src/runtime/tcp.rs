@@ -215,6 +215,7 @@ fn accept_peers(
         .set_nonblocking(true)
         .map_err(io("configuring the data port"))?;
     let mut peers: Vec<Option<TcpStream>> = (1..cfg.world).map(|_| None).collect();
+    let hellos = super::rendezvous::HelloReader::<12>::new("data port");
     while peers.iter().any(Option::is_none) {
         let now = Instant::now();
         if now >= deadline {
@@ -228,21 +229,14 @@ fn accept_peers(
                 waited: now - start,
             });
         }
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(2));
-                continue;
-            }
+        let (s, h) = match hellos.poll(listener, deadline) {
+            Ok(Some(x)) => x,
+            Ok(None) => continue,
             Err(e) => return Err(io("accepting a peer's data connection")(e)),
         };
-        let mut h = [0u8; 12];
-        let read = s
-            .set_nonblocking(false)
-            .and_then(|_| s.set_read_timeout(Some(deadline.saturating_duration_since(now))))
-            .and_then(|_| s.read_exact(&mut h));
-        if read.is_err() || &h[..4] != HELLO {
-            continue; // not one of ours
+        if &h[..4] != HELLO {
+            tracing::warn!("data port: ignoring a connection whose hello is not ours");
+            continue;
         }
         let rank = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
         let world = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
@@ -266,10 +260,21 @@ fn connect_root(
     deadline: Instant,
 ) -> Result<TcpStream, RendezvousError> {
     let target = format!("{}:{port}", cfg.addr);
-    let mut s = TcpStream::connect(&target).map_err(io(format!(
-        "rank {} connecting to rank 0's data port {target}",
-        cfg.rank
-    )))?;
+    let what = || {
+        format!(
+            "rank {} connecting to rank 0's data port {target}",
+            cfg.rank
+        )
+    };
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(&target)
+        .map_err(io(what()))?
+        .next()
+        .ok_or_else(|| RendezvousError::Protocol(format!("{}: no address", what())))?;
+    // Bounded: a dropped SYN would otherwise take the system's two minutes.
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    let mut s = TcpStream::connect_timeout(&addr, left).map_err(io(what()))?;
     let mut hello = Vec::with_capacity(12);
     hello.extend_from_slice(HELLO);
     hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
