@@ -5,11 +5,12 @@
 # path, NCCL through the rendezvous, CUDA gradients reduced in place, fused and unfused
 # `Collective<Cuda>` training; the pack-bandwidth and overlap benches print their tables), a
 # two-process rendezvous sharing a real NCCL id, and `Collective<Cuda>` training through the
-# CLI over NCCL. Logs go to $OUT (default /tmp/out); the last lines are one summary.
+# CLI over NCCL. Logs go to $OUT (default: out/ beside this script); the last lines are one
+# summary.
 # Usage: bash .gpu/run.sh   (under 5 minutes on one H200)
 set -uo pipefail
 cd "$(dirname "$0")"
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 summary=()
 record() { summary+=("$1: $2"); echo "== $1: $2"; }
