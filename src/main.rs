@@ -99,85 +99,10 @@ enum PrintWhen {
 enum Command {
     /// Train a model data-parallel on CPU ranks (threads of this process) through
     /// `Autodiff<Collective<NdArray>>`, with per-step timing and an optional trace.
-    Run {
-        /// Ranks.
-        #[arg(long, default_value_t = 4)]
-        world: u32,
-        /// Model.
-        #[arg(long, value_enum, default_value = "mlp")]
-        model: RunModelArg,
-        /// Training steps.
-        #[arg(long, default_value_t = 10)]
-        steps: usize,
-        /// Samples per rank per step.
-        #[arg(long, default_value_t = 32)]
-        batch: usize,
-        /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
-        #[arg(long, value_enum)]
-        policy: Option<Policy>,
-        /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
-        #[arg(long, value_parser = parse_size)]
-        bucket_cap: Option<u64>,
-        /// Cap of the first bucket. Default 1MiB.
-        #[arg(long, value_parser = parse_size)]
-        first_bucket: Option<u64>,
-        /// Write every rank's spans as Chrome/Perfetto trace JSON.
-        #[arg(long)]
-        trace: Option<std::path::PathBuf>,
-        /// Write the same as an SVG timeline.
-        #[arg(long)]
-        svg: Option<std::path::PathBuf>,
-        /// Write rank 0's last recorded step (every op, the gradients and their syncs) in the
-        /// graph text form; `profile --model FILE --print-graph` compiles and simulates it.
-        #[arg(long)]
-        step_graph: Option<std::path::PathBuf>,
-        /// How the ranks talk: threads of this process, or one rank per process.
-        #[arg(long, value_enum, default_value = "inprocess")]
-        transport: TransportArg,
-        /// The Burn backend inside `Collective`.
-        #[arg(long, value_enum, default_value = "ndarray")]
-        backend: BackendArg,
-        /// Hand reduced gradients back as views of their bucket (device backends; DDP's
-        /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
-        #[arg(long)]
-        bucket_view: bool,
-    },
+    Run(RunArgs),
     /// Simulate one training step of a model under every bucketing policy, side by side against
     /// a lower bound; optionally write the chosen policy's step as a trace.
-    Profile {
-        /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
-        /// llama_1b_tied), the path of a profile file of the same schema, or a recorded step in
-        /// the graph text form (`run --step-graph`).
-        #[arg(long)]
-        model: String,
-        /// Ranks (default: the link profile's).
-        #[arg(long)]
-        world: Option<u32>,
-        /// System profile: a bundled name (h200-nvlink, ib-400g) or a file.
-        #[arg(long)]
-        link: Option<String>,
-        /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
-        #[arg(long, value_parser = parse_size)]
-        bucket_cap: Option<u64>,
-        /// Cap of the first bucket. Default 1MiB.
-        #[arg(long, value_parser = parse_size)]
-        first_bucket: Option<u64>,
-        /// Policy whose trace is written and which the table marks with `*` (none = per-param).
-        #[arg(long, default_value = "cost")]
-        policy: ProfilePolicy,
-        /// Samples per rank (scales compute).
-        #[arg(long, default_value_t = 8)]
-        batch: u64,
-        /// Write the chosen policy's simulated step as Chrome/Perfetto trace JSON.
-        #[arg(long)]
-        trace: Option<std::path::PathBuf>,
-        /// Write the same step as an SVG timeline.
-        #[arg(long)]
-        svg: Option<std::path::PathBuf>,
-        /// Print the chosen policy's compiled step graph after the table.
-        #[arg(long)]
-        print_graph: bool,
-    },
+    Profile(ProfileArgs),
     /// Compile one training step of a model and print the optimized graph and its bucket plan.
     Plan {
         /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
@@ -275,58 +200,8 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
-        Command::Run {
-            world,
-            model,
-            steps,
-            batch,
-            policy,
-            bucket_cap,
-            first_bucket,
-            trace,
-            svg,
-            step_graph,
-            transport,
-            backend,
-            bucket_view,
-        } => run_cmd(RunArgs {
-            world,
-            model,
-            steps,
-            batch,
-            policy,
-            bucket_cap,
-            first_bucket,
-            trace,
-            svg,
-            step_graph,
-            transport,
-            backend,
-            bucket_view,
-        }),
-        Command::Profile {
-            model,
-            world,
-            link,
-            bucket_cap,
-            first_bucket,
-            policy,
-            batch,
-            trace,
-            svg,
-            print_graph,
-        } => profile_cmd(ProfileArgs {
-            model,
-            world,
-            link,
-            bucket_cap,
-            first_bucket,
-            policy,
-            batch,
-            trace,
-            svg,
-            print_graph,
-        }),
+        Command::Run(a) => run_cmd(a),
+        Command::Profile(a) => profile_cmd(a),
         Command::Rendezvous { timeout_ms } => {
             use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous};
             let mut cfg = RendezvousConfig::from_env(std::time::Duration::from_secs(60))?;
@@ -545,24 +420,72 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+#[derive(clap::Args)]
 struct RunArgs {
+    /// Ranks.
+    #[arg(long, default_value_t = 4)]
     world: u32,
+    /// Model.
+    #[arg(long, value_enum, default_value = "mlp")]
     model: RunModelArg,
+    /// Training steps.
+    #[arg(long, default_value_t = 10)]
     steps: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32)]
     batch: usize,
+    /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
+    #[arg(long, value_enum)]
     policy: Option<Policy>,
+    /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
+    #[arg(long, value_parser = parse_size)]
     bucket_cap: Option<u64>,
+    /// Cap of the first bucket. Default 1MiB.
+    #[arg(long, value_parser = parse_size)]
     first_bucket: Option<u64>,
+    /// Write every rank's spans as Chrome/Perfetto trace JSON.
+    #[arg(long)]
     trace: Option<std::path::PathBuf>,
+    /// Write the same as an SVG timeline.
+    #[arg(long)]
     svg: Option<std::path::PathBuf>,
+    /// Write rank 0's last recorded step (every op, the gradients and their syncs) in the
+    /// graph text form; `profile --model FILE --print-graph` compiles and simulates it.
+    #[arg(long)]
     step_graph: Option<std::path::PathBuf>,
+    /// How the ranks talk: threads of this process, or one rank per process.
+    #[arg(long, value_enum, default_value = "inprocess")]
     transport: TransportArg,
+    /// The Burn backend inside `Collective`.
+    #[arg(long, value_enum, default_value = "ndarray")]
     backend: BackendArg,
+    /// Hand reduced gradients back as views of their bucket (device backends; DDP's
+    /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
+    #[arg(long)]
     bucket_view: bool,
+    /// Seed of this process's model initialization. Processes seeded differently build
+    /// different weights; marking the model gives every rank rank 0's.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Hidden layers of the MLP, 1024 wide each (default 3).
+    #[arg(long)]
+    hidden_layers: Option<usize>,
+    /// What marking the model does about the ranks' weights: take rank 0's, or check that
+    /// they already are rank 0's.
+    #[arg(long, value_enum, default_value = "broadcast")]
+    initial_weights: InitialWeightsArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InitialWeightsArg {
+    /// Every rank takes rank 0's weights (PyTorch DDP's behaviour).
+    Broadcast,
+    /// Every rank keeps its own, which must be rank 0's bit for bit.
+    Verify,
 }
 
 fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use collective_fusion::backend::{CollectiveOptions, Transport};
+    use collective_fusion::backend::{CollectiveOptions, InitialWeights, Transport};
     use collective_fusion::train::{RunBackend, RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
@@ -589,9 +512,14 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         BackendArg::Wgpu => RunBackend::Wgpu,
         BackendArg::Cuda => RunBackend::Cuda,
     };
-    let model = match a.model {
-        RunModelArg::Mlp => RunModel::Mlp,
-        RunModelArg::Convnet => RunModel::ConvNet,
+    let model = match (a.model, a.hidden_layers) {
+        (RunModelArg::Mlp, layers) => RunModel::Mlp {
+            hidden_layers: layers.unwrap_or(3),
+        },
+        (RunModelArg::Convnet, None) => RunModel::ConvNet,
+        (RunModelArg::Convnet, Some(_)) => {
+            return Err("--hidden-layers is an option of --model mlp".into());
+        }
     };
     let timeout = collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT;
     let from_env = || collective_fusion::runtime::rendezvous::RendezvousConfig::from_env(timeout);
@@ -614,11 +542,16 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         steps: a.steps,
         batch: a.batch,
         backend,
+        seed: a.seed,
         collective: CollectiveOptions {
             config: config.clone(),
             timeout,
             trace: a.trace.is_some() || a.svg.is_some(),
             transport,
+            initial_weights: match a.initial_weights {
+                InitialWeightsArg::Broadcast => InitialWeights::Broadcast,
+                InitialWeightsArg::Verify => InitialWeights::Verify,
+            },
             ..CollectiveOptions::default()
         },
     };
@@ -783,16 +716,39 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     emit(&out)
 }
 
+#[derive(clap::Args)]
 struct ProfileArgs {
+    /// A bundled profile (resnet50, vit_b_16, bert_base_uncased, gpt2, llama_1b,
+    /// llama_1b_tied), the path of a profile file of the same schema, or a recorded step in
+    /// the graph text form (`run --step-graph`).
+    #[arg(long)]
     model: String,
+    /// Ranks (default: the link profile's).
+    #[arg(long)]
     world: Option<u32>,
+    /// System profile: a bundled name (h200-nvlink, ib-400g) or a file.
+    #[arg(long)]
     link: Option<String>,
+    /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
+    #[arg(long, value_parser = parse_size)]
     bucket_cap: Option<u64>,
+    /// Cap of the first bucket. Default 1MiB.
+    #[arg(long, value_parser = parse_size)]
     first_bucket: Option<u64>,
+    /// Policy whose trace is written and which the table marks with `*` (none = per-param).
+    #[arg(long, default_value = "cost")]
     policy: ProfilePolicy,
+    /// Samples per rank (scales compute).
+    #[arg(long, default_value_t = 8)]
     batch: u64,
+    /// Write the chosen policy's simulated step as Chrome/Perfetto trace JSON.
+    #[arg(long)]
     trace: Option<std::path::PathBuf>,
+    /// Write the same step as an SVG timeline.
+    #[arg(long)]
     svg: Option<std::path::PathBuf>,
+    /// Print the chosen policy's compiled step graph after the table.
+    #[arg(long)]
     print_graph: bool,
 }
 

@@ -58,8 +58,11 @@ impl RunBackend {
 /// Which model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RunModel {
-    /// 784 → 1024 → 1024 → 1024 → 10, ReLU.
-    Mlp,
+    /// 784 → 1024 (× `hidden_layers`) → 10, ReLU (3 hidden layers by default).
+    Mlp {
+        /// Hidden layers, 1024 wide each.
+        hidden_layers: usize,
+    },
     /// Two 3×3 convolutions (1 → 16 → 32 channels) on 28×28 inputs, then a linear layer to 10.
     ConvNet,
 }
@@ -68,7 +71,7 @@ impl RunModel {
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
         match self {
-            RunModel::Mlp => "mlp",
+            RunModel::Mlp { .. } => "mlp",
             RunModel::ConvNet => "convnet",
         }
     }
@@ -88,6 +91,9 @@ pub struct RunOptions {
     pub batch: usize,
     /// The inner backend.
     pub backend: RunBackend,
+    /// Seed of this process's model initialization (processes seeded differently start
+    /// different, until marking the model gives every rank rank 0's weights).
+    pub seed: u64,
     /// How the gradient sync compiles and runs.
     pub collective: CollectiveOptions,
 }
@@ -197,15 +203,23 @@ const INPUTS: usize = 784;
 const OUTPUTS: usize = 10;
 
 trait Net<I: Backend>: AutodiffModule<B<I>> + Clone + Send + 'static {
-    fn init(d: &Dev<I>) -> Self;
+    fn init(d: &Dev<I>, model: RunModel) -> Self;
     fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2>;
 }
 
 type Mlp<I> = Vec<Linear<B<I>>>;
 
 impl<I: Backend> Net<I> for Mlp<I> {
-    fn init(d: &Dev<I>) -> Self {
-        [INPUTS, 1024, 1024, 1024, OUTPUTS]
+    fn init(d: &Dev<I>, model: RunModel) -> Self {
+        let hidden = match model {
+            RunModel::Mlp { hidden_layers } => hidden_layers,
+            RunModel::ConvNet => 3,
+        };
+        let widths: Vec<usize> = std::iter::once(INPUTS)
+            .chain(std::iter::repeat_n(1024, hidden))
+            .chain(std::iter::once(OUTPUTS))
+            .collect();
+        widths
             .windows(2)
             .map(|w| LinearConfig::new(w[0], w[1]).init(d))
             .collect()
@@ -225,7 +239,7 @@ impl<I: Backend> Net<I> for Mlp<I> {
 type ConvNet<I> = (Conv2d<B<I>>, Conv2d<B<I>>, Linear<B<I>>);
 
 impl<I: Backend> Net<I> for ConvNet<I> {
-    fn init(d: &Dev<I>) -> Self {
+    fn init(d: &Dev<I>, _model: RunModel) -> Self {
         (
             Conv2dConfig::new([1, 16], [3, 3])
                 .with_padding(PaddingConfig2d::Same)
@@ -299,7 +313,7 @@ fn run_model<I: Backend, M: Net<I>>(
     opts: &RunOptions,
     device: impl Fn(u32) -> I::Device,
     progress: &(dyn Fn(usize) + Sync),
-) -> RunReport {
+) -> Result<RunReport, String> {
     let (world, local): (u32, Vec<u32>) = match &opts.collective.transport {
         Transport::InProcess => (opts.world, (0..opts.world).collect()),
         // Needs CUDA devices: starting the server says so for these NdArray ones.
@@ -322,19 +336,23 @@ fn run_model<I: Backend, M: Net<I>>(
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    <B<I> as Backend>::seed(&devices[0], 7);
-    let init = M::init(&devices[0]);
+    <B<I> as Backend>::seed(&devices[0], opts.seed);
+    let init = M::init(&devices[0], opts.model);
     // Parameters initialize lazily: materialize them before the ranks copy them.
     let w0 = weights::<I, M>(&init);
     let params = w0.len();
-    let results: Vec<(Vec<StepRecord>, Vec<f32>)> = std::thread::scope(|s| {
+    type RankResult = Result<(Vec<StepRecord>, Vec<f32>), String>;
+    let results: Vec<RankResult> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .iter()
             .map(|d| {
                 let model = init.clone().fork(d);
                 s.spawn(move || {
                     let rank = d.rank as usize;
-                    let mut model = mark_distributed::<B<I>, M>(model);
+                    // Marking is collective: the ranks check that their models agree and take
+                    // rank 0's weights.
+                    let mut model =
+                        mark_distributed::<B<I>, M>(model).map_err(|e| e.to_string())?;
                     let mut optim = SgdConfig::new().init::<B<I>, M>();
                     let mut records = Vec::with_capacity(opts.steps);
                     for step in 0..opts.steps {
@@ -361,7 +379,7 @@ fn run_model<I: Backend, M: Net<I>>(
                             progress(step + 1);
                         }
                     }
-                    (records, weights::<I, M>(&model))
+                    Ok((records, weights::<I, M>(&model)))
                 })
             })
             .collect();
@@ -380,9 +398,10 @@ fn run_model<I: Backend, M: Net<I>>(
         .and_then(|g| RecordedStep::of(g, &opts.collective.config).ok());
     let trace = take_trace::<I>();
     Collective::<I>::close_communication_server(&devices[0]);
+    let results = results.into_iter().collect::<Result<Vec<_>, String>>()?;
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
     let weights_digest = weights_digest(&results[0].1);
-    RunReport {
+    Ok(RunReport {
         world,
         local_ranks: local,
         weights_digest,
@@ -394,7 +413,7 @@ fn run_model<I: Backend, M: Net<I>>(
         step,
         trace,
         ranks_agree,
-    }
+    })
 }
 
 /// Trains `opts.model` on `opts.world` ranks of `opts.backend`; `progress` is told each step
@@ -405,19 +424,17 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         opts: &RunOptions,
         device: impl Fn(u32) -> I::Device,
         progress: &(dyn Fn(usize) + Sync),
-    ) -> RunReport {
+    ) -> Result<RunReport, String> {
         match opts.model {
-            RunModel::Mlp => run_model::<I, Mlp<I>>(opts, device, progress),
+            RunModel::Mlp { .. } => run_model::<I, Mlp<I>>(opts, device, progress),
             RunModel::ConvNet => run_model::<I, ConvNet<I>>(opts, device, progress),
         }
     }
     match opts.backend {
-        RunBackend::NdArray => Ok(on::<NdArray>(opts, |_| NdArrayDevice::Cpu, progress)),
-        RunBackend::Wgpu => Ok(on::<burn_wgpu::Wgpu>(
-            opts,
-            |_| burn_wgpu::WgpuDevice::DefaultDevice,
-            progress,
-        )),
+        RunBackend::NdArray => on::<NdArray>(opts, |_| NdArrayDevice::Cpu, progress),
+        RunBackend::Wgpu => {
+            on::<burn_wgpu::Wgpu>(opts, |_| burn_wgpu::WgpuDevice::DefaultDevice, progress)
+        }
         #[cfg(feature = "cuda")]
         RunBackend::Cuda => {
             // In-process NCCL: a GPU per rank. One rank per process: the launcher's local
@@ -427,11 +444,7 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
                 Transport::Nccl(cfg) | Transport::Tcp(cfg) => cfg.local_rank,
                 Transport::InProcess => 0,
             };
-            Ok(on::<burn_cuda::Cuda>(
-                opts,
-                |r| burn_cuda::CudaDevice::new(gpu(r)),
-                progress,
-            ))
+            on::<burn_cuda::Cuda>(opts, |r| burn_cuda::CudaDevice::new(gpu(r)), progress)
         }
         #[cfg(not(feature = "cuda"))]
         RunBackend::Cuda => Err("--backend cuda needs a build with `--features cuda`".into()),

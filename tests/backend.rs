@@ -158,7 +158,7 @@ fn train_data_parallel_inspect<M: Net>(
             .map(|d| {
                 let model = init.clone().fork(d);
                 s.spawn(move || {
-                    let model = mark_distributed::<B, M>(model);
+                    let model = mark_distributed::<B, M>(model).expect("marking the model");
                     let r = d.rank as usize;
                     weights(&train(
                         model,
@@ -376,8 +376,12 @@ fn one_step_on_every_rank(
         let hs: Vec<_> = devices
             .iter()
             .map(|d| {
-                let model = mark_distributed::<B, Mlp>(init.clone().fork(d));
-                s.spawn(move || step(d, model))
+                let model = init.clone().fork(d);
+                // Marking is collective: each rank marks on its own thread.
+                s.spawn(move || {
+                    let model = mark_distributed::<B, Mlp>(model).expect("marking the model");
+                    step(d, model)
+                })
             })
             .collect();
         hs.into_iter()
@@ -692,7 +696,7 @@ fn no_sync_accumulates_micro_batches_and_the_next_backward_reduces_their_sum() {
             if distributed {
                 // Burn's autodiff forgets that a parameter is distributed once a backward pass
                 // consumed it: mark the model again before each micro-batch.
-                model = mark_distributed::<B, Mlp>(model);
+                model = mark_distributed::<B, Mlp>(model).expect("marking the model");
             }
             let (x, y) = batch(0, rows.0, rows.1, d);
             let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Sum);
@@ -1030,7 +1034,7 @@ fn marked_parameters_are_named_by_their_module_path() {
     // Two models built apart (their `ParamId`s differ), as two processes would.
     let names = |m: Mlp| -> Vec<String> {
         let d = &devices[0];
-        let m = mark_distributed::<B, Mlp>(m.fork(d));
+        let m = mark_distributed::<B, Mlp>(m.fork(d)).expect("marking the model");
         let (x, y) = batch(0, 0, 4, d);
         let loss = MseLoss::new().forward(m.forward(x), y, Reduction::Mean);
         let _ = loss.backward();

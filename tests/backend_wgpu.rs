@@ -63,7 +63,7 @@ fn train<W: Inner>(mut m: Mlp<W>, rows: (usize, usize), d: &Dev, distributed: bo
     let mut optim = SgdConfig::new().init::<A<W>, Mlp<W>>();
     for step in 0..STEPS {
         if distributed {
-            m = mark_distributed::<A<W>, Mlp<W>>(m);
+            m = mark_distributed::<A<W>, Mlp<W>>(m).expect("marking the model");
         }
         let (x, y) = synthetic_batch::<A<W>>(step, rows, INPUTS, OUTPUTS, d);
         let loss = MseLoss::new().forward(forward(&m, x), y, Reduction::Mean);

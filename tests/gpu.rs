@@ -474,7 +474,7 @@ mod training {
         assert_eq!(start, flat, "the seeded weights were installed");
         let mut optim = SgdConfig::new().init::<Bk<I>, Vec<Linear<Bk<I>>>>();
         for step in 0..3 {
-            m = mark_distributed::<Bk<I>, _>(m);
+            m = mark_distributed::<Bk<I>, _>(m).expect("marking the model");
             let (x, y) = synthetic_batch::<Bk<I>>(step, (0, 16), 32, 8, &d);
             let h = burn_core::tensor::activation::relu(m[0].forward(x));
             let loss = MseLoss::new().forward(m[1].forward(h), y, Reduction::Mean);

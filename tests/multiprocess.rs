@@ -26,15 +26,16 @@ fn digest(out: &Output) -> String {
         .to_string()
 }
 
-#[test]
-fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
-    let world = 3;
+/// Runs `world` processes of `run --transport tcp`, rank `r` with `extra(r)` appended to
+/// [`ARGS`], each bounded by [`PROCESS_LIMIT`].
+fn over_tcp(world: usize, extra: impl Fn(usize) -> Vec<String>) -> Vec<Output> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|r| {
             Command::new(BIN)
                 .args(ARGS)
                 .args(["--transport", "tcp"])
+                .args(extra(r))
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
@@ -45,11 +46,17 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
                 .unwrap()
         })
         .collect();
-    let outs: Vec<Output> = children
+    children
         .into_iter()
         .enumerate()
         .map(|(r, c)| wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}")))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
+    let world = 3;
+    let outs = over_tcp(world, |_| Vec::new());
     let threads = output_bounded(
         Command::new(BIN)
             .args(ARGS)
@@ -63,6 +70,63 @@ fn three_processes_over_tcp_end_with_the_weights_of_three_threads() {
             "{text}"
         );
         assert_eq!(digest(o), expected, "rank {r}:\n{text}");
+    }
+}
+
+/// Each process builds its own model from its own seed, as processes under a launcher do:
+/// marking the model gives every rank rank 0's weights, so the three end alike, and alike with
+/// a run whose processes were all seeded as rank 0 was.
+#[test]
+fn processes_that_initialize_their_own_models_train_from_rank_zero_weights() {
+    let seeded = over_tcp(3, |r| vec!["--seed".into(), (11 + 7 * r).to_string()]);
+    let alike = over_tcp(3, |_| vec!["--seed".into(), "11".into()]);
+    let expected = digest(&alike[0]);
+    for (r, o) in seeded.iter().chain(&alike).enumerate() {
+        assert_eq!(digest(o), expected, "process {r}");
+    }
+    // Verified instead of broadcast, the differently seeded processes refuse to start.
+    let verified = over_tcp(3, |r| {
+        [
+            "--seed",
+            &(11 + 7 * r).to_string(),
+            "--initial-weights",
+            "verify",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    for (r, o) in verified.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "rank {r}: {err}");
+        assert!(
+            err.contains(&format!("error: rank {r}: the initial weights differ across ranks: 0.weight f32[784,1024] on rank 1")),
+            "rank {r}: {err}"
+        );
+    }
+}
+
+/// A process whose model has an extra layer fails every process at `mark_distributed`,
+/// naming the parameter where the models part.
+#[test]
+fn a_process_with_an_extra_layer_fails_all_three_naming_it() {
+    let outs = over_tcp(3, |r| {
+        if r == 1 {
+            vec!["--hidden-layers".into(), "4".into()]
+        } else {
+            Vec::new()
+        }
+    });
+    for (r, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "rank {r}: {err}");
+        assert!(
+            err.contains(&format!("error: rank {r}: the ranks' models differ at parameter 6: rank {r} has 3.weight f32[1024,")),
+            "rank {r}: {err}"
+        );
+        assert!(
+            err.contains("(8 parameters on rank") || err.contains("(10 parameters on rank"),
+            "rank {r}: {err}"
+        );
     }
 }
 

@@ -24,6 +24,7 @@ use burn_backend::{Backend, DeviceId, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 
 use super::record::{SubmittedGradient, step_graph};
+use super::replicas::{InitialWeights, ReplicaState};
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::config::CompileConfig;
@@ -58,6 +59,9 @@ pub struct CollectiveOptions {
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,
+    /// What `mark_distributed` does about the ranks' parameter values: give every rank rank
+    /// 0's (the default), or check that they already are.
+    pub initial_weights: InitialWeights,
 }
 
 /// How the ranks of a communication server talk to each other.
@@ -112,6 +116,7 @@ impl Default for CollectiveOptions {
             unused: UnusedParameters::Error,
             device_buckets: true,
             transport: Transport::InProcess,
+            initial_weights: InitialWeights::default(),
         }
     }
 }
@@ -176,7 +181,7 @@ struct Live {
     diverged: bool,
 }
 
-struct RankState<I: Backend> {
+pub(super) struct RankState<I: Backend> {
     submitted: Vec<Submitted<I>>,
     index: HashMap<String, usize>,
     /// Parameters Burn registered for this step's sync (their gradients must all arrive).
@@ -206,17 +211,19 @@ struct RankState<I: Backend> {
     /// Steps whose buckets launched during backward / steps that ran everything at the sync.
     eager_steps: u64,
     flushed_steps: u64,
+    /// What `mark_distributed` replicated on this rank.
+    pub(super) replicas: ReplicaState,
 }
 
-struct Session<I: Backend> {
+pub(super) struct Session<I: Backend> {
     /// A rank failed and aborted the group.
     failed: std::sync::atomic::AtomicBool,
     /// Time zero of traces.
     epoch: Instant,
     trace: Mutex<Vec<TraceSpan>>,
-    world: usize,
+    pub(super) world: usize,
     reduce: ReduceOp,
-    options: CollectiveOptions,
+    pub(super) options: CollectiveOptions,
     /// By rank; `None` for the ranks of other processes.
     comms: Vec<Option<Box<dyn Communicator>>>,
     ranks: Vec<Mutex<RankState<I>>>,
@@ -242,9 +249,14 @@ fn sessions() -> &'static Sessions {
     S.get_or_init(Default::default)
 }
 
-fn session<I: Backend>(what: &str) -> Arc<Session<I>> {
+/// The communication server running for `Collective<I>`, if one is.
+pub(super) fn running<I: Backend>() -> Option<Arc<Session<I>>> {
     let any = lock(sessions()).get(&TypeId::of::<I>()).cloned();
-    match any.and_then(|a| a.downcast::<Session<I>>().ok()) {
+    any.and_then(|a| a.downcast::<Session<I>>().ok())
+}
+
+fn session<I: Backend>(what: &str) -> Arc<Session<I>> {
+    match running::<I>() {
         Some(s) => s,
         None => panic!(
             "collective-fusion: {what} before start_communication_server (no communication server is running for this backend)"
@@ -266,7 +278,7 @@ pub(super) fn graph_dtype(d: burn_std::DType) -> Option<DType> {
     })
 }
 
-fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
+pub(super) fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
     let err = |e| format!("reading gradient data: {e:?}");
     Ok(match data.dtype {
         burn_std::DType::F32 => HostBuffer::F32(data.to_vec::<f32>().map_err(err)?),
@@ -277,7 +289,7 @@ fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
     })
 }
 
-fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
+pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
     match buf {
         HostBuffer::F32(v) => TensorData::new(v, shape),
         HostBuffer::F64(v) => TensorData::new(v, shape),
@@ -299,7 +311,7 @@ impl<I: Backend> Session<I> {
     }
 
     /// The communicator of `rank`, which must be one of this process's.
-    fn comm(&self, rank: usize) -> &dyn Communicator {
+    pub(super) fn comm(&self, rank: usize) -> &dyn Communicator {
         match self.comms.get(rank) {
             Some(Some(c)) => c.as_ref(),
             _ => {
@@ -314,7 +326,7 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    fn state(&self, rank: usize, what: &str) -> MutexGuard<'_, RankState<I>> {
+    pub(super) fn state(&self, rank: usize, what: &str) -> MutexGuard<'_, RankState<I>> {
         match self.ranks.get(rank) {
             Some(r) => lock(r),
             None => panic!(
@@ -1192,12 +1204,14 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         last_zero_filled: Vec::new(),
                         eager_steps: 0,
                         flushed_steps: 0,
+                        replicas: ReplicaState::default(),
                     })
                 })
                 .collect(),
             options,
         };
         lock(sessions()).insert(TypeId::of::<I>(), Arc::new(session));
+        super::params::register_hook::<Collective<I>>(super::replicas::replicate::<I>);
     }
 
     fn close_communication_server(_device: &Self::Device) {

@@ -30,6 +30,7 @@ mod op_table;
 mod ops;
 mod params;
 mod record;
+mod replicas;
 mod rules;
 
 use std::fmt;
@@ -45,6 +46,7 @@ pub use distributed::{
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 pub use params::{mark_distributed, mark_distributed_as};
+pub use replicas::{InitialWeights, ReplicaError};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]

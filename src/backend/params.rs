@@ -11,52 +11,44 @@
 //! Requires: several models trained together in one step (a GAN's two networks) are marked with
 //! distinct prefixes ([`mark_distributed_as`]), since their paths may coincide. Guarantees: the
 //! name depends only on the module's structure and the prefix, not on what the process did
-//! before (marking again before each micro-batch changes nothing; a model built again takes its
-//! names over from the old one); a parameter nobody marked (Burn's own DDP learner marks by
+//! before (marking again before each micro-batch changes nothing; a model built again, or one
+//! per rank in one process, has the same names); a parameter nobody marked (Burn's own DDP learner marks by
 //! itself) is named `param.<its id>`.
 
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+use burn_backend::TensorPrimitive;
 use burn_backend::distributed::DistributedParamId;
+use burn_backend::tensor::FloatTensor;
 use burn_core::module::{ModuleMapper, Param};
 use burn_core::tensor::Tensor;
 use burn_core::tensor::backend::AutodiffBackend;
 
-#[derive(Default)]
-struct Registry {
-    by_id: HashMap<DistributedParamId, String>,
-    by_name: HashMap<String, DistributedParamId>,
-}
+use super::replicas::ReplicaError;
 
-fn registry() -> std::sync::MutexGuard<'static, Registry> {
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+/// Parameter id → stable name. Ids are unique within a process, names are not: ranks that are
+/// threads of one process and build their own models have parameters of the same names.
+fn registry() -> std::sync::MutexGuard<'static, HashMap<DistributedParamId, String>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<DistributedParamId, String>>> = OnceLock::new();
     REGISTRY
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Names parameter `id` `name`. A name belongs to the parameter marked with it last: a model
-/// built again (a new model, new ids, the same paths) takes its names over.
+/// Names parameter `id` `name`.
 fn assign(id: DistributedParamId, name: &str) {
     let mut r = registry();
-    if r.by_id.get(&id).is_some_and(|n| n == name) {
-        return;
+    if r.get(&id).is_none_or(|n| n != name) {
+        r.insert(id, name.to_string());
     }
-    if let Some(old) = r.by_name.remove(name) {
-        r.by_id.remove(&old);
-    }
-    if let Some(old) = r.by_id.remove(&id) {
-        r.by_name.remove(&old);
-    }
-    r.by_name.insert(name.to_string(), id);
-    r.by_id.insert(id, name.to_string());
 }
 
 /// The name of parameter `id`: its stable key if a module walk named it, `param.<id>` otherwise.
 pub(crate) fn name_of(id: DistributedParamId) -> String {
-    if let Some(n) = registry().by_id.get(&id) {
+    if let Some(n) = registry().get(&id) {
         return n.clone();
     }
     // `DistributedParamId(123)` → `param.123`
@@ -65,10 +57,51 @@ pub(crate) fn name_of(id: DistributedParamId) -> String {
     format!("param.{digits}")
 }
 
+/// A marked float parameter, as the replication hook of its backend sees it.
+pub(crate) struct Marked {
+    /// Its stable name.
+    pub name: String,
+    /// Its `ParamId`.
+    pub id: u64,
+    /// Its value: the float primitive of the autodiff backend's inner backend.
+    pub value: Box<dyn Any>,
+}
+
+/// What a backend does with a marked model's parameters: a new value for each parameter that
+/// takes one (in walk order), `None` for each that keeps its own.
+pub(crate) type ReplicaHook = fn(&[Marked]) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError>;
+
+fn hooks() -> std::sync::MutexGuard<'static, HashMap<TypeId, ReplicaHook>> {
+    static HOOKS: OnceLock<Mutex<HashMap<TypeId, ReplicaHook>>> = OnceLock::new();
+    HOOKS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Makes `hook` what marking does with the parameters of models whose autodiff backend's inner
+/// backend is `B` (`Collective<I>` registers its replication when its server starts).
+pub(crate) fn register_hook<B: 'static>(hook: ReplicaHook) {
+    hooks().insert(TypeId::of::<B>(), hook);
+}
+
 /// Marks every float parameter of `module` as data-parallel, so that Burn's autodiff submits its
 /// gradient for sync (what burn-train's `grad_sharded` does for its learner), and gives each a
 /// name that is the same in every process that builds the same model (its module path).
-pub fn mark_distributed<B, M>(module: M) -> M
+///
+/// With a communication server running for the backend (`Collective<I>` over more than one
+/// rank) marking is a collective: every rank marks its model at the same point, each on its
+/// own thread, and the ranks check that their models have the same parameters and start from
+/// rank 0's values (or verify that they already do; see
+/// [`InitialWeights`](super::InitialWeights) and the `replicas` module). Marking parameters
+/// already replicated (before every backward pass, as Burn's autodiff needs) communicates
+/// nothing.
+///
+/// # Errors
+/// [`ReplicaError`] when the ranks' models differ (naming the first differing parameter on
+/// each side), when verified weights differ, or when the exchange fails (a rank that does not
+/// mark within the timeout); every rank gets the error.
+pub fn mark_distributed<B, M>(module: M) -> Result<M, ReplicaError>
 where
     B: AutodiffBackend,
     M: burn_core::module::Module<B>,
@@ -78,7 +111,10 @@ where
 
 /// [`mark_distributed`] with the names under `prefix` (`gen` gives `gen.0.weight`): for several
 /// models trained in one step, whose module paths may coincide.
-pub fn mark_distributed_as<B, M>(prefix: &str, module: M) -> M
+///
+/// # Errors
+/// As [`mark_distributed`].
+pub fn mark_distributed_as<B, M>(prefix: &str, module: M) -> Result<M, ReplicaError>
 where
     B: AutodiffBackend,
     M: burn_core::module::Module<B>,
@@ -86,6 +122,7 @@ where
     struct Sharder {
         path: Vec<String>,
         position: usize,
+        marked: Vec<Marked>,
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Sharder {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
@@ -110,7 +147,35 @@ where
             };
             self.position += 1;
             assign(pid, &name);
+            self.marked.push(Marked {
+                name,
+                id: id.val(),
+                value: Box::new(tensor.clone().inner().into_primitive().tensor()),
+            });
             let tensor = tensor.set_distributed(pid);
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    /// Puts the values the hook returned in place, in the same walk order.
+    struct Replace {
+        values: std::vec::IntoIter<Option<Box<dyn Any>>>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for Replace {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(Some(value)) = self.values.next() else {
+                return param;
+            };
+            let Ok(value) = value.downcast::<FloatTensor<B::InnerBackend>>() else {
+                return param;
+            };
+            let (id, tensor, mapper) = param.consume();
+            let grad = tensor.is_require_grad();
+            let mut tensor =
+                Tensor::<B, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(*value)));
+            if grad {
+                tensor = tensor.require_grad();
+            }
+            let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
@@ -119,5 +184,21 @@ where
     } else {
         vec![prefix.to_string()]
     };
-    module.map(&mut Sharder { path, position: 0 })
+    let mut sharder = Sharder {
+        path,
+        position: 0,
+        marked: Vec::new(),
+    };
+    let module = module.map(&mut sharder);
+    let hook = hooks().get(&TypeId::of::<B::InnerBackend>()).copied();
+    let Some(hook) = hook else {
+        return Ok(module);
+    };
+    let values = hook(&sharder.marked)?;
+    if values.iter().all(Option::is_none) {
+        return Ok(module);
+    }
+    Ok(module.map(&mut Replace {
+        values: values.into_iter(),
+    }))
 }

@@ -29,6 +29,15 @@ pub fn is_agreement(d: &CollectiveDesc) -> bool {
     (AGREE_LEN..=GATHER_BYTES).contains(&d.collective)
 }
 
+/// Launch indices of the bucket all-reduces that broadcast rank 0's initial weights when a
+/// model is marked for data-parallel training (far from any plan's and from the agreement's).
+pub const WEIGHT_BROADCAST: u32 = u32::MAX - 2_000_000;
+
+/// Whether `d` is one of the initial-weight broadcast's all-reduces.
+pub fn is_weight_broadcast(d: &CollectiveDesc) -> bool {
+    (WEIGHT_BROADCAST..AGREE_LEN).contains(&d.collective)
+}
+
 /// What the agreement's exchanges carry as their parameter list (for messages).
 pub const AGREEMENT_LABEL: &str = "(plan agreement)";
 

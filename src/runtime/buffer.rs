@@ -160,6 +160,21 @@ impl HostBuffer {
         })
     }
 
+    /// A buffer of negative zeros: what a rank that is not the root contributes when a sum
+    /// all-reduce serves as a broadcast. `x + (-0.0)` is `x` bit for bit for every `x` that is
+    /// not a NaN (both zeros and the infinities included) in every float format and any order
+    /// of summation, so the sum is the root's buffer exactly (a NaN stays a NaN); `None` for
+    /// integer dtypes.
+    pub fn neg_zeros(dtype: DType, len: usize) -> Option<HostBuffer> {
+        Some(match dtype {
+            DType::F32 => HostBuffer::F32(vec![-0.0; len]),
+            DType::F64 => HostBuffer::F64(vec![-0.0; len]),
+            DType::F16 => HostBuffer::F16(vec![f16::NEG_ZERO; len]),
+            DType::BF16 => HostBuffer::BF16(vec![bf16::NEG_ZERO; len]),
+            DType::I32 | DType::I64 | DType::Bool => return None,
+        })
+    }
+
     /// Converts f64 values to a buffer of `dtype` (round to nearest even).
     pub fn from_f64(dtype: DType, values: &[f64]) -> Option<HostBuffer> {
         let mut b = HostBuffer::zeros(dtype, values.len())?;

@@ -42,6 +42,17 @@ impl fmt::Display for CollectiveDesc {
                 self.dtype, self.count
             );
         }
+        if super::agree::is_weight_broadcast(self) {
+            return write!(
+                f,
+                "the initial-weight broadcast, bucket {} ({}×{}, {} params from {})",
+                self.bucket.unwrap_or(0),
+                self.dtype,
+                self.count,
+                self.params.len(),
+                self.params.first().map_or("nothing", String::as_str)
+            );
+        }
         match self.bucket {
             Some(b) => write!(f, "all-reduce #{} (bucket b{b}", self.collective)?,
             None => write!(f, "all-reduce #{} (", self.collective)?,

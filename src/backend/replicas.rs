@@ -1,0 +1,381 @@
+//! Replicas that start alike: what [`mark_distributed`](super::mark_distributed) does when a
+//! communication server is running for `Collective<I>`.
+//!
+//! Under a launcher every process builds its own model, from its own random initialization
+//! unless the user seeded them alike. Data-parallel training is only right if every replica
+//! starts from the same weights (PyTorch DDP broadcasts rank 0's parameters when it wraps a
+//! model, after checking that every process's parameters have the same shapes). Here, marking a
+//! model:
+//!
+//! 1. exchanges a fingerprint of its parameter list (each parameter's stable name, dtype and
+//!    shape, in walk order) with every rank. Ranks whose lists differ all fail together with
+//!    [`ReplicaError::ModelsDiffer`], naming the first parameter where they differ on each side
+//!    (the lists are gathered on a mismatch);
+//! 2. then, with [`InitialWeights::Broadcast`] (the default), gives every rank rank 0's values:
+//!    bucketed like the gradients (`CompileConfig`'s bucket cap, one dtype per bucket), each
+//!    bucket one sum all-reduce of the group's communicator to which rank 0 contributes its
+//!    values and every other rank negative zeros, which leaves rank 0's bits unchanged (see
+//!    [`HostBuffer::neg_zeros`]). With [`InitialWeights::Verify`] (for jobs that load one
+//!    checkpoint everywhere) the ranks compare a hash of each parameter's bits instead and fail
+//!    together, naming the first parameter that differs from rank 0's, with
+//!    [`ReplicaError::WeightsDiffer`].
+//!
+//! Requires: every rank marks at the same point of its program, each on its own thread (the
+//! exchange is a collective). Guarantees: after a successful marking every rank's parameters
+//! are bit for bit rank 0's (or were checked to be); marking again parameters already
+//! replicated (Burn's autodiff needs the model marked before every backward pass) costs nothing
+//! and communicates nothing; a new model (new parameters) is replicated again. Values cross in
+//! host memory (a one-time cost per model; the device path is the gradients').
+
+use std::any::Any;
+use std::collections::HashSet;
+use std::hash::Hasher;
+use std::ops::Range;
+
+use burn_backend::{Backend, TensorMetadata};
+
+use super::CTensor;
+use super::distributed::{from_host, graph_dtype, running, to_host};
+use super::params::Marked;
+use crate::graph::{Fnv64, ReduceOp, TensorType};
+use crate::runtime::HostBuffer;
+use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes};
+use crate::runtime::comm::{CollectiveDesc, CommError, Communicator, wait_bound};
+
+/// What marking a model does about the ranks' parameter values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InitialWeights {
+    /// Every rank takes rank 0's values (PyTorch DDP's behaviour).
+    #[default]
+    Broadcast,
+    /// Every rank keeps its values, which must equal rank 0's bit for bit (one checkpoint
+    /// loaded everywhere): a hash of each parameter is compared, and a difference fails every
+    /// rank.
+    Verify,
+}
+
+/// Why marking a model for data-parallel training failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum ReplicaError {
+    /// The ranks' models have different parameters (names, dtypes, shapes or number).
+    #[error(
+        "rank {rank}: the ranks' models differ at parameter {index}: rank {rank} has {}, rank {other_rank} has {} ({mine_count} parameters on rank {rank}, {theirs_count} on rank {other_rank})",
+        mine.as_deref().unwrap_or("nothing"),
+        theirs.as_deref().unwrap_or("nothing")
+    )]
+    ModelsDiffer {
+        /// The rank reporting.
+        rank: usize,
+        /// Position of the first differing parameter in walk order.
+        index: usize,
+        /// This rank's parameter there (`name dtype[shape]`; none: its list is shorter).
+        mine: Option<String>,
+        /// The first rank whose list differs from this rank's.
+        other_rank: usize,
+        /// That rank's parameter there.
+        theirs: Option<String>,
+        /// Parameters on this rank.
+        mine_count: usize,
+        /// Parameters on the other rank.
+        theirs_count: usize,
+    },
+    /// Under [`InitialWeights::Verify`], a parameter's values differ from rank 0's.
+    #[error(
+        "rank {rank}: the initial weights differ across ranks: {param} on rank {other_rank} is not bit for bit rank 0's (initial weights are verified, not broadcast)"
+    )]
+    WeightsDiffer {
+        /// The rank reporting.
+        rank: usize,
+        /// The first parameter (walk order) that differs, with its type.
+        param: String,
+        /// The first rank whose values of it differ from rank 0's.
+        other_rank: usize,
+    },
+    /// A parameter cannot be replicated (a dtype that is not a float, a tensor of another rank).
+    #[error("rank {rank}: mark_distributed: {why}")]
+    Unsupported {
+        /// The rank reporting.
+        rank: usize,
+        /// What is wrong, naming the parameter.
+        why: String,
+    },
+    /// The exchange itself failed (a rank that never marked its model within the timeout, an
+    /// aborted group).
+    #[error("{0} (while replicating the initial weights at mark_distributed)")]
+    Comm(#[from] CommError),
+}
+
+/// What a rank remembers of its markings.
+#[derive(Default)]
+pub(super) struct ReplicaState {
+    /// Parameter ids already replicated.
+    synced: HashSet<u64>,
+    /// Fingerprint of the parameter list the ranks last agreed on.
+    agreed: Option<u64>,
+}
+
+/// One parameter as this rank holds it.
+struct Entry<'a, P> {
+    name: &'a str,
+    ty: TensorType,
+    tensor: &'a CTensor<P>,
+}
+
+impl<P> Entry<'_, P> {
+    fn line(&self) -> String {
+        format!("{} {}", self.name, self.ty)
+    }
+}
+
+/// Replicates the parameters `params` (values of `Collective<I>`'s float primitive, in walk
+/// order) across the running server's ranks: `Some` new value for each parameter this rank
+/// takes from rank 0, `None` where it keeps its own (no server, one rank, rank 0, nothing new).
+pub(super) fn replicate<I: Backend>(
+    params: &[Marked],
+) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
+    let keep = || params.iter().map(|_| None).collect::<Vec<_>>();
+    let Some(session) = running::<I>() else {
+        return Ok(keep());
+    };
+    let Some(first) = params.first() else {
+        return Ok(keep());
+    };
+    fn tensor<P: 'static>(m: &Marked) -> Option<&CTensor<P>> {
+        m.value.downcast_ref::<CTensor<P>>()
+    }
+    let tensor = tensor::<I::FloatTensorPrimitive>;
+    let rank = tensor(first).map_or(0, |t| t.rank as usize);
+    if session.world <= 1 {
+        return Ok(keep());
+    }
+    let unsupported = |why: String| ReplicaError::Unsupported { rank, why };
+    let mut entries = Vec::with_capacity(params.len());
+    for m in params {
+        let t = tensor(m).ok_or_else(|| {
+            unsupported(format!(
+                "{} is not a tensor of this communication server's backend",
+                m.name
+            ))
+        })?;
+        if t.rank as usize != rank {
+            return Err(unsupported(format!(
+                "{} is on rank {}, the model's first parameter ({}) on rank {rank}: a model is marked on one rank",
+                m.name, t.rank, first.name
+            )));
+        }
+        let dtype = graph_dtype(t.dtype()).ok_or_else(|| {
+            unsupported(format!(
+                "{} has dtype {:?}, which is not a float",
+                m.name,
+                t.dtype()
+            ))
+        })?;
+        let dims: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
+        entries.push(Entry {
+            name: &m.name,
+            ty: TensorType::new(dtype, &dims),
+            tensor: t,
+        });
+    }
+    let listing: String = entries.iter().map(|e| e.line() + "\n").collect();
+    let fingerprint = {
+        let mut h = Fnv64::default();
+        h.write(listing.as_bytes());
+        h.finish()
+    };
+    let new = {
+        let st = session.state(rank, "mark_distributed");
+        st.replicas.agreed != Some(fingerprint)
+            || params.iter().any(|m| !st.replicas.synced.contains(&m.id))
+    };
+    if !new {
+        return Ok(keep());
+    }
+    let comm = session.comm(rank);
+    let timeout = session.options.timeout;
+    let result = (|| {
+        let all = all_gather_bytes(comm, &fingerprint.to_le_bytes(), timeout)?;
+        let prints: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+        if prints.iter().any(|p| *p != prints[0]) {
+            return Err(models_differ(comm, rank, &listing, &prints, timeout));
+        }
+        match session.options.initial_weights {
+            InitialWeights::Broadcast => broadcast::<I>(
+                comm,
+                &entries,
+                session.options.config.bucket.cap_bytes,
+                timeout,
+            ),
+            InitialWeights::Verify => verify::<I>(comm, &entries, timeout).map(|()| keep()),
+        }
+    })();
+    match &result {
+        Ok(_) => {
+            let mut st = session.state(rank, "mark_distributed");
+            st.replicas.synced.extend(params.iter().map(|m| m.id));
+            st.replicas.agreed = Some(fingerprint);
+        }
+        // Every rank saw the same lists or hashes and fails alike; a failed exchange fails the
+        // group, so that no rank waits for this one.
+        Err(ReplicaError::Comm(e)) => comm.abort(&e.to_string()),
+        Err(_) => {}
+    }
+    result
+}
+
+/// The error of ranks whose parameter lists differ: gathers every rank's listing and names the
+/// first line where this rank's and the first differing rank's part.
+fn models_differ(
+    comm: &dyn Communicator,
+    rank: usize,
+    listing: &str,
+    prints: &[&[u8]],
+    timeout: std::time::Duration,
+) -> ReplicaError {
+    let other_rank = (0..prints.len())
+        .find(|r| prints[*r] != prints[rank])
+        .unwrap_or(rank);
+    let listings = match all_gather_bytes(comm, listing.as_bytes(), timeout) {
+        Ok(l) => l,
+        Err(e) => return e.into(),
+    };
+    let theirs_text = String::from_utf8_lossy(&listings[other_rank]).into_owned();
+    let mine: Vec<&str> = listing.lines().collect();
+    let theirs: Vec<&str> = theirs_text.lines().collect();
+    let index = (0..mine.len().max(theirs.len()))
+        .find(|i| mine.get(*i) != theirs.get(*i))
+        .unwrap_or(0);
+    ReplicaError::ModelsDiffer {
+        rank,
+        index,
+        mine: mine.get(index).map(|s| s.to_string()),
+        other_rank,
+        theirs: theirs.get(index).map(|s| s.to_string()),
+        mine_count: mine.len(),
+        theirs_count: theirs.len(),
+    }
+}
+
+/// The parameter's values in host memory.
+fn read<I: Backend>(
+    rank: usize,
+    e: &Entry<'_, I::FloatTensorPrimitive>,
+) -> Result<HostBuffer, ReplicaError> {
+    let unsupported = |why: String| ReplicaError::Unsupported { rank, why };
+    let data = cubecl::future::block_on(I::float_into_data(e.tensor.inner_for("mark_distributed")))
+        .map_err(|err| unsupported(format!("reading {}: {err}", e.name)))?;
+    to_host(&data).map_err(|err| unsupported(format!("{}: {err}", e.name)))
+}
+
+/// Consecutive entries of one dtype, at most `cap` bytes each (at least one entry).
+fn buckets<P>(entries: &[Entry<'_, P>], cap: u64) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let mut bytes = 0u64;
+    for (i, e) in entries.iter().enumerate() {
+        let b = e.ty.bytes();
+        match out.last_mut() {
+            Some(r)
+                if entries[r.start].ty.dtype == e.ty.dtype && bytes.saturating_add(b) <= cap =>
+            {
+                r.end = i + 1;
+                bytes += b;
+            }
+            _ => {
+                out.push(i..i + 1);
+                bytes = b;
+            }
+        }
+    }
+    out
+}
+
+/// Rank 0's values to every rank: one sum all-reduce per bucket, rank 0 contributing its values
+/// and the others negative zeros.
+fn broadcast<I: Backend>(
+    comm: &dyn Communicator,
+    entries: &[Entry<'_, I::FloatTensorPrimitive>],
+    cap: u64,
+    timeout: std::time::Duration,
+) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
+    let rank = comm.rank();
+    let mut pending = Vec::new();
+    for (k, range) in buckets(entries, cap.max(1)).into_iter().enumerate() {
+        let members = &entries[range.clone()];
+        let dtype = members[0].ty.dtype;
+        let count: u64 = members.iter().map(|e| e.ty.numel()).sum();
+        let buffer = if rank == 0 {
+            let mut bytes = Vec::new();
+            for e in members {
+                bytes.extend_from_slice(read::<I>(rank, e)?.as_bytes());
+            }
+            HostBuffer::from_le_bytes(dtype, &bytes)
+        } else {
+            HostBuffer::neg_zeros(dtype, count as usize)
+        };
+        let buffer = buffer.ok_or_else(|| ReplicaError::Unsupported {
+            rank,
+            why: format!("{} cannot be broadcast ({dtype})", members[0].name),
+        })?;
+        let what = CollectiveDesc {
+            collective: WEIGHT_BROADCAST + k as u32,
+            bucket: Some(k as u32),
+            op: ReduceOp::Sum,
+            dtype,
+            count,
+            params: members.iter().map(|e| e.name.to_string()).collect(),
+        };
+        pending.push((range, comm.all_reduce(buffer, what)?));
+    }
+    let mut out: Vec<Option<Box<dyn Any>>> = entries.iter().map(|_| None).collect();
+    for (range, p) in pending {
+        let (reduced, _) = p.wait(wait_bound(timeout))?;
+        if rank == 0 {
+            continue;
+        }
+        let bytes = reduced.as_bytes();
+        let mut at = 0usize;
+        for i in range {
+            let e = &entries[i];
+            let len = e.ty.bytes() as usize;
+            let member =
+                HostBuffer::from_le_bytes(e.ty.dtype, &bytes[at..at + len]).ok_or_else(|| {
+                    ReplicaError::Unsupported {
+                        rank,
+                        why: format!("{} cannot be broadcast ({})", e.name, e.ty),
+                    }
+                })?;
+            at += len;
+            let device = e.tensor.device(|p| I::float_device(p));
+            let value = I::float_from_data(from_host(member, e.tensor.shape()), &device);
+            out[i] = Some(Box::new(CTensor::new(value, rank as u32)));
+        }
+    }
+    Ok(out)
+}
+
+/// Checks that every rank's values are rank 0's: a hash of each parameter's bits, gathered.
+fn verify<I: Backend>(
+    comm: &dyn Communicator,
+    entries: &[Entry<'_, I::FloatTensorPrimitive>],
+    timeout: std::time::Duration,
+) -> Result<(), ReplicaError> {
+    let rank = comm.rank();
+    let mut mine = Vec::with_capacity(entries.len() * 8);
+    for e in entries {
+        let mut h = Fnv64::default();
+        h.write(read::<I>(rank, e)?.as_bytes());
+        mine.extend_from_slice(&h.finish().to_le_bytes());
+    }
+    let all = all_gather_bytes(comm, &mine, timeout)?;
+    let hash = |r: usize, i: usize| all[r].get(i * 8..i * 8 + 8);
+    for (i, e) in entries.iter().enumerate() {
+        if let Some(other_rank) = (1..all.len()).find(|r| hash(*r, i) != hash(0, i)) {
+            return Err(ReplicaError::WeightsDiffer {
+                rank,
+                param: e.line(),
+                other_rank,
+            });
+        }
+    }
+    Ok(())
+}
