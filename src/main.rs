@@ -67,6 +67,18 @@ enum BackendArg {
     Wgpu,
     /// Burn's CUDA backend (a build with `--features cuda`).
     Cuda,
+    /// Burn's runtime-selected backend (`burn::Dispatch`) on `--dispatch-device`.
+    Dispatch,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DispatchDeviceArg {
+    /// Dispatch's NdArray device (the CPU).
+    Ndarray,
+    /// Dispatch's wgpu device (the default adapter).
+    Wgpu,
+    /// Dispatch's CUDA device (a build with `--features cuda`).
+    Cuda,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -459,6 +471,9 @@ struct RunArgs {
     /// The Burn backend inside `Collective`.
     #[arg(long, value_enum, default_value = "ndarray")]
     backend: BackendArg,
+    /// The device of `--backend dispatch`.
+    #[arg(long, value_enum, default_value = "ndarray")]
+    dispatch_device: DispatchDeviceArg,
     /// Hand reduced gradients back as views of their bucket (device backends; DDP's
     /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
     #[arg(long)]
@@ -486,7 +501,7 @@ enum InitialWeightsArg {
 
 fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     use collective_fusion::backend::{CollectiveOptions, InitialWeights, Transport};
-    use collective_fusion::train::{RunBackend, RunModel, RunOptions, run};
+    use collective_fusion::train::{DispatchOn, RunBackend, RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
         return Err("--world must be between 1 and 256".into());
@@ -511,6 +526,11 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         BackendArg::Ndarray => RunBackend::NdArray,
         BackendArg::Wgpu => RunBackend::Wgpu,
         BackendArg::Cuda => RunBackend::Cuda,
+        BackendArg::Dispatch => RunBackend::Dispatch(match a.dispatch_device {
+            DispatchDeviceArg::Ndarray => DispatchOn::NdArray,
+            DispatchDeviceArg::Wgpu => DispatchOn::Wgpu,
+            DispatchDeviceArg::Cuda => DispatchOn::Cuda,
+        }),
     };
     let model = match (a.model, a.hidden_layers) {
         (RunModelArg::Mlp, layers) => RunModel::Mlp {
@@ -530,7 +550,10 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         TransportArg::Nccl => Transport::Nccl(from_env()?),
         #[cfg(feature = "cuda")]
         TransportArg::NcclLocal => {
-            if backend != RunBackend::Cuda {
+            if !matches!(
+                backend,
+                RunBackend::Cuda | RunBackend::Dispatch(DispatchOn::Cuda)
+            ) {
                 return Err("--transport nccl-local needs --backend cuda (a GPU per rank)".into());
             }
             Transport::NcclLocal

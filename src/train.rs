@@ -42,6 +42,19 @@ pub enum RunBackend {
     /// CUDA (feature `cuda`): rank `r` of this process on GPU `r` for in-process ranks (all on
     /// GPU 0 with the in-process transport), `LOCAL_RANK`'s GPU with one rank per process.
     Cuda,
+    /// Burn's runtime-selected backend, `burn::Dispatch`, on one of its devices.
+    Dispatch(DispatchOn),
+}
+
+/// The device `Dispatch` runs on (a backend of its own chosen at run time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DispatchOn {
+    /// Its NdArray device.
+    NdArray,
+    /// Its wgpu device (the default adapter).
+    Wgpu,
+    /// Its CUDA device (feature `cuda`), GPUs chosen as for [`RunBackend::Cuda`].
+    Cuda,
 }
 
 impl RunBackend {
@@ -51,6 +64,9 @@ impl RunBackend {
             RunBackend::NdArray => "ndarray",
             RunBackend::Wgpu => "wgpu",
             RunBackend::Cuda => "cuda",
+            RunBackend::Dispatch(DispatchOn::NdArray) => "dispatch (ndarray)",
+            RunBackend::Dispatch(DispatchOn::Wgpu) => "dispatch (wgpu)",
+            RunBackend::Dispatch(DispatchOn::Cuda) => "dispatch (cuda)",
         }
     }
 }
@@ -430,20 +446,41 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
             RunModel::ConvNet => run_model::<I, ConvNet<I>>(opts, device, progress),
         }
     }
+    // In-process NCCL: a GPU per rank. One rank per process: the launcher's local rank. Other
+    // in-process ranks share GPU 0 (a host communicator).
+    #[cfg(feature = "cuda")]
+    let gpu = |r: u32| match &opts.collective.transport {
+        Transport::NcclLocal => r as usize,
+        Transport::Nccl(cfg) | Transport::Tcp(cfg) => cfg.local_rank,
+        Transport::InProcess => 0,
+    };
     match opts.backend {
         RunBackend::NdArray => on::<NdArray>(opts, |_| NdArrayDevice::Cpu, progress),
+        RunBackend::Dispatch(on_device) => {
+            use burn_dispatch::{Dispatch, DispatchDevice};
+            let device: Box<dyn Fn(u32) -> DispatchDevice + Sync> = match on_device {
+                DispatchOn::NdArray => Box::new(|_| DispatchDevice::NdArray(NdArrayDevice::Cpu)),
+                DispatchOn::Wgpu => {
+                    Box::new(|_| DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice))
+                }
+                #[cfg(feature = "cuda")]
+                DispatchOn::Cuda => {
+                    Box::new(move |r| DispatchDevice::Cuda(burn_cuda::CudaDevice::new(gpu(r))))
+                }
+                #[cfg(not(feature = "cuda"))]
+                DispatchOn::Cuda => {
+                    return Err(
+                        "--dispatch-device cuda needs a build with `--features cuda`".into(),
+                    );
+                }
+            };
+            on::<Dispatch>(opts, device, progress)
+        }
         RunBackend::Wgpu => {
             on::<burn_wgpu::Wgpu>(opts, |_| burn_wgpu::WgpuDevice::DefaultDevice, progress)
         }
         #[cfg(feature = "cuda")]
         RunBackend::Cuda => {
-            // In-process NCCL: a GPU per rank. One rank per process: the launcher's local
-            // rank. Other in-process ranks share GPU 0 (a host communicator).
-            let gpu = |r: u32| match &opts.collective.transport {
-                Transport::NcclLocal => r as usize,
-                Transport::Nccl(cfg) | Transport::Tcp(cfg) => cfg.local_rank,
-                Transport::InProcess => 0,
-            };
             on::<burn_cuda::Cuda>(opts, |r| burn_cuda::CudaDevice::new(gpu(r)), progress)
         }
         #[cfg(not(feature = "cuda"))]

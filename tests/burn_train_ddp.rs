@@ -1,7 +1,8 @@
 //! Burn's own DDP strategy (burn-train 0.21, `ExecutionStrategy::ddp`) trains a model on
 //! `Autodiff<Collective<NdArray>>` over 4 CPU ranks: burn-train starts the communication server,
 //! forks the model to every rank's device, and each worker's backward syncs its gradients
-//! through this crate's compiled, bucketed sync.
+//! through this crate's compiled, bucketed sync. The same over `Collective<Dispatch>`, Burn's
+//! runtime-selected backend, on its NdArray device.
 
 // `#[derive(Module)]` writes `burn::…` paths.
 extern crate burn_core as burn;
@@ -24,7 +25,8 @@ use burn_train::{
 };
 use collective_fusion::backend::{Collective, CollectiveDevice, gradient_syncs_total};
 
-type Tb = Autodiff<Collective<NdArray>>;
+/// burn-train's DDP runs one at a time: the recorders of ranks are per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[derive(Module, Debug)]
 struct Net<B: Backend> {
@@ -104,12 +106,25 @@ fn items(n: usize) -> Vec<Item> {
 
 #[test]
 fn burn_train_ddp_strategy_trains_on_four_cpu_ranks() {
-    let devices: Vec<CollectiveDevice<NdArrayDevice>> = (0..4)
-        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+    ddp_trains_on_four_ranks::<NdArray>(NdArrayDevice::Cpu);
+}
+
+#[test]
+fn burn_train_ddp_strategy_trains_on_four_dispatch_ranks() {
+    ddp_trains_on_four_ranks::<burn_dispatch::Dispatch>(burn_dispatch::DispatchDevice::NdArray(
+        NdArrayDevice::Cpu,
+    ));
+}
+
+fn ddp_trains_on_four_ranks<I: Backend>(inner: I::Device) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    type Tb<I> = Autodiff<Collective<I>>;
+    let devices: Vec<CollectiveDevice<I::Device>> = (0..4)
+        .map(|r| CollectiveDevice::new(inner.clone(), r))
         .collect();
     let main = devices[0].clone();
-    <Tb as Backend>::seed(&main, 3);
-    let model: Net<Tb> = Net {
+    <Tb<I> as Backend>::seed(&main, 3);
+    let model: Net<Tb<I>> = Net {
         l1: LinearConfig::new(8, 16).init(&main),
         l2: LinearConfig::new(16, 2).init(&main),
     };

@@ -1134,7 +1134,16 @@ fn communicators<D: 'static>(
             let world = every_rank();
             let mut gpus = vec![0usize; world];
             for d in devices {
-                match (&d.inner as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>() {
+                let inner = &d.inner as &dyn Any;
+                let cuda = inner
+                    .downcast_ref::<cubecl::cuda::CudaDevice>()
+                    .or_else(
+                        || match inner.downcast_ref::<burn_dispatch::DispatchDevice>() {
+                            Some(burn_dispatch::DispatchDevice::Cuda(c)) => Some(c),
+                            _ => None,
+                        },
+                    );
+                match cuda {
                     Some(c) => gpus[d.rank as usize] = c.index,
                     None => panic!(
                         "collective-fusion: start_communication_server over in-process NCCL needs a CUDA device per rank (Collective<Cuda>); rank {} is on {}",

@@ -1,0 +1,136 @@
+//! `Collective<Dispatch>`: Burn 0.21's runtime-selected backend (`burn::Dispatch`) as the inner
+//! backend. Burn's own `Dispatch` has no data-parallel path (its `submit_gradient_sync` is
+//! `unimplemented!()`); wrapped in `Collective`, 2 ranks train an MLP and end where one rank
+//! trained on the concatenated batch ends, on Dispatch's NdArray device and on its wgpu device
+//! (Mesa's software Vulkan in CI).
+
+mod common;
+
+use std::sync::Mutex;
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::Module;
+use burn_core::tensor::Tensor;
+use burn_dispatch::{Dispatch, DispatchDevice};
+use burn_ndarray::NdArrayDevice;
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, sync_stats,
+};
+use collective_fusion::train::{module_weights, synthetic_batch};
+
+type Inner = Collective<Dispatch>;
+type A = Autodiff<Inner>;
+type Dev = CollectiveDevice<DispatchDevice>;
+type Mlp = Vec<Linear<A>>;
+
+const WORLD: u32 = 2;
+const ROWS: usize = 4;
+const STEPS: usize = 3;
+const INPUTS: usize = 12;
+const OUTPUTS: usize = 3;
+
+/// One communication server per backend type, and per-process recorders per rank: one test at
+/// a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn init(d: &Dev) -> Mlp {
+    <A as burn_backend::Backend>::seed(d, 7);
+    let m: Mlp = [INPUTS, 16, OUTPUTS]
+        .windows(2)
+        .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+        .collect();
+    let _ = module_weights::<A, Mlp>(&m);
+    m
+}
+
+fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
+    let mut optim = SgdConfig::new().init::<A, Mlp>();
+    for step in 0..STEPS {
+        if distributed {
+            m = mark_distributed::<A, Mlp>(m).expect("marking the model");
+        }
+        let (x, y) = synthetic_batch::<A>(step, rows, INPUTS, OUTPUTS, d);
+        let h = burn_core::tensor::activation::relu(m[0].forward(x));
+        let out: Tensor<A, 2> = m[1].forward(h);
+        let loss = MseLoss::new().forward(out, y, Reduction::Mean);
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        m = optim.step(0.05, m, grads);
+    }
+    module_weights::<A, Mlp>(&m)
+}
+
+/// 2 ranks on `device`, against one rank on the concatenated batch.
+fn equals_one_rank(device: DispatchDevice) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(device.clone(), r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<Dispatch>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let start = init(&devices[0]);
+    let ranks: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let m = start.clone().fork(d);
+                s.spawn(move || {
+                    let r = d.rank as usize;
+                    train(m, (r * ROWS, (r + 1) * ROWS), d, true)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = sync_stats::<Dispatch>(0);
+    Inner::close_communication_server(&devices[0]);
+    assert_eq!(
+        stats.eager_steps + stats.flushed_steps,
+        STEPS as u64,
+        "every step synced its gradients: {stats:?}"
+    );
+    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    let reference = train(
+        init(&devices[0]),
+        (0, WORLD as usize * ROWS),
+        &devices[0],
+        false,
+    );
+    let initial = module_weights::<A, Mlp>(&init(&devices[0]));
+    let mut moved = 0.0f64;
+    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
+        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
+        // Two half-batch means averaged against one mean: f32 rounding apart.
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
+            "weight {i}: {a} vs {b}"
+        );
+        moved += (b - w0).abs();
+    }
+    assert!(moved > 1e-3, "training did not move the weights");
+}
+
+#[test]
+fn an_mlp_on_two_dispatch_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
+    equals_one_rank(DispatchDevice::NdArray(NdArrayDevice::Cpu));
+}
+
+#[test]
+fn an_mlp_on_two_dispatch_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    equals_one_rank(DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice));
+}
