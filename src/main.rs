@@ -200,6 +200,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("CF_LOG"))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -478,6 +479,9 @@ struct RunArgs {
     /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
     #[arg(long)]
     bucket_view: bool,
+    /// Bound on every wait for another rank, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
     /// Seed of this process's model initialization. Processes seeded differently build
     /// different weights; marking the model gives every rank rank 0's.
     #[arg(long, default_value_t = 7)]
@@ -541,7 +545,10 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Err("--hidden-layers is an option of --model mlp".into());
         }
     };
-    let timeout = collective_fusion::runtime::inprocess::DEFAULT_TIMEOUT;
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        return Err("--timeout must be a positive number of seconds".into());
+    }
+    let timeout = std::time::Duration::from_secs_f64(a.timeout);
     let from_env = || collective_fusion::runtime::rendezvous::RendezvousConfig::from_env(timeout);
     let transport = match a.transport {
         TransportArg::Inprocess => Transport::InProcess,

@@ -391,6 +391,7 @@ fn run_model<I: Backend, M: Net<I>>(
                             backward_secs: (t2 - t1).as_secs_f64(),
                             loss: lv.first().copied().unwrap_or(f32::NAN),
                         });
+                        tracing::info!(rank, step = step + 1, "step done");
                         if rank == first as usize {
                             progress(step + 1);
                         }
@@ -401,7 +402,9 @@ fn run_model<I: Backend, M: Net<I>>(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            // Burn's hooks return nothing, so a failed collective panics on its rank's thread
+            // with the typed error's message: the run's error.
+            .map(|h| h.join().unwrap_or_else(|p| Err(panic_message(p.as_ref()))))
             .collect()
     });
     let stats = local.iter().map(|r| sync_stats::<I>(*r as usize)).collect();
@@ -430,6 +433,14 @@ fn run_model<I: Backend, M: Net<I>>(
         trace,
         ranks_agree,
     })
+}
+
+/// The message a panic carried.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a rank panicked".to_string())
 }
 
 /// Trains `opts.model` on `opts.world` ranks of `opts.backend`; `progress` is told each step

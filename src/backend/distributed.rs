@@ -25,12 +25,13 @@ use hashbrown::HashMap;
 
 use super::record::{SubmittedGradient, step_graph};
 use super::replicas::{InitialWeights, ReplicaState};
+use super::user_collectives::UserReduce;
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::config::CompileConfig;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType, Value};
 use crate::runtime::cache::PlanCache;
-use crate::runtime::comm::{CollectiveDesc, Communicator};
+use crate::runtime::comm::Communicator;
 use crate::runtime::exec::ExecReport;
 use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
 use crate::runtime::rendezvous::RendezvousConfig;
@@ -197,7 +198,9 @@ pub(super) struct RankState<I: Backend> {
     workspace: Workspace,
     /// Workspace of the plans that reduce what a diverged step left over.
     leftover_workspace: Workspace,
-    user_collectives: u32,
+    pub(super) user_collectives: u32,
+    /// User all-reduces launched and not yet waited for by `sync_collective`.
+    pub(super) user_pending: Vec<Arc<UserReduce>>,
     /// Under zero-fill, the (name, type) list the expected plan was compiled from, in order.
     expected_entries: Vec<(String, TensorType)>,
     /// Inside a [`no_sync`] scope: gradients accumulate here instead of being reduced.
@@ -300,7 +303,7 @@ pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
 
 impl<I: Backend> Session<I> {
     /// Fails the whole group with `msg`, then panics on this rank.
-    fn fail(&self, rank: usize, msg: String) -> ! {
+    pub(super) fn fail(&self, rank: usize, msg: String) -> ! {
         self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Some(Some(c)) = self.comms.get(rank) {
             c.abort(&msg);
@@ -1206,6 +1209,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         workspace: Workspace::default(),
                         leftover_workspace: Workspace::default(),
                         user_collectives: 0,
+                        user_pending: Vec::new(),
                         expected_entries: Vec::new(),
                         no_sync: false,
                         accumulated: HashMap::new(),
@@ -1294,60 +1298,11 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         op: ReduceOperation,
         device_ids: Vec<DeviceId>,
     ) -> CollectiveTensor<Self> {
-        let s = session::<I>("all_reduce");
-        let rank = tensor.rank as usize;
-        if device_ids.len() != s.world {
-            s.fail(
-                rank,
-                format!(
-                    "all_reduce over {} devices, but the communication server has {} ranks",
-                    device_ids.len(),
-                    s.world
-                ),
-            );
-        }
-        let shape = tensor.shape();
-        let data =
-            match cubecl::future::block_on(I::float_into_data(tensor.inner_for("all_reduce"))) {
-                Ok(d) => d,
-                Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
-            };
-        let buf = match to_host(&data) {
-            Ok(b) => b,
-            Err(e) => s.fail(rank, format!("all_reduce: {e}")),
-        };
-        let id = {
-            let mut st = lock(&s.ranks[rank]);
-            st.user_collectives += 1;
-            st.user_collectives
-        };
-        let what = CollectiveDesc {
-            // User all-reduces count down from the top so they never match a gradient bucket.
-            collective: u32::MAX - id,
-            bucket: None,
-            op: match op {
-                ReduceOperation::Sum => ReduceOp::Sum,
-                ReduceOperation::Mean => ReduceOp::Mean,
-            },
-            dtype: buf.dtype(),
-            count: buf.len() as u64,
-            params: Vec::new(),
-        };
-        let reduced = s
-            .comm(rank)
-            .all_reduce(buf, what)
-            .and_then(|p| p.wait(crate::runtime::comm::wait_bound(s.options.timeout)));
-        let out = match reduced {
-            Ok((b, _)) => b,
-            Err(e) => s.fail(rank, e.to_string()),
-        };
-        let dev = tensor.device(|p| I::float_device(p));
-        let t = I::float_from_data(from_host(out, shape), &dev);
-        CollectiveTensor::new(CTensor::new(t, tensor.rank))
+        super::user_collectives::all_reduce(session::<I>("all_reduce"), tensor, op, device_ids)
     }
 
-    fn sync_collective(_device: &Self::Device) {
-        // `all_reduce` completes before it returns: nothing is outstanding.
+    fn sync_collective(device: &Self::Device) {
+        super::user_collectives::sync(&session::<I>("sync_collective"), device.rank as usize);
     }
 }
 

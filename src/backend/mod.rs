@@ -32,6 +32,7 @@ mod params;
 mod record;
 mod replicas;
 mod rules;
+mod user_collectives;
 
 use std::fmt;
 

@@ -705,24 +705,63 @@ fn launch_slots(
     report: &mut ExecReport,
     rank: usize,
 ) -> Result<Vec<(u32, Pending)>, ExecError> {
-    let kerr = |source| ExecError::Kernel { rank, source };
     let mut calls = Vec::with_capacity(c.slots.len());
     for s in &c.slots {
         let g = std::mem::take(&mut grads[*s as usize]);
-        let copy = match g.device() {
-            Some(d) if comm.reduces_device_memory() => d.copy_to_bucket().map_err(kerr)?,
-            _ => None,
-        };
-        let buf = match (copy, g) {
-            (Some(bucket), _) => Packed::Device(bucket),
-            // Read on the communicator's thread, as a declined bucket of one.
-            (None, Grad::Device(d)) => Packed::Device(Box::new(WholeGrad(d))),
-            (None, Grad::Host(b)) => Packed::Host(b),
-        };
+        let buf = whole(comm, g, rank)?;
         let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
         calls.push((*s, Pending::launch(comm, buf, what, report)?));
     }
     Ok(calls)
+}
+
+/// A gradient with an all-reduce of its own, as the communicator takes it: a copy of it as a
+/// bucket where the communicator reduces device memory in place; else a device gradient is
+/// read on the communicator's thread, as a declined bucket of one.
+fn whole(comm: &dyn Communicator, g: Grad, rank: usize) -> Result<Packed, ExecError> {
+    let copy = match g.device() {
+        Some(d) if comm.reduces_device_memory() => d
+            .copy_to_bucket()
+            .map_err(|source| ExecError::Kernel { rank, source })?,
+        _ => None,
+    };
+    Ok(match (copy, g) {
+        (Some(bucket), _) => Packed::Device(bucket),
+        (None, Grad::Device(d)) => Packed::Device(Box::new(WholeGrad(d))),
+        (None, Grad::Host(b)) => Packed::Host(b),
+    })
+}
+
+/// One all-reduce of a whole tensor outside any plan (a user's `all_reduce`), in flight on the
+/// communicator's stream: enqueued in program order, waited for when its value is needed.
+pub struct UserAllReduce(Pending);
+
+impl UserAllReduce {
+    /// Enqueues the all-reduce of `g` as `what` (device memory in place where the communicator
+    /// reduces it, else read on its thread); returns at once.
+    pub fn launch(
+        comm: &dyn Communicator,
+        g: Grad,
+        what: CollectiveDesc,
+    ) -> Result<Self, ExecError> {
+        let rank = comm.rank();
+        let buf = whole(comm, g, rank)?;
+        let mut report = ExecReport::default();
+        Ok(UserAllReduce(Pending::launch(
+            comm,
+            buf,
+            what,
+            &mut report,
+        )?))
+    }
+
+    /// Waits for the reduced tensor, at most `bound`.
+    pub fn wait(self, bound: Duration) -> Result<Grad, CommError> {
+        Ok(match self.0.wait(bound)?.0 {
+            Packed::Host(b) => Grad::Host(b),
+            Packed::Device(b) => Grad::Device(b.into_grad()),
+        })
+    }
 }
 
 fn bucket_name(c: &PlanCollective) -> String {

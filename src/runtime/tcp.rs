@@ -429,6 +429,32 @@ fn run_root(
     })
 }
 
+/// Rank 0's failure message after a failure status byte.
+fn failure_message(s: &mut TcpStream) -> String {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)
+        .ok()
+        .map(|_| u32::from_le_bytes(len).min(MAX_MESSAGE))
+        .and_then(|n| {
+            let mut m = vec![0u8; n as usize];
+            s.read_exact(&mut m).ok().map(|_| m)
+        })
+        .map_or_else(
+            || "rank 0 failed the collective".to_string(),
+            |m| format!("rank 0 reports: {}", String::from_utf8_lossy(&m)),
+        )
+}
+
+/// A failure status and message rank 0 sent before the connection broke, if one arrives
+/// within `wait`.
+fn failure_status(s: &mut TcpStream, wait: Duration) -> Option<String> {
+    let mut status = [0u8; 1];
+    s.set_read_timeout(Some(wait))
+        .and_then(|_| s.read_exact(&mut status))
+        .ok()?;
+    (status[0] != 0).then(|| failure_message(s))
+}
+
 fn run_peer(
     shared: &Shared,
     s: &mut TcpStream,
@@ -452,33 +478,35 @@ fn run_peer(
             failure(shared, what, e, 0)
         }
     };
-    s.set_write_timeout(Some(bound))
+    if let Err(e) = s
+        .set_write_timeout(Some(bound))
         .and_then(|_| s.write_all(&header(what)))
         .and_then(|_| s.write_all(buf.as_bytes()))
-        .map_err(lost)?;
+    {
+        // Rank 0 stops reading when the collective fails elsewhere (another peer died) and
+        // tells every peer why before it closes: that reason names the rank at fault, a
+        // broken pipe does not.
+        if !timed_out(&e)
+            && let Some(reason) = failure_status(s, Duration::from_millis(500))
+        {
+            return Err(CommError::Aborted {
+                rank: shared.rank,
+                what: what.clone(),
+                reason,
+            });
+        }
+        return Err(lost(e));
+    }
     let mut status = [0u8; 1];
     s.set_read_timeout(Some(bound))
         .and_then(|_| s.read_exact(&mut status))
         .map_err(lost)?;
     let started = Instant::now();
     if status[0] != 0 {
-        let mut len = [0u8; 4];
-        let reason = s
-            .read_exact(&mut len)
-            .ok()
-            .map(|_| u32::from_le_bytes(len).min(MAX_MESSAGE))
-            .and_then(|n| {
-                let mut m = vec![0u8; n as usize];
-                s.read_exact(&mut m).ok().map(|_| m)
-            })
-            .map_or_else(
-                || "rank 0 failed the collective".to_string(),
-                |m| format!("rank 0 reports: {}", String::from_utf8_lossy(&m)),
-            );
         return Err(CommError::Aborted {
             rank: shared.rank,
             what: what.clone(),
-            reason,
+            reason: failure_message(s),
         });
     }
     s.read_exact(buf.as_bytes_mut())
