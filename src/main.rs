@@ -176,6 +176,23 @@ enum Command {
     },
 }
 
+/// The `CF_*` compiler options with the command line's bucketing options over them.
+fn configured(
+    policy: Option<Policy>,
+    cap: Option<u64>,
+    first: Option<u64>,
+    views: bool,
+) -> Result<CompileConfig, collective_fusion::config::ConfigError> {
+    let mut config = CompileConfig::from_env()?;
+    if let Some(p) = policy {
+        config.bucket.policy = p.into();
+    }
+    config.bucket.cap_bytes = cap.unwrap_or(config.bucket.cap_bytes);
+    config.bucket.first_bucket_bytes = first.unwrap_or(config.bucket.first_bucket_bytes);
+    config.gradient_as_bucket_view |= views;
+    Ok(config)
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, mult) = [
@@ -270,16 +287,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let mut out = String::new();
             let profile = ModelProfile::load(&model)?;
-            let mut config = CompileConfig::from_env()?;
-            if let Some(p) = policy {
-                config.bucket.policy = p.into();
-            }
-            if let Some(c) = bucket_cap {
-                config.bucket.cap_bytes = c;
-            }
-            if let Some(c) = first_bucket {
-                config.bucket.first_bucket_bytes = c;
-            }
+            let mut config = configured(policy, bucket_cap, first_bucket, bucket_view)?;
             if let Some(l) = link {
                 config.cost = CostModel::new(SystemProfile::load(&l)?);
             }
@@ -294,9 +302,6 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             if no_overlap {
                 config.overlap = false;
-            }
-            if bucket_view {
-                config.gradient_as_bucket_view = true;
             }
             config.disabled_passes.extend(disable_pass);
             if let Some(p) = print_after {
@@ -513,19 +518,7 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if a.steps == 0 || a.batch == 0 {
         return Err("--steps and --batch must be at least 1".into());
     }
-    let mut config = CompileConfig::from_env()?;
-    if let Some(p) = a.policy {
-        config.bucket.policy = p.into();
-    }
-    if let Some(c) = a.bucket_cap {
-        config.bucket.cap_bytes = c;
-    }
-    if let Some(c) = a.first_bucket {
-        config.bucket.first_bucket_bytes = c;
-    }
-    if a.bucket_view {
-        config.gradient_as_bucket_view = true;
-    }
+    let config = configured(a.policy, a.bucket_cap, a.first_bucket, a.bucket_view)?;
     let backend = match a.backend {
         BackendArg::Ndarray => RunBackend::NdArray,
         BackendArg::Wgpu => RunBackend::Wgpu,
@@ -825,15 +818,9 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
         (None, Some(p)) => StepSource::Profile(p),
         (None, None) => unreachable!("one of the two was loaded"),
     };
-    let mut config = CompileConfig::from_env()?;
+    let mut config = configured(None, a.bucket_cap, a.first_bucket, false)?;
     if let Some(l) = a.link {
         config.cost = CostModel::new(SystemProfile::load(&l)?);
-    }
-    if let Some(c) = a.bucket_cap {
-        config.bucket.cap_bytes = c;
-    }
-    if let Some(c) = a.first_bucket {
-        config.bucket.first_bucket_bytes = c;
     }
     let world = a.world.unwrap_or(config.cost.system.world);
     if world == 0 {

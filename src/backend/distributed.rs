@@ -23,12 +23,12 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 
+use super::options::{CollectiveOptions, Transport, UnusedParameters};
 use super::record::{SubmittedGradient, step_graph};
-use super::replicas::{InitialWeights, ReplicaState};
+use super::replicas::ReplicaState;
 use super::user_collectives::UserReduce;
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
-use crate::config::CompileConfig;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType, Value};
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::Communicator;
@@ -37,104 +37,6 @@ use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_i
 use crate::runtime::rendezvous::RendezvousConfig;
 use crate::runtime::{Grad, HostBuffer, InProcessGroup};
 use crate::trace::TraceSpan;
-
-/// How `Collective<I>` compiles and runs its gradient sync.
-#[derive(Clone, Debug)]
-pub struct CollectiveOptions {
-    /// Compiler options (bucketing policy and caps, overlap, reduce dtype, verification).
-    pub config: CompileConfig,
-    /// Bound on every wait for another rank.
-    pub timeout: Duration,
-    /// Keep a trace of every rank's pack, all-reduce, wait and unpack spans ([`take_trace`]).
-    pub trace: bool,
-    /// Check every gradient for NaN and infinity as it arrives; a bad one fails the step on
-    /// every rank with an error naming the parameter (off by default: it reads every element).
-    pub check_finite: bool,
-    /// What a step does about a parameter whose gradient did not arrive on some rank.
-    pub unused: UnusedParameters,
-    /// Keep the gradients of a CubeCL inner backend (Burn's wgpu or CUDA backend, without its
-    /// fusion layer) in their device buffers: a bucket is packed and unpacked by the CubeCL
-    /// kernels on those buffers and crosses to the host communicator as one flat buffer. Off,
-    /// or for any other inner backend, every gradient is read into host memory on arrival. A
-    /// step under [`no_sync`], or with `check_finite`, reads gradients into host memory anyway.
-    pub device_buckets: bool,
-    /// How the ranks talk: threads of this process, or one rank per process.
-    pub transport: Transport,
-    /// What `mark_distributed` does about the ranks' parameter values: give every rank rank
-    /// 0's (the default), or check that they already are.
-    pub initial_weights: InitialWeights,
-}
-
-/// How the ranks of a communication server talk to each other.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Transport {
-    /// Every rank is a thread of this process: `start_communication_server` gets every rank's
-    /// device, ranks `0..n` once each.
-    #[default]
-    InProcess,
-    /// One rank per process over TCP ([`TcpComm`](crate::runtime::tcp::TcpComm)), joining the
-    /// group the configuration names (usually [`RendezvousConfig::from_env`], the launcher's
-    /// `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`): `start_communication_server` gets this
-    /// process's one device, whose rank is the configuration's.
-    Tcp(RendezvousConfig),
-    /// One rank per process over NCCL on GPU `local_rank`, rank 0's NCCL id shared through the
-    /// rendezvous; otherwise as [`Transport::Tcp`].
-    #[cfg(feature = "cuda")]
-    Nccl(RendezvousConfig),
-    /// Single-process multi-GPU over NCCL: every rank is a thread of this process, as with
-    /// [`Transport::InProcess`], and each rank's device is a CUDA device of its own
-    /// (`Collective<Cuda>`), whose NCCL communicator the rank gets.
-    #[cfg(feature = "cuda")]
-    NcclLocal,
-}
-
-/// What a step does about a parameter whose gradient did not arrive on a rank: a registered
-/// parameter that received no gradient, or one that some ranks use and others do not.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UnusedParameters {
-    /// Fail the step on every rank with an error naming the parameters (the default: an unused
-    /// parameter is usually a bug, and ranks that disagree on the parameters cannot agree on a
-    /// plan).
-    #[default]
-    Error,
-    /// DDP's `find_unused_parameters`: a rank without a parameter's gradient contributes zeros,
-    /// so the ranks that have it still reduce it with every rank's contribution. Every step
-    /// exchanges a small manifest (the gradients the previous step's plan does not know and the
-    /// ones this rank zero-filled): every rank then runs the same plans, which stay in the
-    /// next step's plan, and a parameter zero-filled on every rank leaves it. The reduced value
-    /// of a zero-filled parameter has no gradient to go to on that rank (a Burn backend cannot
-    /// create one), so its optimizer skips it there: see [`SyncStats::zero_filled`].
-    ZeroFill,
-}
-
-impl Default for CollectiveOptions {
-    fn default() -> Self {
-        CollectiveOptions {
-            config: CompileConfig::from_env().unwrap_or_default(),
-            timeout: crate::runtime::inprocess::DEFAULT_TIMEOUT,
-            trace: false,
-            check_finite: false,
-            unused: UnusedParameters::Error,
-            device_buckets: true,
-            transport: Transport::InProcess,
-            initial_weights: InitialWeights::default(),
-        }
-    }
-}
-
-impl CollectiveOptions {
-    /// Makes these the options of the next communication server started for `Collective<I>`
-    /// (`start_communication_server` reads and clears them; without a call it uses the
-    /// defaults, which read the `CF_*` environment variables).
-    pub fn install<I: Backend>(self) {
-        lock(next_options()).insert(TypeId::of::<I>(), self);
-    }
-}
-
-fn next_options() -> &'static Mutex<HashMap<TypeId, CollectiveOptions>> {
-    static NEXT: OnceLock<Mutex<HashMap<TypeId, CollectiveOptions>>> = OnceLock::new();
-    NEXT.get_or_init(Default::default)
-}
 
 /// Gradient syncs completed in this process, all backends and ranks together.
 static SYNCS_TOTAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -1179,9 +1081,9 @@ fn communicators<D: 'static>(
 
 impl<I: Backend> DistributedBackend for Collective<I> {
     fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
-        let options = lock(next_options())
-            .remove(&TypeId::of::<I>())
-            .unwrap_or_default();
+        let options = CollectiveOptions::take::<I>().unwrap_or_else(|e| {
+            panic!("collective-fusion: start_communication_server: the environment: {e}")
+        });
         let (world, comms) = communicators(devices, &options);
         let reduce = match config.all_reduce_op {
             ReduceOperation::Sum => ReduceOp::Sum,

@@ -28,6 +28,7 @@ mod forward;
 mod lazy;
 mod op_table;
 mod ops;
+mod options;
 mod params;
 mod record;
 mod replicas;
@@ -41,11 +42,11 @@ use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
-    CollectiveOptions, NoSync, SyncStats, Transport, UnusedParameters, expected_plan,
-    gradient_syncs_total, last_zero_filled, no_sync, recorded_step_graph, sync_stats, take_trace,
-    trace_span,
+    NoSync, SyncStats, expected_plan, gradient_syncs_total, last_zero_filled, no_sync,
+    recorded_step_graph, sync_stats, take_trace, trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
+pub use options::{CollectiveOptions, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as};
 pub use replicas::{InitialWeights, ReplicaError};
 
