@@ -194,6 +194,13 @@ pub(super) fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
     })
 }
 
+/// A float tensor of `I` read into host memory (on a device backend, after the work queued
+/// before it).
+pub(super) fn read_host<I: Backend>(p: I::FloatTensorPrimitive) -> Result<HostBuffer, String> {
+    let data = cubecl::future::block_on(I::float_into_data(p)).map_err(|e| e.to_string())?;
+    to_host(&data)
+}
+
 pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
     match buf {
         HostBuffer::F32(v) => TensorData::new(v, shape),
@@ -384,13 +391,9 @@ impl<I: Backend> Session<I> {
         {
             Some(g) => Grad::Device(g),
             None => {
-                let data = match cubecl::future::block_on(I::float_into_data(inner)) {
-                    Ok(d) => d,
-                    Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
-                };
-                let mut buf = match to_host(&data) {
+                let mut buf = match read_host::<I>(inner) {
                     Ok(h) => h,
-                    Err(e) => self.fail(rank, format!("{name}: {e}")),
+                    Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
                 };
                 if self.options.check_finite
                     && let Some((at, v)) = buf.first_non_finite()

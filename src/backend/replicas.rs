@@ -35,7 +35,7 @@ use std::ops::Range;
 use burn_backend::{Backend, TensorMetadata};
 
 use super::CTensor;
-use super::distributed::{from_host, graph_dtype, running, to_host};
+use super::distributed::{from_host, graph_dtype, read_host, running};
 use super::params::Marked;
 use crate::graph::{Fnv64, ReduceOp, TensorType};
 use crate::runtime::HostBuffer;
@@ -261,10 +261,12 @@ fn read<I: Backend>(
     rank: usize,
     e: &Entry<'_, I::FloatTensorPrimitive>,
 ) -> Result<HostBuffer, ReplicaError> {
-    let unsupported = |why: String| ReplicaError::Unsupported { rank, why };
-    let data = cubecl::future::block_on(I::float_into_data(e.tensor.inner_for("mark_distributed")))
-        .map_err(|err| unsupported(format!("reading {}: {err}", e.name)))?;
-    to_host(&data).map_err(|err| unsupported(format!("{}: {err}", e.name)))
+    read_host::<I>(e.tensor.inner_for("mark_distributed")).map_err(|err| {
+        ReplicaError::Unsupported {
+            rank,
+            why: format!("reading {}: {err}", e.name),
+        }
+    })
 }
 
 /// Consecutive entries of one dtype, at most `cap` bytes each (at least one entry).

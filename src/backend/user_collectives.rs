@@ -21,7 +21,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, TensorMetadata};
 use smallvec::SmallVec;
 
-use super::distributed::{Session, from_host, graph_dtype, to_host};
+use super::distributed::{Session, from_host, graph_dtype, read_host};
 use super::lazy::Record;
 use super::{CTensor, Collective};
 use crate::graph::{ComputeKind, ReduceOp};
@@ -120,16 +120,10 @@ pub(super) fn all_reduce<I: Backend>(
         .flatten()
     {
         Some(g) => Grad::Device(g),
-        None => {
-            let data = match cubecl::future::block_on(I::float_into_data(inner.clone())) {
-                Ok(d) => d,
-                Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
-            };
-            match to_host(&data) {
-                Ok(b) => Grad::Host(b),
-                Err(e) => s.fail(rank, format!("all_reduce: {e}")),
-            }
-        }
+        None => match read_host::<I>(inner.clone()) {
+            Ok(b) => Grad::Host(b),
+            Err(e) => s.fail(rank, format!("all_reduce: reading the tensor: {e}")),
+        },
     };
     let what = {
         let mut st = s.state(rank, "all_reduce");
