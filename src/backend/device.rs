@@ -132,3 +132,25 @@ pub(crate) fn tensor_from<P: 'static>(
     };
     tensor_of::<cubecl::wgpu::WgpuRuntime, P>(like, g)
 }
+
+/// The CUDA device index of a rank's device, where it is a CUDA device (Burn's CUDA backend or
+/// `Dispatch` on CUDA); `None` for any other device, or without the `cuda` feature.
+pub(super) fn cuda_index(device: &dyn Any) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        device
+            .downcast_ref::<cubecl::cuda::CudaDevice>()
+            .or_else(
+                || match device.downcast_ref::<burn_dispatch::DispatchDevice>() {
+                    Some(burn_dispatch::DispatchDevice::Cuda(c)) => Some(c),
+                    _ => None,
+                },
+            )
+            .map(|c| c.index)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
+}

@@ -33,7 +33,9 @@ mod params;
 mod record;
 mod replicas;
 mod rules;
+mod session;
 mod user_collectives;
+mod zero_fill;
 
 use std::fmt;
 
@@ -43,7 +45,7 @@ use burn_std::DType;
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
     NoSync, SyncStats, expected_plan, gradient_syncs_total, last_zero_filled, no_sync,
-    recorded_step_graph, sync_stats, take_trace, trace_span,
+    recorded_collectives, recorded_step_graph, sync_stats, take_trace, trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 pub use options::{CollectiveOptions, Transport, UnusedParameters};

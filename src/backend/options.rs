@@ -10,7 +10,7 @@ use hashbrown::HashMap;
 
 use super::replicas::InitialWeights;
 use crate::config::{CompileConfig, ConfigError};
-use crate::runtime::rendezvous::RendezvousConfig;
+pub use crate::runtime::transport::Transport;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -41,29 +41,15 @@ pub struct CollectiveOptions {
     /// What `mark_distributed` does about the ranks' parameter values: give every rank rank
     /// 0's (the default), or check that they already are.
     pub initial_weights: InitialWeights,
-}
-
-/// How the ranks of a communication server talk to each other.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Transport {
-    /// Every rank is a thread of this process: `start_communication_server` gets every rank's
-    /// device, ranks `0..n` once each.
-    #[default]
-    InProcess,
-    /// One rank per process over TCP ([`TcpComm`](crate::runtime::tcp::TcpComm)), joining the
-    /// group the configuration names (usually [`RendezvousConfig::from_env`], the launcher's
-    /// `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`): `start_communication_server` gets this
-    /// process's one device, whose rank is the configuration's.
-    Tcp(RendezvousConfig),
-    /// One rank per process over NCCL on GPU `local_rank`, rank 0's NCCL id shared through the
-    /// rendezvous; otherwise as [`Transport::Tcp`].
-    #[cfg(feature = "cuda")]
-    Nccl(RendezvousConfig),
-    /// Single-process multi-GPU over NCCL: every rank is a thread of this process, as with
-    /// [`Transport::InProcess`], and each rank's device is a CUDA device of its own
-    /// (`Collective<Cuda>`), whose NCCL communicator the rank gets.
-    #[cfg(feature = "cuda")]
-    NcclLocal,
+    /// Launch the user's all-reduces together: queued at the call, launched when a value is
+    /// needed or another collective comes, as one plan (bucketed like the gradients) for those
+    /// issued back to back (see [`all_reduce`](super::all_reduce)); on by default. Off, each is
+    /// launched at the call, alone, which overlaps it with whatever the rank does until it
+    /// needs the value.
+    pub coalesce_user_collectives: bool,
+    /// Record every collective each rank's communicator is asked for
+    /// ([`recorded_collectives`](super::recorded_collectives)); off by default.
+    pub record_collectives: bool,
 }
 
 /// What a step does about a parameter whose gradient did not arrive on a rank: a registered
@@ -97,6 +83,8 @@ impl Default for CollectiveOptions {
             device_buckets: true,
             transport: Transport::InProcess,
             initial_weights: InitialWeights::default(),
+            coalesce_user_collectives: true,
+            record_collectives: false,
         }
     }
 }

@@ -35,8 +35,9 @@ use std::ops::Range;
 use burn_backend::{Backend, TensorMetadata};
 
 use super::CTensor;
-use super::distributed::{from_host, graph_dtype, read_host, running};
+use super::distributed::{from_host, graph_dtype, read_host};
 use super::params::Marked;
+use super::session::running;
 use crate::graph::{Fnv64, ReduceOp, TensorType};
 use crate::runtime::HostBuffer;
 use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes};
@@ -148,6 +149,8 @@ pub(super) fn replicate<I: Backend>(
     if session.world <= 1 {
         return Ok(keep());
     }
+    // The user's all-reduces issued before go first, on every rank alike.
+    session.flush_user(rank, None);
     let unsupported = |why: String| ReplicaError::Unsupported { rank, why };
     let mut entries = Vec::with_capacity(params.len());
     for m in params {

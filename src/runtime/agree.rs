@@ -23,10 +23,13 @@ const AGREE_SEQ: u32 = AGREE_LEN + 1;
 /// Launch indices of [`all_gather_bytes`]'s two all-reduces.
 const GATHER_LEN: u32 = AGREE_LEN + 2;
 const GATHER_BYTES: u32 = AGREE_LEN + 3;
+/// Launch index of [`gather_counts`]'s all-reduce.
+const GATHER_COUNTS: u32 = AGREE_LEN + 4;
 
-/// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s) own all-reduces.
+/// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, or [`gather_counts`]'s)
+/// own all-reduces.
 pub fn is_agreement(d: &CollectiveDesc) -> bool {
-    (AGREE_LEN..=GATHER_BYTES).contains(&d.collective)
+    (AGREE_LEN..=GATHER_COUNTS).contains(&d.collective)
 }
 
 /// Launch indices of the bucket all-reduces that broadcast rank 0's initial weights when a
@@ -165,6 +168,24 @@ pub fn all_gather_bytes(
                 .collect()
         })
         .collect())
+}
+
+/// Every rank's `mine` (rank order), in one small all-reduce: how many user all-reduces each
+/// rank has queued, before they launch together.
+pub fn gather_counts(
+    comm: &dyn Communicator,
+    mine: u64,
+    timeout: std::time::Duration,
+) -> Result<Vec<u64>, CommError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if world <= 1 {
+        return Ok(vec![mine]);
+    }
+    let mut all = vec![0.0; world];
+    // Exact in an f64 up to 2^53.
+    all[rank] = mine as f64;
+    let all = exchange(comm, GATHER_COUNTS, all, timeout)?;
+    Ok(all.iter().map(|c| *c as u64).collect())
 }
 
 /// Exchanges `plan`'s collective sequence with every rank of `comm` and checks they are equal.

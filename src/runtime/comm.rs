@@ -386,6 +386,47 @@ pub trait Communicator: Send + Sync {
     fn abort(&self, reason: &str);
 }
 
+/// A boxed communicator is one (so wrappers such as [`Recording`](super::recording::Recording)
+/// take one).
+impl<C: Communicator + ?Sized> Communicator for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world(&self) -> usize {
+        (**self).world()
+    }
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        (**self).all_reduce(buffer, what)
+    }
+    fn group(&self, open: bool) {
+        (**self).group(open)
+    }
+    fn reduces_device_memory(&self) -> bool {
+        (**self).reduces_device_memory()
+    }
+    fn all_reduce_device(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<DeviceLaunch, CommError> {
+        (**self).all_reduce_device(bucket, what)
+    }
+    fn all_reduce_read(
+        &self,
+        bucket: Box<dyn DeviceBucket>,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        (**self).all_reduce_read(bucket, what)
+    }
+    fn abort(&self, reason: &str) {
+        (**self).abort(reason)
+    }
+}
+
 /// Where two calls' ordered member lists first differ, for [`CommError::PlanMismatch`]: the
 /// parameter each side has there (empty when the lists agree or either call is missing).
 fn first_member_difference(

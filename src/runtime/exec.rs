@@ -287,6 +287,18 @@ pub struct Workspace {
     agreed: bool,
 }
 
+impl Workspace {
+    /// A workspace for `plan` whose ranks already agreed on it ([`agree`](super::agree::agree)
+    /// ran), so [`Execution::new`] does not agree again.
+    pub fn agreed_on(plan: &Plan) -> Self {
+        Workspace {
+            plan_hash: plan.graph_hash,
+            buffers: vec![HostBuffer::default(); plan.collectives.len()],
+            agreed: true,
+        }
+    }
+}
+
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
 /// gradient when this returns `Ok`. On an error every buffer is as it was: the plan runs on
 /// copies, which replace the caller's buffers only once every collective finished (the cost is

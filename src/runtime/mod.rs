@@ -30,6 +30,7 @@ pub mod recording;
 pub mod rendezvous;
 pub mod synthetic;
 pub mod tcp;
+pub mod transport;
 
 pub use buffer::{Element, HostBuffer};
 pub use comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingReduce};

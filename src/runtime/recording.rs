@@ -1,7 +1,7 @@
 //! A communicator wrapper that records every collective it is asked for, in order, then lets the
 //! wrapped communicator do the work. Tests use it to see exactly what a plan launched.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingReduce};
@@ -10,7 +10,7 @@ use super::grad::DeviceBucket;
 /// Records calls, delegates work.
 pub struct Recording<C> {
     inner: C,
-    calls: Mutex<Vec<CollectiveDesc>>,
+    calls: CallLog,
     /// Groups as ranges of call indices; an open one as its start.
     groups: Mutex<(Vec<std::ops::Range<usize>>, Option<usize>)>,
 }
@@ -20,7 +20,7 @@ impl<C: Communicator> Recording<C> {
     pub fn new(inner: C) -> Self {
         Recording {
             inner,
-            calls: Mutex::new(Vec::new()),
+            calls: CallLog::default(),
             groups: Mutex::new((Vec::new(), None)),
         }
     }
@@ -37,14 +37,31 @@ impl<C: Communicator> Recording<C> {
 
     /// The collectives asked for so far, in order.
     pub fn calls(&self) -> Vec<CollectiveDesc> {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.calls.calls()
+    }
+
+    /// A handle on the record that outlives this wrapper (once it is boxed away).
+    pub fn log(&self) -> CallLog {
+        self.calls.clone()
     }
 
     fn note(&self, what: &CollectiveDesc) {
         self.calls
+            .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(what.clone());
+    }
+}
+
+/// The record of a [`Recording`], shared.
+#[derive(Clone, Default)]
+pub struct CallLog(Arc<Mutex<Vec<CollectiveDesc>>>);
+
+impl CallLog {
+    /// The collectives asked for so far, in order.
+    pub fn calls(&self) -> Vec<CollectiveDesc> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -67,7 +84,7 @@ impl<C: Communicator> Communicator for Recording<C> {
     }
 
     fn group(&self, open: bool) {
-        let n = self.calls.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let n = self.calls.0.lock().unwrap_or_else(|e| e.into_inner()).len();
         let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
         match (open, g.1.take()) {
             (true, _) => g.1 = Some(n),

@@ -1,0 +1,678 @@
+//! The per-rank state of a running communication server and its gradient path.
+//!
+//! Per rank, a step's `submit_gradient_sync` calls are recorded in ready order. At
+//! `submit_sync_collective` the rank builds the segment's graph (a gradient and a `grad_sync`
+//! per submitted tensor, one `sync`), takes its plan from the rank's plan cache (compiled once per
+//! distinct segment: bucketing, fused pack/unpack, async collectives, overlap schedule), runs it on
+//! the rank's communicator, and writes every reduced gradient back through Burn's `TensorRef`
+//! before returning, as Burn requires. From the second step on, a step follows the previous
+//! step's plan during backward: a bucket is packed and launched as its last gradient arrives.
+//!
+//! The hooks return nothing, so a failure (a rank that never arrives, mismatched segments, a bad
+//! gradient) aborts the group, so that no other rank waits for this one, and then panics with
+//! the typed error's message on the calling rank.
+use std::any::{Any, TypeId};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
+
+use burn_backend::distributed::{DistributedParams, TensorRef};
+use burn_backend::{Backend, TensorMetadata};
+use hashbrown::HashMap;
+
+use super::distributed::{from_host, graph_dtype, read_host};
+use super::options::{CollectiveOptions, UnusedParameters};
+use super::record::{SubmittedGradient, step_graph};
+use super::replicas::ReplicaState;
+use super::user_collectives::UserQueue;
+use super::{CTensor, Collective, CollectiveDevice};
+use crate::codegen::plan::Plan;
+use crate::graph::{Graph, Op, ReduceOp, TensorType, Value};
+use crate::runtime::cache::PlanCache;
+use crate::runtime::comm::Communicator;
+use crate::runtime::exec::ExecReport;
+use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
+use crate::runtime::{Grad, HostBuffer};
+use crate::trace::TraceSpan;
+
+/// Gradient syncs completed in this process, all backends and ranks together.
+pub(super) static SYNCS_TOTAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One gradient submitted this step.
+pub(super) struct Submitted<I: Backend> {
+    pub(super) tref: TensorRef<Collective<I>>,
+    pub(super) name: String,
+    pub(super) ty: TensorType,
+    /// Its data, unless it was handed to the live execution.
+    pub(super) data: Option<Grad>,
+    /// The recorded node its tensor was when submitted.
+    pub(super) seq: Option<u64>,
+}
+
+/// A step following the previous step's plan: buckets are packed and launched as their last
+/// gradient arrives, during backward.
+pub(super) struct Live {
+    pub(super) plan: Arc<Plan>,
+    pub(super) exec: Execution,
+    /// Slot-indexed gradients.
+    pub(super) grads: Vec<Grad>,
+    pub(super) ready: Vec<bool>,
+    /// Slot → index in `RankState::submitted`.
+    pub(super) source: Vec<Option<usize>>,
+    /// A gradient arrived out of the plan's order: launch nothing more.
+    pub(super) diverged: bool,
+}
+
+pub(super) struct RankState<I: Backend> {
+    pub(super) submitted: Vec<Submitted<I>>,
+    pub(super) index: HashMap<String, usize>,
+    /// Parameters Burn registered for this step's sync (their gradients must all arrive).
+    pub(super) registered: Vec<String>,
+    /// The plan the previous step compiled to; the next step follows it while it can.
+    pub(super) expected: Option<Arc<Plan>>,
+    /// Its segment graph as recorded (compiled again only when someone inspects it).
+    pub(super) expected_segment: Option<Graph>,
+    /// The graph of the last synced step: every recorded op, the gradients, their syncs.
+    pub(super) last_step: Option<Graph>,
+    pub(super) live: Option<Live>,
+    pub(super) cache: PlanCache,
+    pub(super) workspace: Workspace,
+    /// Workspace of the plans that reduce what a diverged step left over.
+    pub(super) leftover_workspace: Workspace,
+    /// Under zero-fill, the (name, type) list the expected plan was compiled from, in order.
+    pub(super) expected_entries: Vec<(String, TensorType)>,
+    /// Inside a [`no_sync`] scope: gradients accumulate here instead of being reduced.
+    pub(super) no_sync: bool,
+    /// Gradients accumulated by backward passes under [`no_sync`], added to the next synced
+    /// backward's gradient of the same parameter.
+    pub(super) accumulated: HashMap<String, (TensorType, HostBuffer)>,
+    /// Zero-filled gradients (all steps), and the names zero-filled in the last step.
+    pub(super) zero_filled: u64,
+    pub(super) last_zero_filled: Vec<String>,
+    /// Steps whose buckets launched during backward / steps that ran everything at the sync.
+    pub(super) eager_steps: u64,
+    pub(super) flushed_steps: u64,
+    /// What `mark_distributed` replicated on this rank.
+    pub(super) replicas: ReplicaState,
+}
+
+pub(super) struct Session<I: Backend> {
+    /// A rank failed and aborted the group.
+    pub(super) failed: std::sync::atomic::AtomicBool,
+    /// Time zero of traces.
+    pub(super) epoch: Instant,
+    pub(super) trace: Mutex<Vec<TraceSpan>>,
+    pub(super) world: usize,
+    pub(super) reduce: ReduceOp,
+    pub(super) options: CollectiveOptions,
+    /// By rank; `None` for the ranks of other processes.
+    pub(super) comms: Vec<Option<Box<dyn Communicator>>>,
+    pub(super) ranks: Vec<Mutex<RankState<I>>>,
+    /// By rank: the user's all-reduces (locked apart from the rank state, and never while a
+    /// lazy tensor is forced).
+    pub(super) user: Vec<Mutex<UserQueue>>,
+    /// By rank, with [`CollectiveOptions::record_collectives`]: what each communicator was asked.
+    pub(super) calls: Vec<Option<crate::runtime::recording::CallLog>>,
+    /// What each rank did on the device.
+    pub(super) device: Vec<DeviceCounts>,
+}
+
+/// A rank's device work so far (the device fields of [`SyncStats`]).
+#[derive(Default)]
+pub(super) struct DeviceCounts {
+    /// Buckets packed on the device.
+    pub(super) packs: std::sync::atomic::AtomicU64,
+    /// Collectives the communicator reduced in place on the device.
+    pub(super) collectives: std::sync::atomic::AtomicU64,
+    /// Reduced gradients handed back as views of their bucket.
+    pub(super) views: std::sync::atomic::AtomicU64,
+}
+
+type Sessions = Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
+
+pub(super) fn sessions() -> &'static Sessions {
+    static S: OnceLock<Sessions> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// The communication server running for `Collective<I>`, if one is.
+pub(super) fn running<I: Backend>() -> Option<Arc<Session<I>>> {
+    let any = lock(sessions()).get(&TypeId::of::<I>()).cloned();
+    any.and_then(|a| a.downcast::<Session<I>>().ok())
+}
+
+pub(super) fn session<I: Backend>(what: &str) -> Arc<Session<I>> {
+    match running::<I>() {
+        Some(s) => s,
+        None => panic!(
+            "collective-fusion: {what} before start_communication_server (no communication server is running for this backend)"
+        ),
+    }
+}
+
+pub(super) fn param_name(p: &DistributedParams) -> String {
+    super::params::name_of(p.param_id)
+}
+
+impl<I: Backend> Session<I> {
+    /// Fails the whole group with `msg`, then panics on this rank.
+    pub(super) fn fail(&self, rank: usize, msg: String) -> ! {
+        self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(Some(c)) = self.comms.get(rank) {
+            c.abort(&msg);
+        }
+        let prefix = format!("rank {rank}: ");
+        let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
+        panic!("collective-fusion: rank {rank}: {msg}");
+    }
+
+    /// The communicator of `rank`, which must be one of this process's.
+    pub(super) fn comm(&self, rank: usize) -> &dyn Communicator {
+        match self.comms.get(rank) {
+            Some(Some(c)) => c.as_ref(),
+            _ => {
+                let here: Vec<usize> = (0..self.comms.len())
+                    .filter(|r| self.comms[*r].is_some())
+                    .collect();
+                panic!(
+                    "collective-fusion: rank {rank} is not a rank of this process (this process has rank(s) {here:?} of {})",
+                    self.world
+                )
+            }
+        }
+    }
+
+    pub(super) fn state(&self, rank: usize, what: &str) -> MutexGuard<'_, RankState<I>> {
+        match self.ranks.get(rank) {
+            Some(r) => lock(r),
+            None => panic!(
+                "collective-fusion: {what} on rank {rank}, but the communication server has {} ranks",
+                self.world
+            ),
+        }
+    }
+
+    /// Adds a run's spans to the trace, when tracing.
+    pub(super) fn record(&self, rank: usize, report: &ExecReport) {
+        if let Some(d) = self.device.get(rank) {
+            for (c, n) in [
+                (&d.packs, report.device_packs),
+                (&d.collectives, report.device_collectives),
+                (&d.views, report.view_grads),
+            ] {
+                c.fetch_add(u64::from(n), std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        if !self.options.trace {
+            return;
+        }
+        let mut t = lock(&self.trace);
+        for s in &report.spans {
+            let cat = match s.name.split(' ').next().unwrap_or("") {
+                "pack" => "pack",
+                "unpack" => "unpack",
+                "all_reduce" => "all-reduce",
+                "wait" => "wait",
+                _ => "compute",
+            };
+            t.push(self.span(rank, s.stream, cat, s.name.clone(), s.start, s.end));
+        }
+    }
+
+    pub(super) fn span(
+        &self,
+        rank: usize,
+        stream: &str,
+        cat: &str,
+        name: String,
+        start: Instant,
+        end: Instant,
+    ) -> TraceSpan {
+        let us = |t: Instant| t.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
+        TraceSpan {
+            rank,
+            stream: stream.to_string(),
+            cat: cat.to_string(),
+            name,
+            start_us: us(start),
+            dur_us: (us(end) - us(start)).max(0.0),
+        }
+    }
+
+    pub(super) fn opts(&self) -> ExecOptions {
+        ExecOptions {
+            timeout: self.options.timeout,
+        }
+    }
+
+    /// `rank`'s user all-reduces.
+    pub(super) fn user_queue(&self, rank: usize, what: &str) -> MutexGuard<'_, UserQueue> {
+        match self.user.get(rank) {
+            Some(q) => lock(q),
+            None => panic!(
+                "collective-fusion: {what} on rank {rank}, but the communication server has {} ranks",
+                self.world
+            ),
+        }
+    }
+
+    /// The segment graph of `entries` and its plan, from the rank's plan cache; a compile error
+    /// fails the step on every rank.
+    pub(super) fn compile_segment(
+        &self,
+        rank: usize,
+        cache: &mut PlanCache,
+        entries: &[(String, TensorType)],
+    ) -> (Graph, Arc<Plan>) {
+        let refs: Vec<(&str, &TensorType)> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let g = self.segment(&refs);
+        match cache.get_or_compile(&g, &self.options.config) {
+            Ok(p) => (g, p),
+            Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+        }
+    }
+
+    /// The graph of a sync segment: a gradient and a `grad_sync` per entry, in ready order.
+    pub(super) fn segment(&self, entries: &[(&str, &TensorType)]) -> Graph {
+        self.segment_with(entries, self.reduce)
+    }
+
+    /// [`Session::segment`] with the reduce op `reduce`.
+    pub(super) fn segment_with(&self, entries: &[(&str, &TensorType)], reduce: ReduceOp) -> Graph {
+        let mut g = Graph::new("sync");
+        let group = g.add_group(self.world as u32);
+        let mut syncs = Vec::with_capacity(entries.len());
+        for (i, (name, ty)) in entries.iter().enumerate() {
+            let src = g.add_node(
+                Op::Input {
+                    name: format!("{name}.grad"),
+                },
+                [(*ty).clone()],
+                &[],
+            );
+            let grad = g.add_node(
+                Op::Gradient {
+                    param: name.to_string(),
+                },
+                [(*ty).clone()],
+                &[Value::of(src)],
+            );
+            let sync = g.add_node(
+                Op::GradSync {
+                    param: name.to_string(),
+                    ready: i as u32,
+                    reduce,
+                    group,
+                },
+                [(*ty).clone()],
+                &[Value::of(grad)],
+            );
+            syncs.push(Value::of(sync));
+        }
+        g.add_node(Op::Sync, [], &syncs);
+        g
+    }
+
+    pub(super) fn submit(&self, tref: TensorRef<Collective<I>>, params: &DistributedParams) {
+        // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
+        let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };
+        let rank = t.rank as usize;
+        let mut guard = self.state(rank, "submit_gradient_sync");
+        let st = &mut *guard;
+        let name = param_name(params);
+        let Some(dtype) = graph_dtype(t.dtype()) else {
+            self.fail(
+                rank,
+                format!(
+                    "gradient of {name} has dtype {:?}, which is not a float",
+                    t.dtype()
+                ),
+            );
+        };
+        let dims: Vec<u64> = t.shape().iter().map(|d| *d as u64).collect();
+        let ty = TensorType::new(dtype, &dims);
+        if st.index.contains_key(&name) {
+            self.fail(
+                rank,
+                format!("the gradient of {name} was submitted twice in one step"),
+            );
+        }
+        let seq = t.seq();
+        let i = st.submitted.len();
+        st.index.insert(name.clone(), i);
+        let inner = t.inner_for("gradient sync");
+        let on_device = self.options.device_buckets
+            && !self.options.check_finite
+            && !st.no_sync
+            && !st.accumulated.contains_key(&name);
+        let grad = match on_device
+            .then(|| super::device::device_grad(&inner))
+            .flatten()
+        {
+            Some(g) => Grad::Device(g),
+            None => {
+                let mut buf = match read_host::<I>(inner) {
+                    Ok(h) => h,
+                    Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
+                };
+                if self.options.check_finite
+                    && let Some((at, v)) = buf.first_non_finite()
+                {
+                    self.fail(
+                        rank,
+                        format!("the gradient of {name} ({ty}) has {v} at element {at}"),
+                    );
+                }
+                if st.no_sync {
+                    // Accumulate locally; the gradient Burn holds stays this backward's own.
+                    match st.accumulated.get_mut(&name) {
+                        Some((t, acc)) if *t == ty => {
+                            acc.accumulate(&buf);
+                        }
+                        Some((t, _)) => {
+                            let t = t.clone();
+                            self.fail(
+                                rank,
+                                format!(
+                                    "the gradient of {name} is {ty}, but earlier backward passes under no_sync accumulated {t}"
+                                ),
+                            )
+                        }
+                        None => {
+                            st.accumulated.insert(name.clone(), (ty.clone(), buf));
+                        }
+                    }
+                    return;
+                }
+                if let Some((t, mut acc)) = st.accumulated.remove(&name) {
+                    if t != ty {
+                        self.fail(
+                            rank,
+                            format!(
+                                "the gradient of {name} is {ty}, but the backward passes under no_sync accumulated {t}"
+                            ),
+                        );
+                    }
+                    // The micro-batches in order: the accumulated ones, then this one.
+                    acc.accumulate(&buf);
+                    buf = acc;
+                }
+                Grad::Host(buf)
+            }
+        };
+        // The first gradient of a step starts following the previous step's plan.
+        if st.live.is_none()
+            && i == 0
+            && let Some(plan) = st.expected.clone()
+        {
+            st.live = Some(self.start_live(rank, st, plan));
+        }
+        let mut data = Some(grad);
+        if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
+            let next = live.exec.next_gradient(&live.plan);
+            match next.map(|s| (s, &live.plan.slots[s as usize])) {
+                Some((slot, s)) if s.param == name && s.ty == ty => {
+                    live.grads[slot as usize] = data.take().unwrap_or_default();
+                    live.ready[slot as usize] = true;
+                    live.source[slot as usize] = Some(i);
+                    // Pack and launch every bucket this gradient completes; never wait here.
+                    self.advance_live(rank, live, &mut st.workspace, false);
+                }
+                _ => live.diverged = true,
+            }
+        }
+        st.submitted.push(Submitted {
+            tref,
+            name,
+            ty,
+            data,
+            seq,
+        });
+    }
+
+    /// Runs a live execution as far as its gradients allow (`to_end`: to the end, waiting for
+    /// its collectives); an error fails the step on every rank.
+    pub(super) fn advance_live(
+        &self,
+        rank: usize,
+        live: &mut Live,
+        ws: &mut Workspace,
+        to_end: bool,
+    ) {
+        if let Err(e) = live.exec.run(
+            &live.plan,
+            self.comm(rank),
+            &mut live.grads,
+            &live.ready,
+            &mut NoHooks,
+            self.opts(),
+            ws,
+            to_end,
+        ) {
+            self.fail(rank, e.to_string());
+        }
+    }
+
+    /// Starts running `plan` (the expected plan) for this step.
+    pub(super) fn start_live(&self, rank: usize, st: &mut RankState<I>, plan: Arc<Plan>) -> Live {
+        match Execution::new(&plan, self.comm(rank), &mut st.workspace, self.opts()) {
+            Ok(exec) => {
+                let n = plan.slots.len();
+                Live {
+                    exec,
+                    grads: (0..n).map(|_| Grad::default()).collect(),
+                    ready: vec![false; n],
+                    source: vec![None; n],
+                    diverged: false,
+                    plan,
+                }
+            }
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+    }
+
+    /// Runs the rest of a live execution, waiting for its collectives, and records its spans;
+    /// returns the slot-indexed reduced gradients and their submission indices.
+    pub(super) fn complete_live(
+        &self,
+        rank: usize,
+        mut live: Live,
+        ws: &mut Workspace,
+    ) -> (Vec<Grad>, Vec<Option<usize>>) {
+        self.advance_live(rank, &mut live, ws, true);
+        match live.exec.finish() {
+            Ok(report) => self.record(rank, &report),
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+        (live.grads, live.source)
+    }
+
+    pub(super) fn sync(&self, device: &CollectiveDevice<I::Device>) {
+        let rank = device.rank as usize;
+        let mut guard = self.state(rank, "submit_sync_collective");
+        let st = &mut *guard;
+        let log = super::lazy::take_log(device.rank);
+        if st.no_sync {
+            // A backward pass under no_sync: its gradients were accumulated, nothing to reduce.
+            st.submitted.clear();
+            st.index.clear();
+            st.registered.clear();
+            return;
+        }
+        if !st.accumulated.is_empty() {
+            let mut names: Vec<&str> = st.accumulated.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            let msg = format!(
+                "gradients accumulated under no_sync were not submitted by the backward pass that synchronizes them: {}",
+                names.join(", ")
+            );
+            self.fail(rank, msg);
+        }
+        let reduced = if self.options.unused == UnusedParameters::ZeroFill {
+            self.reduce_zero_fill(rank, st)
+        } else {
+            self.reduce_following(rank, st)
+        };
+        // Write back in place, through the pointers Burn gave us; only now, so a failed step
+        // leaves every gradient as it was.
+        for (sub, g) in st.submitted.iter().zip(reduced) {
+            let Some(g) = g else { continue };
+            // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
+            // touches the gradient meanwhile.
+            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+            let buf = match g {
+                Grad::Host(buf) => buf,
+                Grad::Device(g) => {
+                    // The reduced gradient, in a new buffer of the tensor's own device.
+                    let like = t.inner_for("gradient write-back");
+                    match super::device::tensor_from(&like, g).map_err(|g| g.read()) {
+                        Ok(p) => {
+                            t.set(p);
+                            continue;
+                        }
+                        Err(Ok(buf)) => buf,
+                        Err(Err(e)) => self.fail(rank, format!("{}: {e}", sub.name)),
+                    }
+                }
+            };
+            let data = from_host(buf, t.shape());
+            let dev = t.device(|p| I::float_device(p));
+            t.set(I::float_from_data(data, &dev));
+        }
+        let grads: Vec<SubmittedGradient<'_>> = st
+            .submitted
+            .iter()
+            .map(|x| SubmittedGradient {
+                name: &x.name,
+                ty: &x.ty,
+                seq: x.seq,
+            })
+            .collect();
+        st.last_step = Some(step_graph(self.world as u32, self.reduce, &grads, &log));
+        st.submitted.clear();
+        st.index.clear();
+        st.registered.clear();
+        SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The default sync: every registered gradient must have arrived; the step follows the
+    /// previous step's plan as far as its gradients came in that plan's order, and reduces the
+    /// rest with a plan of its own. Returns the reduced gradients by submission index.
+    pub(super) fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
+        let missing: Vec<&str> = st
+            .registered
+            .iter()
+            .filter(|n| !st.index.contains_key(*n))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            let shown: Vec<&str> = missing.iter().take(8).copied().collect();
+            let msg = format!(
+                "the gradients of {} registered parameter(s) never arrived before the sync point: {}{}",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+            self.fail(rank, msg);
+        }
+        if st.submitted.is_empty() {
+            return Vec::new();
+        }
+        let opts = self.opts();
+        let comm = self.comm(rank);
+        // Reduced gradients by submission index.
+        let mut reduced: Vec<Option<Grad>> = (0..st.submitted.len()).map(|_| None).collect();
+        if let Some(mut live) = st.live.take() {
+            let complete = !live.diverged
+                && live.ready.iter().all(|r| *r)
+                && live.plan.slots.len() == st.submitted.len();
+            if complete {
+                let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
+                st.eager_steps += 1;
+                for (slot, buf) in grads.into_iter().enumerate() {
+                    if let Some(i) = source[slot] {
+                        reduced[i] = Some(buf);
+                    }
+                }
+            } else {
+                // Finish what was launched (every rank launched the same), give the rest back.
+                let done = match live.exec.drain(
+                    &live.plan,
+                    comm,
+                    &mut live.grads,
+                    opts,
+                    &mut st.workspace,
+                ) {
+                    Ok(d) => d,
+                    Err(e) => self.fail(rank, e.to_string()),
+                };
+                if let Ok(report) = live.exec.finish() {
+                    self.record(rank, &report);
+                }
+                let mut is_done = vec![false; live.grads.len()];
+                for s in done {
+                    is_done[s as usize] = true;
+                }
+                for (slot, buf) in live.grads.into_iter().enumerate() {
+                    if let Some(i) = live.source[slot] {
+                        if is_done[slot] {
+                            reduced[i] = Some(buf);
+                        } else {
+                            st.submitted[i].data = Some(buf);
+                        }
+                    }
+                }
+            }
+        }
+        // Whatever is not reduced yet: compile (cached) and run its own plan, in ready order.
+        let left: Vec<usize> = (0..st.submitted.len())
+            .filter(|i| reduced[*i].is_none())
+            .collect();
+        if !left.is_empty() {
+            let owned: Vec<(String, TensorType)> = left
+                .iter()
+                .map(|i| (st.submitted[*i].name.clone(), st.submitted[*i].ty.clone()))
+                .collect();
+            let (_, plan) = self.compile_segment(rank, &mut st.cache, &owned);
+            let mut grads: Vec<Grad> = Vec::with_capacity(plan.slots.len());
+            let mut source = Vec::with_capacity(plan.slots.len());
+            for s in &plan.slots {
+                let i = left[owned.iter().position(|(n, _)| *n == s.param).unwrap_or(0)];
+                grads.push(st.submitted[i].data.take().unwrap_or_default());
+                source.push(i);
+            }
+            let ws = if left.len() == st.submitted.len() {
+                &mut st.workspace
+            } else {
+                &mut st.leftover_workspace
+            };
+            match execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
+                Ok(report) => self.record(rank, &report),
+                Err(e) => self.fail(rank, e.to_string()),
+            }
+            for (buf, i) in grads.into_iter().zip(source) {
+                reduced[i] = Some(buf);
+            }
+            st.flushed_steps += 1;
+        }
+        // The next step follows this step's order.
+        if st.expected.is_none() || !left.is_empty() {
+            let owned: Vec<(String, TensorType)> = st
+                .submitted
+                .iter()
+                .map(|s| (s.name.clone(), s.ty.clone()))
+                .collect();
+            let (g, plan) = self.compile_segment(rank, &mut st.cache, &owned);
+            st.expected = Some(plan);
+            st.expected_segment = Some(g);
+        }
+        reduced
+    }
+}
