@@ -200,3 +200,63 @@ fn equals_one_rank<W: Inner>() {
     }
     assert!(moved > 1e-3, "training did not move the weights");
 }
+
+/// The user's all-reduces on Burn's fused wgpu backend: three issued back to back are packed
+/// by the CubeCL kernels into one bucket on the device, and each rank reads the sums.
+#[test]
+fn back_to_back_user_all_reduces_on_fused_wgpu_are_one_device_bucket() {
+    if !adapter() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<Wgpu>();
+    let ctx = collective_fusion::backend::DistributedContext::<Collective<Wgpu>>::start(
+        &devices,
+        ReduceOperation::Sum,
+    );
+    let sums: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let devices = &devices;
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                s.spawn(move || {
+                    let r = d.rank as f32;
+                    let ts: Vec<_> = [1usize, 5, 300]
+                        .iter()
+                        .map(|n| {
+                            let v: Vec<f32> = (0..*n).map(|i| i as f32 + 100.0 * r).collect();
+                            let t = Tensor::<Collective<Wgpu>, 1>::from_data(
+                                burn_core::tensor::TensorData::new(v, [*n]),
+                                d,
+                            );
+                            collective_fusion::backend::all_reduce(t, ReduceOperation::Sum, devices)
+                        })
+                        .collect();
+                    ts.into_iter()
+                        .map(|t| t.resolve().into_data().to_vec::<f32>().unwrap())
+                        .collect()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = sync_stats::<Wgpu>(0);
+    drop(ctx);
+    for (r, rank) in sums.iter().enumerate() {
+        for (t, n) in rank.iter().zip([1usize, 5, 300]) {
+            let want: Vec<f32> = (0..n).map(|i| 2.0 * i as f32 + 100.0).collect();
+            assert_eq!(t, &want, "rank {r}");
+        }
+    }
+    assert_eq!(
+        stats.device_buckets, 1,
+        "one bucket packed on the device: {stats:?}"
+    );
+}
