@@ -71,6 +71,7 @@ fn tcp_group(world: usize) -> Vec<Box<dyn Communicator>> {
                         addr: "127.0.0.1".into(),
                         port,
                         timeout: Duration::from_secs(30),
+                        token: None,
                     };
                     Box::new(TcpComm::connect(&cfg, Duration::from_secs(60)).unwrap())
                         as Box<dyn Communicator>

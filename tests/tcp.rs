@@ -22,6 +22,7 @@ fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
         addr: "127.0.0.1".into(),
         port,
         timeout: Duration::from_secs(20),
+        token: None,
     }
 }
 

@@ -13,15 +13,25 @@
 //! connection that sends nothing, trickles or sends garbage is logged and dropped without
 //! holding up the real ranks.
 //!
-//! Wire format (little endian): hello = `b"CFRV"`, version `u8`, rank `u32`, world `u32`;
-//! answer = status `u8` (0: ok, 1: error), length `u32`, that many bytes (payload, or message).
+//! **Token.** With `CF_RENDEZVOUS_TOKEN` set (the same on every rank of a job), a hello carries
+//! a 64-bit tag of it, and rank 0 refuses (logs, answers with the reason, and goes on waiting
+//! for the real ranks) a hello whose tag is not its own: another job's rank that reached this
+//! job's `MASTER_PORT` is turned away instead of joining or failing the group; a rank still
+//! missing at the deadline is reported with the refusals. The tag guards against mixed-up
+//! jobs, not against an attacker: it crosses the network in the clear.
+//!
+//! Wire format (little endian): hello = `b"CFRV"`, version `u8`, rank `u32`, world `u32`, token
+//! tag `u64` (0: no token); answer = status `u8` (0: ok, 1: error), length `u32`, that many
+//! bytes (payload, or message).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 4] = b"CFRV";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Bytes of a hello.
+const HELLO_LEN: usize = 21;
 /// Largest payload accepted (a guard against a stray connection's garbage).
 const MAX_PAYLOAD: u32 = 1 << 20;
 
@@ -40,6 +50,9 @@ pub struct RendezvousConfig {
     pub port: u16,
     /// Bound on the whole rendezvous.
     pub timeout: Duration,
+    /// A secret every rank of the job shares (`CF_RENDEZVOUS_TOKEN`); a hello without it is
+    /// refused.
+    pub token: Option<String>,
 }
 
 /// Why a rendezvous failed.
@@ -58,7 +71,8 @@ pub enum RendezvousError {
     Config(String),
     /// Rank 0 waited for ranks that never said hello.
     #[error(
-        "rendezvous: rank(s) {missing:?} of {world} never joined at {addr} within {waited:?} (joined: {joined:?})"
+        "rendezvous: rank(s) {missing:?} of {world} never joined at {addr} within {waited:?} (joined: {joined:?}){}",
+        refused_note(.refused)
     )]
     Missing {
         /// Ranks that did not join.
@@ -71,6 +85,8 @@ pub enum RendezvousError {
         addr: String,
         /// How long rank 0 waited.
         waited: Duration,
+        /// The connections rank 0 refused meanwhile, and why.
+        refused: Vec<String>,
     },
     /// A peer could not reach rank 0.
     #[error("rendezvous: rank {rank} could not reach rank 0 at {addr} within {waited:?}: {last}")]
@@ -100,6 +116,24 @@ pub enum RendezvousError {
     },
 }
 
+fn refused_note(refused: &[String]) -> String {
+    if refused.is_empty() {
+        String::new()
+    } else {
+        format!("; refused meanwhile: {}", refused.join("; "))
+    }
+}
+
+/// The tag of a token a hello carries (0: none).
+pub(crate) fn token_tag(token: Option<&str>) -> u64 {
+    use std::hash::Hasher;
+    let Some(t) = token else { return 0 };
+    let mut h = crate::graph::Fnv64::default();
+    h.write(b"collective-fusion rendezvous token\0");
+    h.write(t.as_bytes());
+    h.finish().max(1)
+}
+
 fn env_var(var: &'static str) -> Result<String, RendezvousError> {
     std::env::var(var).map_err(|_| RendezvousError::Env {
         var,
@@ -117,7 +151,8 @@ fn env_num<T: std::str::FromStr>(var: &'static str) -> Result<T, RendezvousError
 
 impl RendezvousConfig {
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` (default: the
-    /// rank); the timeout is `CF_RENDEZVOUS_TIMEOUT_MS` or `default_timeout`.
+    /// rank); the timeout is `CF_RENDEZVOUS_TIMEOUT_MS` or `default_timeout`; the token
+    /// `CF_RENDEZVOUS_TOKEN` (unset or empty: none).
     pub fn from_env(default_timeout: Duration) -> Result<Self, RendezvousError> {
         let rank: usize = env_num("RANK")?;
         let local_rank = match std::env::var("LOCAL_RANK") {
@@ -135,6 +170,9 @@ impl RendezvousConfig {
             addr: env_var("MASTER_ADDR")?,
             port: env_num("MASTER_PORT")?,
             timeout,
+            token: std::env::var("CF_RENDEZVOUS_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty()),
         };
         cfg.check()?;
         Ok(cfg)
@@ -279,7 +317,9 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
         .map_err(io("configuring the listener"))?;
     let mut peers: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
     let mut joined = 1;
-    let hellos = HelloReader::<13>::new("rendezvous");
+    let hellos = HelloReader::<HELLO_LEN>::new("rendezvous");
+    let tag = token_tag(cfg.token.as_deref());
+    let mut refused: Vec<String> = Vec::new();
     let fail_all = |peers: &mut Vec<Option<TcpStream>>, err: RendezvousError| {
         let msg = err.to_string();
         for s in peers.iter_mut().flatten() {
@@ -300,6 +340,7 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
                 world: cfg.world,
                 addr: cfg.target(),
                 waited: now - start,
+                refused,
             };
             return fail_all(&mut peers, err);
         }
@@ -319,6 +360,22 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
         }
         let rank = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as usize;
         let world = u32::from_le_bytes([h[9], h[10], h[11], h[12]]) as usize;
+        let theirs = u64::from_le_bytes([h[13], h[14], h[15], h[16], h[17], h[18], h[19], h[20]]);
+        if theirs != tag {
+            let why = match (theirs, tag) {
+                (0, _) => "without the rendezvous token (CF_RENDEZVOUS_TOKEN) rank 0 has",
+                (_, 0) => "with a rendezvous token (CF_RENDEZVOUS_TOKEN), which rank 0 has not",
+                _ => "with a rendezvous token (CF_RENDEZVOUS_TOKEN) other than rank 0's",
+            };
+            let peer = stream
+                .peer_addr()
+                .map_or_else(|_| "?".to_string(), |a| a.to_string());
+            let msg = format!("a hello from {peer} as rank {rank} {why}");
+            tracing::warn!("rendezvous: refusing {msg}");
+            let _ = answer(&mut stream, false, format!("refused {msg}").as_bytes());
+            refused.push(msg);
+            continue;
+        }
         let bad = if world != cfg.world {
             Some(format!(
                 "rank {rank} was started with WORLD_SIZE={world}, rank 0 with WORLD_SIZE={}",
@@ -375,11 +432,12 @@ fn join(cfg: &RendezvousConfig) -> Result<Vec<u8>, RendezvousError> {
             }
         }
     };
-    let mut hello = Vec::with_capacity(13);
+    let mut hello = Vec::with_capacity(HELLO_LEN);
     hello.extend_from_slice(MAGIC);
     hello.push(VERSION);
     hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
     hello.extend_from_slice(&(cfg.world as u32).to_le_bytes());
+    hello.extend_from_slice(&token_tag(cfg.token.as_deref()).to_le_bytes());
     stream
         .write_all(&hello)
         .map_err(io(format!("rank {} saying hello to rank 0", cfg.rank)))?;
@@ -436,6 +494,7 @@ mod tests {
             addr: "127.0.0.1".into(),
             port,
             timeout: Duration::from_millis(ms),
+            token: None,
         }
     }
 
@@ -520,6 +579,64 @@ mod tests {
             "{a}"
         );
         assert!(b.contains("WORLD_SIZE=3"), "{b}");
+    }
+
+    /// With a token: a hello of another job (another token, or none) is refused and told why,
+    /// and the ranks that carry the token still start; a rank with the wrong token that never
+    /// joins is reported missing with the refusal.
+    #[test]
+    fn a_hello_without_the_token_is_refused_and_the_real_ranks_start() {
+        let port = free_port();
+        let with = |r, t: Option<&str>, ms| RendezvousConfig {
+            token: t.map(str::to_string),
+            ..cfg(r, 3, port, ms)
+        };
+        let (root, peers, intruders) = std::thread::scope(|s| {
+            let root = s.spawn(move || rendezvous(&with(0, Some("job-a"), 20_000), || vec![5u8]));
+            // The intruders first (each retries until rank 0 listens).
+            let intruders: Vec<_> = [Some("job-b"), None]
+                .into_iter()
+                .map(|t| s.spawn(move || rendezvous(&with(1, t, 20_000), Vec::new)))
+                .collect();
+            let intruders: Vec<_> = intruders.into_iter().map(|h| h.join().unwrap()).collect();
+            let peers: Vec<_> = (1..3)
+                .map(|r| s.spawn(move || rendezvous(&with(r, Some("job-a"), 20_000), Vec::new)))
+                .collect();
+            let peers: Vec<_> = peers.into_iter().map(|h| h.join().unwrap()).collect();
+            (root.join().unwrap(), peers, intruders)
+        });
+        assert_eq!(root.expect("rank 0 starts"), vec![5u8]);
+        for p in peers {
+            assert_eq!(p.expect("the peers start"), vec![5u8]);
+        }
+        let msgs: Vec<String> = intruders
+            .into_iter()
+            .map(|i| i.expect_err("refused").to_string())
+            .collect();
+        assert!(msgs[0].contains("other than rank 0's"), "{}", msgs[0]);
+        assert!(
+            msgs[1].contains("without the rendezvous token"),
+            "{}",
+            msgs[1]
+        );
+
+        // Rank 1 has the wrong token and nobody else comes: missing, with the refusal.
+        let port = free_port();
+        let with = |r, t: &str, ms| RendezvousConfig {
+            token: Some(t.to_string()),
+            ..cfg(r, 2, port, ms)
+        };
+        let (root, one) = std::thread::scope(|s| {
+            let root = s.spawn(move || rendezvous(&with(0, "a", 1_500), || vec![1]));
+            let one = s.spawn(move || rendezvous(&with(1, "b", 1_500), Vec::new));
+            (root.join().unwrap(), one.join().unwrap())
+        });
+        let root = root.unwrap_err().to_string();
+        assert!(
+            root.contains("[1] of 2 never joined") && root.contains("refused meanwhile"),
+            "{root}"
+        );
+        assert!(one.is_err());
     }
 
     #[test]

@@ -17,7 +17,9 @@
 //! every rank with [`CommError::Mismatch`] on rank 0 and the same message on the peers. A failed
 //! or aborted rank shuts its connections, so the others fail at once instead of waiting.
 //!
-//! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`. Per
+//! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`, the
+//! rendezvous token's tag `u64` (a connection whose hello is not a peer's of this group is
+//! logged and ignored). Per
 //! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, two zero bytes,
 //! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes (op and dtype as
 //! `ReduceOp::code` and `DType::code`); rank 0 → peer: status
@@ -215,7 +217,9 @@ fn accept_peers(
         .set_nonblocking(true)
         .map_err(io("configuring the data port"))?;
     let mut peers: Vec<Option<TcpStream>> = (1..cfg.world).map(|_| None).collect();
-    let hellos = super::rendezvous::HelloReader::<12>::new("data port");
+    let hellos = super::rendezvous::HelloReader::<20>::new("data port");
+    let tag = super::rendezvous::token_tag(cfg.token.as_deref());
+    let mut refused: Vec<String> = Vec::new();
     while peers.iter().any(Option::is_none) {
         let now = Instant::now();
         if now >= deadline {
@@ -227,6 +231,7 @@ fn accept_peers(
                 world: cfg.world,
                 addr: format!("{} (data port)", cfg.addr),
                 waited: now - start,
+                refused,
             });
         }
         let (s, h) = match hellos.poll(listener, deadline) {
@@ -240,11 +245,26 @@ fn accept_peers(
         }
         let rank = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
         let world = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
-        if world != cfg.world || rank == 0 || rank >= cfg.world || peers[rank - 1].is_some() {
-            return Err(RendezvousError::Protocol(format!(
-                "a data connection says it is rank {rank} of {world}; rank 0 expects one of ranks 1..{} once each",
+        let theirs = u64::from_le_bytes([h[12], h[13], h[14], h[15], h[16], h[17], h[18], h[19]]);
+        let why = if theirs != tag {
+            Some("its rendezvous token is not rank 0's".to_string())
+        } else if world != cfg.world || rank == 0 || rank >= cfg.world {
+            Some(format!(
+                "it says it is rank {rank} of {world}, not a peer of this group of {}",
                 cfg.world
-            )));
+            ))
+        } else if peers[rank - 1].is_some() {
+            Some(format!("rank {rank} is connected already"))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            let peer = s
+                .peer_addr()
+                .map_or_else(|_| "?".to_string(), |a| a.to_string());
+            tracing::warn!("data port: ignoring a connection from {peer}: {why}");
+            refused.push(format!("a data connection from {peer}: {why}"));
+            continue;
         }
         s.set_nodelay(true)
             .map_err(io("configuring a connection"))?;
@@ -275,10 +295,11 @@ fn connect_root(
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
     let mut s = TcpStream::connect_timeout(&addr, left).map_err(io(what()))?;
-    let mut hello = Vec::with_capacity(12);
+    let mut hello = Vec::with_capacity(20);
     hello.extend_from_slice(HELLO);
     hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
     hello.extend_from_slice(&(cfg.world as u32).to_le_bytes());
+    hello.extend_from_slice(&super::rendezvous::token_tag(cfg.token.as_deref()).to_le_bytes());
     s.set_write_timeout(Some(
         deadline
             .saturating_duration_since(Instant::now())

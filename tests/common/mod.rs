@@ -64,6 +64,7 @@ pub fn world_of_one() -> collective_fusion::runtime::rendezvous::RendezvousConfi
         addr: "127.0.0.1".into(),
         port: free_port(),
         timeout: std::time::Duration::from_secs(30),
+        token: None,
     }
 }
 
