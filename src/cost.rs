@@ -75,17 +75,25 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
         message: e.to_string(),
     })?;
     for p in &f.profiles {
-        let positive = [p.busbw_gbs, p.compute_tflops, p.mem_gbs]
-            .iter()
-            .all(|x| x.is_finite() && *x > 0.0);
-        if !(positive && p.alpha_us.is_finite() && p.alpha_us >= 0.0) || p.world == 0 {
-            return Err(LinkError::Invalid {
-                name: name.to_string(),
-                message: format!(
-                    "profile '{}' needs world >= 1, alpha_us >= 0 and positive bandwidths",
-                    p.name
-                ),
-            });
+        // Plausible ranges, wide: a number outside is a typo or a unit mix-up, and would
+        // otherwise give a report of absurd times rather than an error.
+        let checks: [(&str, f64, f64, f64, &str); 5] = [
+            ("world", f64::from(p.world), 1.0, 1e6, "ranks"),
+            ("alpha_us", p.alpha_us, 0.0, 1e7, "µs"),
+            ("busbw_gbs", p.busbw_gbs, 1e-6, 1e6, "GB/s"),
+            ("compute_tflops", p.compute_tflops, 1e-9, 1e6, "TFLOP/s"),
+            ("mem_gbs", p.mem_gbs, 1e-6, 1e6, "GB/s"),
+        ];
+        for (field, v, lo, hi, unit) in checks {
+            if !(v.is_finite() && v >= lo && v <= hi) {
+                return Err(LinkError::Invalid {
+                    name: name.to_string(),
+                    message: format!(
+                        "profile '{}': {field} is {v}, outside [{lo}, {hi}] {unit}",
+                        p.name
+                    ),
+                });
+            }
         }
     }
     Ok(f.profiles)

@@ -315,22 +315,100 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
 fn malformed_inputs_are_errors_never_panics() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/malformed");
     let mut cases = 0;
-    for e in std::fs::read_dir(&dir).unwrap() {
-        let path = e.unwrap().path();
-        if path.extension().is_some_and(|x| x == "md") {
-            continue;
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x != "md"))
+        .collect();
+    files.sort();
+    for path in files {
+        let file = path.to_str().expect("a UTF-8 path").to_string();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        // A link profile goes to every command that takes one; anything else is a model (graph
+        // text or a profile) for every command that loads a model.
+        let commands: Vec<Vec<&str>> = if name.starts_with("link_") {
+            vec![
+                vec!["profile", "--model", "gpt2", "--link", &file],
+                vec!["plan", "--model", "gpt2", "--link", &file],
+            ]
+        } else {
+            vec![
+                vec!["profile", "--model", &file],
+                vec!["plan", "--model", &file],
+            ]
+        };
+        for args in commands {
+            cases += 1;
+            let out = common::output_bounded(
+                std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
+                    .args(&args)
+                    // As in a release build: no verification after passes.
+                    .env("CF_VERIFY", "0"),
+            );
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(err.starts_with("error:"), "{args:?}: {err}");
         }
-        cases += 1;
-        let out = common::output_bounded(
-            std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"))
-                .args(["profile", "--model"])
-                .arg(&path)
-                // As in a release build: no verification after passes.
-                .env("CF_VERIFY", "0"),
-        );
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{}: {err}", path.display());
-        assert!(err.starts_with("error:"), "{}: {err}", path.display());
     }
-    assert!(cases >= 5, "only {cases} malformed inputs");
+    assert!(cases >= 20, "only {cases} malformed inputs");
+}
+
+/// Bad values on the command line and in the launcher's environment: an `error:` line naming
+/// the value and a non-zero exit (1, or clap's 2 for a value it parses), never a panic (101).
+#[test]
+fn bad_arguments_and_environment_are_errors_never_panics() {
+    let cases: &[(&[&str], &[(&str, &str)])] = &[
+        (&["run", "--world", "0"], &[]),
+        (&["run", "--steps", "0"], &[]),
+        (&["run", "--batch", "0"], &[]),
+        (&["run", "--timeout", "0"], &[]),
+        (&["run", "--bucket-cap", "0"], &[]),
+        (&["run", "--bucket-cap", "1ZiB"], &[]),
+        (&["run", "--world", "100000"], &[]),
+        (&["plan", "--model", "gpt2", "--world", "0"], &[]),
+        (&["plan", "--model", "no-such-model"], &[]),
+        (&["profile", "--model", "gpt2", "--world", "0"], &[]),
+        (
+            &["profile", "--model", "gpt2", "--link", "no-such-link"],
+            &[],
+        ),
+        (
+            &["rendezvous"],
+            &[
+                ("RANK", "x"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "1"),
+            ],
+        ),
+        (
+            &["rendezvous"],
+            &[
+                ("RANK", "3"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "1"),
+            ],
+        ),
+        (&["run", "--transport", "tcp"], &[("RANK", "0")]),
+    ];
+    for (args, env) in cases {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion"));
+        cmd.args(*args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("MASTER_ADDR")
+            .env_remove("MASTER_PORT");
+        for (k, v) in *env {
+            cmd.env(k, v);
+        }
+        let out = common::output_bounded(&mut cmd);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(1 | 2)),
+            "{args:?} {env:?}: exit {:?}: {err}",
+            out.status.code()
+        );
+        assert!(err.starts_with("error:"), "{args:?} {env:?}: {err}");
+    }
 }
