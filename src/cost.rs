@@ -100,6 +100,17 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
 }
 
 impl SystemProfile {
+    /// The first profile of a profile file's text (`name` for messages), checked.
+    pub fn from_json(name: &str, text: &str) -> Result<Self, LinkError> {
+        parse_profiles(name, text)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| LinkError::Invalid {
+                name: name.to_string(),
+                message: "the file holds no profile".into(),
+            })
+    }
+
     /// All bundled profiles.
     pub fn bundled() -> Vec<SystemProfile> {
         parse_profiles("profiles/links.json", BUNDLED_LINKS)
@@ -121,13 +132,7 @@ impl SystemProfile {
                 .join(", "),
             source,
         })?;
-        parse_profiles(name_or_path, &text)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| LinkError::Invalid {
-                name: name_or_path.to_string(),
-                message: "the file holds no profile".into(),
-            })
+        Self::from_json(name_or_path, &text)
     }
 }
 
