@@ -357,7 +357,8 @@ fn malformed_inputs_are_errors_never_panics() {
 /// the value and a non-zero exit (1, or clap's 2 for a value it parses), never a panic (101).
 #[test]
 fn bad_arguments_and_environment_are_errors_never_panics() {
-    let cases: &[(&[&str], &[(&str, &str)])] = &[
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+    let cases: &[Case] = &[
         (&["run", "--world", "0"], &[]),
         (&["run", "--steps", "0"], &[]),
         (&["run", "--batch", "0"], &[]),
