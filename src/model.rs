@@ -221,6 +221,19 @@ impl ModelProfile {
                 ));
             }
         }
+        for l in &self.layers {
+            for (what, shape) in [("in_shape", &l.in_shape), ("out_shape", &l.out_shape)] {
+                let bytes = shape
+                    .iter()
+                    .try_fold(dtype.size(), |a, d| a.checked_mul(*d));
+                if bytes.is_none() {
+                    return Err(format!(
+                        "layer '{}': {what} {shape:?} has more bytes than fit in 64 bits",
+                        l.name
+                    ));
+                }
+            }
+        }
         let mut seen = vec![false; self.params.len()];
         for &i in &self.grad_ready_order {
             match seen.get_mut(i) {

@@ -663,7 +663,8 @@ fn a_bucket_that_cannot_be_read_fails_its_rank_and_aborts_the_others_at_once() {
     );
 }
 
-/// A rank of a group of one whose second all-reduce fails.
+/// Rank 0 of what it says is a group of two (over a group of one, so it reduces alone: a group
+/// of one would need no collective at all) whose second all-reduce of a plan fails.
 struct FailsSecond {
     inner: collective_fusion::runtime::InProcessComm,
     calls: std::sync::atomic::AtomicUsize,
@@ -674,14 +675,16 @@ impl Communicator for FailsSecond {
         self.inner.rank()
     }
     fn world(&self) -> usize {
-        self.inner.world()
+        2
     }
     fn all_reduce(
         &self,
         buffer: HostBuffer,
         what: collective_fusion::runtime::CollectiveDesc,
     ) -> Result<collective_fusion::runtime::PendingReduce, CommError> {
-        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+        if !collective_fusion::runtime::agree::is_agreement(&what)
+            && self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1
+        {
             return Err(CommError::Closed { rank: 0, what });
         }
         self.inner.all_reduce(buffer, what)
@@ -693,7 +696,7 @@ impl Communicator for FailsSecond {
 
 #[test]
 fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
-    let plan = on_group_of(&plan_for("resnet50", Ddp, MIB, ReduceOp::Mean, true), 1);
+    let plan = on_group_of(&plan_for("resnet50", Ddp, MIB, ReduceOp::Mean, true), 2);
     assert!(plan.collectives.len() > 2, "several collectives");
     let comm = FailsSecond {
         inner: InProcessGroup::ranks(1, Duration::from_secs(10))
@@ -701,11 +704,50 @@ fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
             .unwrap(),
         calls: std::sync::atomic::AtomicUsize::new(0),
     };
-    let before = seeded_gradients(&plan, 0, 1);
+    let before = seeded_gradients(&plan, 0, 2);
     let mut g = before.clone();
     let err = execute(&plan, &comm, &mut g, &mut NoHooks, ExecOptions::default());
     assert!(err.is_err(), "the second collective failed");
     for (i, (a, b)) in g.iter().zip(&before).enumerate() {
         assert!(a.bits_eq(b), "slot {i} changed");
+    }
+}
+
+/// A group of one rank: the compiler keeps every gradient apart whatever the policy (a bucket
+/// would only add its copies), and the runtime asks the communicator for nothing; every
+/// gradient comes back bit for bit.
+#[test]
+fn a_group_of_one_buckets_nothing_and_calls_no_collective() {
+    let profile = ModelProfile::load("gpt2").unwrap();
+    let opts = BuildOptions {
+        world: 1,
+        batch: 8,
+        reduce: ReduceOp::Mean,
+    };
+    for policy in [Ddp, BucketPolicy::Cost] {
+        let mut g = build_step_graph(&profile, &opts);
+        compile(&mut g, &config(bucket(policy, MIB, 25 * MIB), true)).unwrap();
+        let plan = lower(&g).unwrap();
+        assert_eq!(plan.collectives.len(), plan.slots.len(), "{policy:?}");
+        assert!(plan.collectives.iter().all(|c| !c.packed), "{policy:?}");
+        let comm = Recording::new(
+            InProcessGroup::ranks(1, Duration::from_secs(10))
+                .pop()
+                .unwrap(),
+        );
+        let before = seeded_gradients(&plan, 0, 3);
+        let mut grads = before.clone();
+        execute(
+            &plan,
+            &comm,
+            &mut grads,
+            &mut NoHooks,
+            ExecOptions::default(),
+        )
+        .unwrap();
+        assert!(comm.calls().is_empty(), "{:?}", comm.calls());
+        for (i, (a, b)) in grads.iter().zip(&before).enumerate() {
+            assert!(a.bits_eq(b), "slot {i} changed");
+        }
     }
 }

@@ -41,10 +41,12 @@ fn compute_kind(layer_type: &str) -> ComputeKind {
     }
 }
 
+/// `shape` at `batch` samples (saturating: a profile checks its shapes at load, and a type too
+/// large for 64 bits is one the verifier reports).
 fn batched(shape: &[u64], batch: u64) -> Vec<u64> {
     let mut s = shape.to_vec();
     if let Some(first) = s.first_mut() {
-        *first *= batch;
+        *first = first.saturating_mul(batch);
     }
     s
 }

@@ -164,9 +164,32 @@ pub fn plan_buckets(
         seq.sort_by_key(|(r, c)| (*r, c.topo));
         let mut cands: Vec<Candidate> = seq.into_iter().map(|(_, c)| c).collect();
         dependency_floors(graph, &order, &mut cands);
+        // A sync that depends on one of its key ready after it: no bucketing respects both.
+        if let Some((i, c)) = cands.iter().enumerate().find(|(i, c)| c.lo > *i) {
+            let later = &cands[c.lo - 1];
+            let name = |n: NodeId| match graph.op(n) {
+                Op::GradSync { param, ready, .. } => {
+                    format!("grad_sync \"{param}\" (ready={ready})")
+                }
+                _ => format!("node {}", n.index()),
+            };
+            return Err(PassError {
+                message: format!(
+                    "{} depends on {}, which is ready after it: ready positions must follow the dependencies (sync {i} of its key)",
+                    name(c.node),
+                    name(later.node)
+                ),
+            });
+        }
         let sizes: Vec<u64> = cands.iter().map(|c| c.bytes).collect();
         let lo: Vec<usize> = cands.iter().map(|c| c.lo).collect();
-        let ranges = match config.policy {
+        let alone = graph.group_size(key.group) == Some(1);
+        let policy = if alone {
+            BucketPolicy::PerParam
+        } else {
+            config.policy
+        };
+        let ranges = match policy {
             BucketPolicy::PerParam => (0..cands.len()).map(|i| i..i + 1).collect(),
             BucketPolicy::Ddp => {
                 ddp_partition(&sizes, &lo, config.first_bucket_bytes, config.cap_bytes)
