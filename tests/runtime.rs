@@ -663,8 +663,8 @@ fn a_bucket_that_cannot_be_read_fails_its_rank_and_aborts_the_others_at_once() {
     );
 }
 
-/// Rank 0 of what it says is a group of two (over a group of one, so it reduces alone: a group
-/// of one would need no collective at all) whose second all-reduce of a plan fails.
+/// Rank 0 of what it says is a group of two (over a group of one, so it reduces alone and needs
+/// no peer thread) whose second all-reduce of a plan fails.
 struct FailsSecond {
     inner: collective_fusion::runtime::InProcessComm,
     calls: std::sync::atomic::AtomicUsize,
@@ -710,44 +710,5 @@ fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
     assert!(err.is_err(), "the second collective failed");
     for (i, (a, b)) in g.iter().zip(&before).enumerate() {
         assert!(a.bits_eq(b), "slot {i} changed");
-    }
-}
-
-/// A group of one rank: the compiler keeps every gradient apart whatever the policy (a bucket
-/// would only add its copies), and the runtime asks the communicator for nothing; every
-/// gradient comes back bit for bit.
-#[test]
-fn a_group_of_one_buckets_nothing_and_calls_no_collective() {
-    let profile = ModelProfile::load("gpt2").unwrap();
-    let opts = BuildOptions {
-        world: 1,
-        batch: 8,
-        reduce: ReduceOp::Mean,
-    };
-    for policy in [Ddp, BucketPolicy::Cost] {
-        let mut g = build_step_graph(&profile, &opts);
-        compile(&mut g, &config(bucket(policy, MIB, 25 * MIB), true)).unwrap();
-        let plan = lower(&g).unwrap();
-        assert_eq!(plan.collectives.len(), plan.slots.len(), "{policy:?}");
-        assert!(plan.collectives.iter().all(|c| !c.packed), "{policy:?}");
-        let comm = Recording::new(
-            InProcessGroup::ranks(1, Duration::from_secs(10))
-                .pop()
-                .unwrap(),
-        );
-        let before = seeded_gradients(&plan, 0, 3);
-        let mut grads = before.clone();
-        execute(
-            &plan,
-            &comm,
-            &mut grads,
-            &mut NoHooks,
-            ExecOptions::default(),
-        )
-        .unwrap();
-        assert!(comm.calls().is_empty(), "{:?}", comm.calls());
-        for (i, (a, b)) in grads.iter().zip(&before).enumerate() {
-            assert!(a.bits_eq(b), "slot {i} changed");
-        }
     }
 }

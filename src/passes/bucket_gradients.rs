@@ -183,13 +183,7 @@ pub fn plan_buckets(
         }
         let sizes: Vec<u64> = cands.iter().map(|c| c.bytes).collect();
         let lo: Vec<usize> = cands.iter().map(|c| c.lo).collect();
-        let alone = graph.group_size(key.group) == Some(1);
-        let policy = if alone {
-            BucketPolicy::PerParam
-        } else {
-            config.policy
-        };
-        let ranges = match policy {
+        let ranges = match config.policy {
             BucketPolicy::PerParam => (0..cands.len()).map(|i| i..i + 1).collect(),
             BucketPolicy::Ddp => {
                 ddp_partition(&sizes, &lo, config.first_bucket_bytes, config.cap_bytes)

@@ -238,12 +238,10 @@ enum InFlight {
     Slots(Vec<(u32, Pending)>),
 }
 
-/// One all-reduce in flight: of host memory, or in place in device memory; or, in a group of
-/// one rank, none at all (the result is the contribution, where it is).
+/// One all-reduce in flight: of host memory, or in place in device memory.
 enum Pending {
     Host(PendingReduce),
     Device(PendingReduce<Box<dyn DeviceBucket>>),
-    Local(Packed, Instant),
 }
 
 impl Pending {
@@ -256,10 +254,6 @@ impl Pending {
         what: CollectiveDesc,
         report: &mut ExecReport,
     ) -> Result<Self, ExecError> {
-        if comm.world() == 1 {
-            // Sum and mean over one rank are the identity: nothing to send, copy or read.
-            return Ok(Pending::Local(buf, Instant::now()));
-        }
         let bucket = match buf {
             Packed::Host(b) => return Ok(Pending::Host(comm.all_reduce(b, what)?)),
             Packed::Device(bucket) => bucket,
@@ -280,13 +274,6 @@ impl Pending {
         match self {
             Pending::Host(p) => p.wait(bound).map(|(b, s)| (Packed::Host(b), s)),
             Pending::Device(p) => p.wait(bound).map(|(b, s)| (Packed::Device(b), s)),
-            Pending::Local(b, start) => Ok((
-                b,
-                CommSpan {
-                    start,
-                    end: Instant::now(),
-                },
-            )),
         }
     }
 }
@@ -745,7 +732,7 @@ fn launch_slots(
 /// read on the communicator's thread, as a declined bucket of one.
 fn whole(comm: &dyn Communicator, g: Grad, rank: usize) -> Result<Packed, ExecError> {
     let copy = match g.device() {
-        Some(d) if comm.reduces_device_memory() && comm.world() > 1 => d
+        Some(d) if comm.reduces_device_memory() => d
             .copy_to_bucket()
             .map_err(|source| ExecError::Kernel { rank, source })?,
         _ => None,

@@ -1,0 +1,417 @@
+//! The NCCL communicator's comm thread: runs the jobs in the order they were enqueued, issues
+//! each NCCL call (a group's together), waits for the stream against the timeout while polling
+//! NCCL and the device for errors, aborts on a failure, and replies.
+
+use super::*;
+
+/// The comm thread: runs the jobs in order until the handle drops; the jobs between a
+/// `GroupStart` and a `GroupEnd` launch together (`ncclGroupStart`/`ncclGroupEnd`).
+pub(super) fn serve(
+    rank: usize,
+    stream: Arc<CudaStream>,
+    comm: RawComm,
+    rx: mpsc::Receiver<NcclJob>,
+    control: &Control,
+    timeout: Duration,
+) {
+    let mut comm = Some(comm);
+    let mut group: Option<Vec<NcclJob>> = None;
+    for job in rx {
+        match job {
+            NcclJob::GroupStart => {
+                if let Some(open) = group.replace(Vec::new()) {
+                    // Not closed: those launch on their own.
+                    run_jobs(rank, &stream, &mut comm, open, false, control, timeout);
+                }
+            }
+            NcclJob::GroupEnd => {
+                let jobs = group.take().unwrap_or_default();
+                let grouped = jobs.len() > 1;
+                run_jobs(rank, &stream, &mut comm, jobs, grouped, control, timeout);
+            }
+            job => match group.as_mut() {
+                Some(g) => g.push(job),
+                None => run_jobs(rank, &stream, &mut comm, vec![job], false, control, timeout),
+            },
+        }
+    }
+}
+
+/// A job whose NCCL call was issued on the stream.
+struct Issued {
+    job: NcclJob,
+    /// A host buffer's device copy, reduced in place (none for a device bucket, an empty
+    /// buffer, or a call that was not issued).
+    dev: Option<DevBuf>,
+}
+
+/// A host buffer's device copy.
+enum DevBuf {
+    F32(CudaSlice<f32>),
+    F64(CudaSlice<f64>),
+    F16(CudaSlice<f16>),
+    BF16(CudaSlice<bf16>),
+}
+
+/// Issues each job's NCCL call (inside one NCCL group when `grouped`), waits once for the
+/// stream, then finishes each job (device → host for host buffers) and replies. A rank
+/// aborted before this (by [`Communicator::abort`], or by an earlier failure) issues nothing:
+/// its NCCL communicator is aborted and every job fails with the reason.
+fn run_jobs(
+    rank: usize,
+    stream: &Arc<CudaStream>,
+    comm: &mut Option<RawComm>,
+    jobs: Vec<NcclJob>,
+    grouped: bool,
+    control: &Control,
+    timeout: Duration,
+) {
+    let start = Instant::now();
+    if control.aborted.load(Ordering::SeqCst) {
+        *comm = None;
+    }
+    let issued: Vec<(Issued, Option<Result<(), Failure>>)> = match comm.as_ref() {
+        None => jobs
+            .into_iter()
+            .filter_map(|job| unissued(job).map(|i| (i, None)))
+            .collect(),
+        Some(c) => {
+            // First each device bucket's pack kernel is waited for, and each declined bucket
+            // read (on this thread, so the backward thread that launched the kernel went on);
+            // then the calls are issued, none if any of that failed (the rank aborts).
+            let ready: Vec<(Issued, Result<(), Failure>)> = jobs
+                .into_iter()
+                .filter_map(|j| unissued(j).map(prepare))
+                .collect();
+            let refused = ready.iter().find_map(|(_, r)| r.clone().err());
+            let opened = if let Some(first) = refused {
+                Err(first)
+            } else if grouped {
+                cudarc::nccl::result::group_start()
+                    .map(|_| ())
+                    .map_err(|e| Failure::Failed(format!("ncclGroupStart: {}", nccl_why(&e))))
+            } else {
+                Ok(())
+            };
+            let mut issued: Vec<(Issued, Result<(), Failure>)> = ready
+                .into_iter()
+                .map(|(i, r)| match (&opened, r) {
+                    (Ok(()), Ok(())) => issue(stream, c, i),
+                    (_, Err(e)) => (i, Err(e)),
+                    (Err(e), _) => (i, Err(e.clone())),
+                })
+                .collect();
+            if grouped
+                && opened.is_ok()
+                && let Err(e) = cudarc::nccl::result::group_end()
+            {
+                let why = Failure::Failed(format!("ncclGroupEnd: {}", nccl_why(&e)));
+                for (_, r) in &mut issued {
+                    *r = Err(why.clone());
+                }
+            }
+            let waited = if issued.iter().any(|(_, r)| r.is_ok()) {
+                await_stream(stream, c, control, timeout)
+            } else {
+                Ok(())
+            };
+            issued
+                .into_iter()
+                .map(|(i, r)| (i, Some(r.and_then(|()| waited.clone()))))
+                .collect()
+        }
+    };
+    for (Issued { job, dev }, done) in issued {
+        match job {
+            NcclJob::Host {
+                mut buffer,
+                what,
+                reply,
+            } => {
+                let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut buffer)));
+                let _ = reply.send(outcome(rank, comm, done, buffer, what, start, control));
+            }
+            NcclJob::Read { what, reply, .. } => {
+                // Still unread: its read failed, or the rank was aborted before it.
+                let unread = || Failure::Local("the declined bucket was not read".into());
+                let done = done.map(|r| r.and(Err(unread())));
+                let none = HostBuffer::F32(Vec::new());
+                let _ = reply.send(outcome(rank, comm, done, none, what, start, control));
+            }
+            NcclJob::Device {
+                bucket,
+                memory,
+                what,
+                reply,
+            } => {
+                // The memory stays held until NCCL is done with it (or aborted above).
+                drop(memory);
+                let _ = reply.send(outcome(rank, comm, done, bucket, what, start, control));
+            }
+            NcclJob::GroupStart | NcclJob::GroupEnd => {}
+        }
+    }
+}
+
+/// Makes a job ready to issue on this thread: waits for a device bucket's pack kernel; reads
+/// a declined bucket into host memory (a [`NcclJob::Host`] then).
+fn prepare(mut i: Issued) -> (Issued, Result<(), Failure>) {
+    let r = match i.job {
+        NcclJob::Device { ref mut memory, .. } => memory.wait_ready().map_err(Failure::Failed),
+        NcclJob::Read {
+            bucket,
+            what,
+            reply,
+        } => match bucket.read() {
+            Ok(buffer) => {
+                i.job = NcclJob::Host {
+                    buffer,
+                    what,
+                    reply,
+                };
+                Ok(())
+            }
+            Err(e) => {
+                i.job = NcclJob::Read {
+                    bucket,
+                    what,
+                    reply,
+                };
+                Err(Failure::Failed(e.to_string()))
+            }
+        },
+        _ => Ok(()),
+    };
+    (i, r)
+}
+
+/// A job as not yet issued (`None` for the group markers).
+fn unissued(job: NcclJob) -> Option<Issued> {
+    match job {
+        NcclJob::GroupStart | NcclJob::GroupEnd => None,
+        job => Some(Issued { job, dev: None }),
+    }
+}
+
+/// Queues a job's work on the stream: host → device and `ncclAllReduce` in place for a host
+/// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
+fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result<(), Failure>) {
+    let issued = match &i.job {
+        NcclJob::Read { .. } => Err(Failure::Local("the declined bucket was not read".into())),
+        NcclJob::Host { buffer, what, .. } => {
+            let op = what.op;
+            match buffer {
+                b if b.is_empty() => Ok(None),
+                HostBuffer::F32(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F32(d))),
+                HostBuffer::F64(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F64(d))),
+                HostBuffer::F16(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F16(d))),
+                HostBuffer::BF16(v) => {
+                    to_device(stream, comm, v, op).map(|d| Some(DevBuf::BF16(d)))
+                }
+            }
+        }
+        NcclJob::Device {
+            bucket,
+            memory,
+            what,
+            ..
+        } => {
+            let (ptr, len, op) = (memory.ptr, bucket.len(), what.op);
+            // SAFETY: `all_reduce_device` checked that the memory is on this communicator's
+            // GPU and holds the bucket; the pack kernel that wrote it was waited for, and the
+            // bucket is held (and left alone) until the stream has passed the call.
+            unsafe {
+                match bucket.dtype() {
+                    DType::F32 => comm.all_reduce_in_place::<f32>(ptr, len, op, stream),
+                    DType::F64 => comm.all_reduce_in_place::<f64>(ptr, len, op, stream),
+                    DType::F16 => comm.all_reduce_in_place::<f16>(ptr, len, op, stream),
+                    DType::BF16 => comm.all_reduce_in_place::<bf16>(ptr, len, op, stream),
+                    other => {
+                        return (
+                            i,
+                            Err(Failure::Local(format!(
+                                "an {other} bucket cannot be reduced in place"
+                            ))),
+                        );
+                    }
+                }
+            }
+            .map_err(Failure::Failed)
+            .map(|()| None)
+        }
+        NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
+    };
+    match issued {
+        Ok(dev) => (Issued { job: i.job, dev }, Ok(())),
+        Err(e) => (i, Err(e)),
+    }
+}
+
+/// Device → host for a reduced host buffer.
+fn copy_back(
+    stream: &Arc<CudaStream>,
+    dev: Option<DevBuf>,
+    host: &mut HostBuffer,
+) -> Result<(), Failure> {
+    let back = "copying the result to the host";
+    match (dev, host) {
+        (None, _) => Ok(()),
+        (Some(DevBuf::F32(d)), HostBuffer::F32(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
+        }
+        (Some(DevBuf::F64(d)), HostBuffer::F64(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
+        }
+        (Some(DevBuf::F16(d)), HostBuffer::F16(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
+        }
+        (Some(DevBuf::BF16(d)), HostBuffer::BF16(h)) => {
+            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
+        }
+        _ => Err(Failure::Local(
+            "the device copy and the host buffer differ in dtype".into(),
+        )),
+    }
+}
+
+/// The reply for one job: its buffer, or the typed error. Any failure aborts this rank: the NCCL communicator is dropped (`ncclCommAbort`, so the pending kernel
+/// returns) and every later call fails with [`CommError::Aborted`] naming the first failure.
+fn outcome<T>(
+    rank: usize,
+    comm: &mut Option<RawComm>,
+    done: Option<Result<(), Failure>>,
+    value: T,
+    what: CollectiveDesc,
+    start: Instant,
+    control: &Control,
+) -> CommResult<T> {
+    let reason = || control.reason.lock().map(|r| r.clone()).unwrap_or_default();
+    let abort = |comm: &mut Option<RawComm>, why: String| {
+        *comm = None;
+        control.abort(why);
+    };
+    match done {
+        None => Err(CommError::Aborted {
+            rank,
+            what,
+            reason: reason(),
+        }),
+        Some(Ok(())) => Ok((
+            value,
+            CommSpan {
+                start,
+                end: Instant::now(),
+            },
+        )),
+        Some(Err(Failure::Local(why))) => {
+            abort(comm, format!("rank {rank}: {what}: {why}"));
+            Err(CommError::Unsupported { rank, what, why })
+        }
+        Some(Err(Failure::Failed(why))) => {
+            abort(comm, format!("rank {rank}: {what} failed: {why}"));
+            Err(CommError::Failed { rank, what, why })
+        }
+        Some(Err(Failure::Timeout)) => {
+            abort(comm, format!("rank {rank} timed out in NCCL"));
+            Err(CommError::Timeout {
+                rank,
+                what,
+                waited: start.elapsed(),
+                missing: Vec::new(),
+            })
+        }
+        Some(Err(Failure::Aborted)) => {
+            *comm = None;
+            Err(CommError::Aborted {
+                rank,
+                what,
+                reason: reason(),
+            })
+        }
+    }
+}
+
+/// Why a job did not complete.
+#[derive(Clone)]
+enum Failure {
+    /// Refused here before NCCL was called. The rank still aborts: its later calls would
+    /// otherwise meet its peers' calls for this one, as NCCL pairs calls by their order.
+    Local(String),
+    /// NCCL or the device reported an error on the call, or while it ran (this rank aborts).
+    Failed(String),
+    /// The stream did not pass the call within the timeout (this rank aborts).
+    Timeout,
+    /// This rank was aborted while waiting.
+    Aborted,
+}
+
+/// A CUDA driver error on a copy this rank queued: the device is in trouble, so the rank aborts.
+fn device_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Failure + '_ {
+    move |e| Failure::Failed(format!("{what}: {e:?}"))
+}
+
+/// Waits (bounded, abortable) for everything queued on `stream` so far, and fails early on a
+/// device error of the stream or an error NCCL met asynchronously (such as a failed peer).
+fn await_stream(
+    stream: &Arc<CudaStream>,
+    comm: &RawComm,
+    control: &Control,
+    timeout: Duration,
+) -> Result<(), Failure> {
+    let done = stream
+        .record_event(None)
+        .map_err(device_failed("recording the completion event"))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match done.try_is_complete() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(Failure::Failed(format!("the comm stream failed: {e:?}"))),
+        }
+        if let Some(why) = comm.async_error() {
+            return Err(Failure::Failed(why));
+        }
+        if control.aborted.load(Ordering::SeqCst) {
+            return Err(Failure::Aborted);
+        }
+        if Instant::now() >= deadline {
+            return Err(Failure::Timeout);
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Host → device and `ncclAllReduce` in place on the copy, queued on the stream.
+fn to_device<T: DeviceRepr + ValidAsZeroBits + NcclType>(
+    stream: &Arc<CudaStream>,
+    comm: &RawComm,
+    host: &[T],
+    op: ReduceOp,
+) -> Result<CudaSlice<T>, Failure> {
+    let mut dev = stream
+        .clone_htod(host)
+        .map_err(device_failed("copying the buffer to the device"))?;
+    let len = dev.len();
+    let (ptr, written) = dev.device_ptr_mut(stream);
+    // SAFETY: the copy is this communicator's GPU memory of `len` elements, written by the
+    // copy queued before on the same stream and read back only after the stream passes.
+    let reduced = unsafe { comm.all_reduce_in_place::<T>(ptr, len, op, stream) };
+    drop(written);
+    reduced.map_err(Failure::Failed)?;
+    Ok(dev)
+}
+
+/// The CUDA device that owns `ptr`, if the driver can say.
+pub(super) fn device_of(ptr: u64) -> Option<usize> {
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: the driver writes one int for this attribute; `ptr` is only looked up.
+    let status = unsafe {
+        cudarc::driver::sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut std::ffi::c_int).cast(),
+            cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    (status == cudarc::driver::sys::CUresult::CUDA_SUCCESS && ordinal >= 0)
+        .then_some(ordinal as usize)
+}
