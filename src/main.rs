@@ -642,9 +642,10 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     let s0 = &report.stats[0];
     writeln!(
         out,
-        "gradient sync: {} steps launched buckets during backward, {} reduced at the sync point, {} plan(s) compiled; ranks agree: {}",
+        "gradient sync: {} steps launched buckets during backward, {} reduced at the sync point, {} left alone (one rank), {} plan(s) compiled; ranks agree: {}",
         s0.eager_steps,
         s0.flushed_steps,
+        s0.local_steps,
         s0.compiled,
         if report.ranks_agree { "yes" } else { "NO" }
     )?;

@@ -14,8 +14,9 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, UnusedParameters, expected_plan,
-    last_zero_filled, mark_distributed, no_sync, recorded_step_graph, sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, SingleRank, SyncStats, UnusedParameters,
+    expected_plan, last_zero_filled, mark_distributed, no_sync, recorded_collectives,
+    recorded_step_graph, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::graph::Op;
@@ -182,6 +183,7 @@ fn train_data_parallel_inspect<M: Net>(
             SyncStats {
                 eager_steps: STEPS as u64 - 1,
                 flushed_steps: 1,
+                local_steps: 0,
                 compiled: 1,
                 zero_filled: 0,
                 device_buckets: 0,
@@ -1067,4 +1069,46 @@ fn marked_parameters_are_named_by_their_module_path() {
     );
     let unique: std::collections::BTreeSet<_> = a.iter().collect();
     assert_eq!(unique.len(), a.len(), "names are unique: {a:?}");
+}
+
+/// A group of one rank: by default the sync leaves every gradient as backward made it (no
+/// collective, no plan); `SingleRank::Run` runs the plan over the group of one. Both train to the
+/// same bits as training without a server.
+#[test]
+fn a_single_rank_sync_leaves_the_gradients_alone_and_trains_alike() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    let alone = weights(&train(init_model::<Mlp>(), (0, ROWS_PER_RANK), &d));
+    for single_rank in [SingleRank::Skip, SingleRank::Run] {
+        CollectiveOptions {
+            single_rank,
+            record_collectives: true,
+            ..CollectiveOptions::default()
+        }
+        .install::<NdArray>();
+        Inner::start_communication_server(
+            std::slice::from_ref(&d),
+            DistributedConfig {
+                all_reduce_op: ReduceOperation::Mean,
+            },
+        );
+        let model = mark_distributed::<B, Mlp>(init_model()).expect("marking the model");
+        let synced = weights(&train(model, (0, ROWS_PER_RANK), &d));
+        let stats = sync_stats::<NdArray>(0);
+        let calls = recorded_collectives::<NdArray>(0).expect("recorded");
+        Inner::close_communication_server(&d);
+        assert_eq!(synced, alone, "{single_rank:?}");
+        match single_rank {
+            SingleRank::Skip => {
+                assert_eq!(stats.local_steps, STEPS as u64, "{stats:?}");
+                assert_eq!(stats.compiled, 0, "{stats:?}");
+                assert!(calls.is_empty(), "{calls:?}");
+            }
+            SingleRank::Run => {
+                assert_eq!(stats.local_steps, 0, "{stats:?}");
+                assert_eq!(stats.eager_steps + stats.flushed_steps, STEPS as u64);
+                assert!(!calls.is_empty());
+            }
+        }
+    }
 }

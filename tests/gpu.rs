@@ -438,6 +438,8 @@ mod training {
         type Bk<I> = Autodiff<Collective<I>>;
         let mut options = CollectiveOptions {
             transport,
+            // One GPU, one rank: run the plan anyway, so the device path is what is tested.
+            single_rank: collective_fusion::backend::SingleRank::Run,
             ..CollectiveOptions::default()
         };
         options.config.gradient_as_bucket_view = views;

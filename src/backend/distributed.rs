@@ -78,6 +78,9 @@ pub struct SyncStats {
     /// Steps that reduced some or all gradients at the sync point (the first step, and steps
     /// whose gradient order changed).
     pub flushed_steps: u64,
+    /// Steps of a group of one rank that left their gradients as backward made them
+    /// ([`SingleRank::Skip`](super::SingleRank::Skip)): no read, no bucket, no collective.
+    pub local_steps: u64,
     /// Plans compiled.
     pub compiled: u64,
     /// Gradients this rank zero-filled under [`UnusedParameters::ZeroFill`] (all steps). Each
@@ -105,6 +108,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
     SyncStats {
         eager_steps: st.eager_steps,
         flushed_steps: st.flushed_steps,
+        local_steps: st.local_steps,
         compiled: st.cache.misses(),
         zero_filled: st.zero_filled,
         device_buckets: s.device[rank].packs.load(Relaxed),
@@ -237,6 +241,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         accumulated: HashMap::new(),
                         zero_filled: 0,
                         last_zero_filled: Vec::new(),
+                        step_local: None,
+                        local_steps: 0,
                         eager_steps: 0,
                         flushed_steps: 0,
                         replicas: ReplicaState::default(),

@@ -48,7 +48,7 @@ pub use distributed::{
     recorded_collectives, recorded_step_graph, sync_stats, take_trace, trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
-pub use options::{CollectiveOptions, Transport, UnusedParameters};
+pub use options::{CollectiveOptions, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as};
 pub use replicas::{InitialWeights, ReplicaError};
 

@@ -47,9 +47,26 @@ pub struct CollectiveOptions {
     /// launched at the call, alone, which overlaps it with whatever the rank does until it
     /// needs the value.
     pub coalesce_user_collectives: bool,
+    /// What a group of one rank does at a sync point (see [`SingleRank`]).
+    pub single_rank: SingleRank,
     /// Record every collective each rank's communicator is asked for
     /// ([`recorded_collectives`](super::recorded_collectives)); off by default.
     pub record_collectives: bool,
+}
+
+/// What the gradient sync of a group of one rank does. A sum or mean over one rank is its own
+/// input, so by default it leaves every gradient as backward made it: no read into host memory,
+/// no bucket, no collective (the step counts in [`SyncStats::local_steps`](super::SyncStats)).
+/// A step that accumulates under `no_sync`, or checks gradients (`check_finite`), still runs
+/// the full path; so does a registered parameter whose gradient is missing still fail.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SingleRank {
+    /// Leave the gradients as they are (the default).
+    #[default]
+    Skip,
+    /// Run the plan as for any group (read, pack, all-reduce over one rank, write back): what
+    /// tests of that path on a machine with one device need.
+    Run,
 }
 
 /// What a step does about a parameter whose gradient did not arrive on a rank: a registered
@@ -84,6 +101,7 @@ impl Default for CollectiveOptions {
             transport: Transport::InProcess,
             initial_weights: InitialWeights::default(),
             coalesce_user_collectives: true,
+            single_rank: SingleRank::default(),
             record_collectives: false,
         }
     }

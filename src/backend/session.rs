@@ -20,7 +20,7 @@ use burn_backend::{Backend, TensorMetadata};
 use hashbrown::HashMap;
 
 use super::distributed::{from_host, graph_dtype, read_host};
-use super::options::{CollectiveOptions, UnusedParameters};
+use super::options::{CollectiveOptions, SingleRank, UnusedParameters};
 use super::record::{SubmittedGradient, step_graph};
 use super::replicas::ReplicaState;
 use super::user_collectives::UserQueue;
@@ -92,6 +92,11 @@ pub(super) struct RankState<I: Backend> {
     /// Zero-filled gradients (all steps), and the names zero-filled in the last step.
     pub(super) zero_filled: u64,
     pub(super) last_zero_filled: Vec<String>,
+    /// Whether this step leaves its gradients as they are ([`SingleRank::Skip`]); decided at
+    /// its first gradient.
+    pub(super) step_local: Option<bool>,
+    /// Steps that did (all steps).
+    pub(super) local_steps: u64,
     /// Steps whose buckets launched during backward / steps that ran everything at the sync.
     pub(super) eager_steps: u64,
     pub(super) flushed_steps: u64,
@@ -342,6 +347,25 @@ impl<I: Backend> Session<I> {
         }
         let seq = t.seq();
         let i = st.submitted.len();
+        let local = *st.step_local.get_or_insert_with(|| {
+            self.world == 1
+                && self.options.single_rank == SingleRank::Skip
+                && !self.options.check_finite
+                && !st.no_sync
+                && st.accumulated.is_empty()
+        });
+        if local {
+            // A sum or mean over one rank is the gradient itself: nothing to read or reduce.
+            st.index.insert(name.clone(), i);
+            st.submitted.push(Submitted {
+                tref,
+                name,
+                ty,
+                data: None,
+                seq,
+            });
+            return;
+        }
         st.index.insert(name.clone(), i);
         let inner = t.inner_for("gradient sync");
         let on_device = self.options.device_buckets
@@ -497,6 +521,7 @@ impl<I: Backend> Session<I> {
         let log = super::lazy::take_log(device.rank);
         if st.no_sync {
             // A backward pass under no_sync: its gradients were accumulated, nothing to reduce.
+            st.step_local = None;
             st.submitted.clear();
             st.index.clear();
             st.registered.clear();
@@ -510,6 +535,14 @@ impl<I: Backend> Session<I> {
                 names.join(", ")
             );
             self.fail(rank, msg);
+        }
+        if st.step_local.take() == Some(true) {
+            if self.options.unused == UnusedParameters::Error {
+                self.check_registered(rank, st);
+            }
+            st.local_steps += 1;
+            self.finish_step(st, log);
+            return;
         }
         let reduced = if self.options.unused == UnusedParameters::ZeroFill {
             self.reduce_zero_fill(rank, st)
@@ -542,6 +575,11 @@ impl<I: Backend> Session<I> {
             let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
         }
+        self.finish_step(st, log);
+    }
+
+    /// Ends a synced step: keeps its recorded graph, forgets its gradients.
+    fn finish_step(&self, st: &mut RankState<I>, log: Vec<super::lazy::LogEntry>) {
         let grads: Vec<SubmittedGradient<'_>> = st
             .submitted
             .iter()
@@ -562,26 +600,7 @@ impl<I: Backend> Session<I> {
     /// previous step's plan as far as its gradients came in that plan's order, and reduces the
     /// rest with a plan of its own. Returns the reduced gradients by submission index.
     pub(super) fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
-        let missing: Vec<&str> = st
-            .registered
-            .iter()
-            .filter(|n| !st.index.contains_key(*n))
-            .map(String::as_str)
-            .collect();
-        if !missing.is_empty() {
-            let shown: Vec<&str> = missing.iter().take(8).copied().collect();
-            let msg = format!(
-                "the gradients of {} registered parameter(s) never arrived before the sync point: {}{}",
-                missing.len(),
-                shown.join(", "),
-                if missing.len() > shown.len() {
-                    ", …"
-                } else {
-                    ""
-                }
-            );
-            self.fail(rank, msg);
-        }
+        self.check_registered(rank, st);
         if st.submitted.is_empty() {
             return Vec::new();
         }
@@ -674,5 +693,30 @@ impl<I: Backend> Session<I> {
             st.expected_segment = Some(g);
         }
         reduced
+    }
+
+    /// Every parameter Burn registered for this step's sync must have sent its gradient; else
+    /// the step fails naming the missing ones.
+    fn check_registered(&self, rank: usize, st: &RankState<I>) {
+        let missing: Vec<&str> = st
+            .registered
+            .iter()
+            .filter(|n| !st.index.contains_key(*n))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            let shown: Vec<&str> = missing.iter().take(8).copied().collect();
+            let msg = format!(
+                "the gradients of {} registered parameter(s) never arrived before the sync point: {}{}",
+                missing.len(),
+                shown.join(", "),
+                if missing.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+            self.fail(rank, msg);
+        }
     }
 }
