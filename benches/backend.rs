@@ -11,6 +11,8 @@
 //! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
 //! a group.
 
+mod common;
+
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -102,12 +104,7 @@ fn overhead(c: &mut Criterion) {
     g.finish();
     // Burn's default wgpu backend, fused, when an adapter exists.
     let wd = burn_wgpu::WgpuDevice::DefaultDevice;
-    let probe = std::panic::catch_unwind(|| {
-        let t: Tensor<burn_wgpu::Wgpu, 1> = Tensor::from_data([1.0f32], &wd);
-        t.into_data()
-    });
-    if probe.is_err() {
-        eprintln!("mlp_forward_wgpu: skipped, no wgpu adapter");
+    if !common::wgpu_adapter(&wd, "mlp_forward_wgpu") {
         return;
     }
     let cwd = CollectiveDevice::new(wd.clone(), 0);

@@ -12,6 +12,8 @@
 //! an adapter. Run with `cargo bench --bench step`; ratios are times within a group over
 //! `autodiff`.
 
+mod common;
+
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -108,12 +110,7 @@ fn benches(c: &mut Criterion) {
     // burn-autodiff's `distributed` feature), which burn-ndarray 0.21 is not: no `autodiff` row.
     rows!(c, "mlp_step_ndarray", NdArray, NdArrayDevice::Cpu, 20, alone: false);
     let wd = burn_wgpu::WgpuDevice::DefaultDevice;
-    let probe = std::panic::catch_unwind(|| {
-        let t: Tensor<burn_wgpu::Wgpu, 1> = Tensor::from_data([1.0f32], &wd);
-        t.into_data()
-    });
-    if probe.is_err() {
-        eprintln!("mlp_step_wgpu: skipped, no wgpu adapter");
+    if !common::wgpu_adapter(&wd, "mlp_step_wgpu") {
         return;
     }
     rows!(c, "mlp_step_wgpu", burn_wgpu::Wgpu, wd, 10, alone: true);

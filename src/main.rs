@@ -784,26 +784,8 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
     // A file in the graph text form is a recorded step (`run --step-graph`); anything else
     // names a model profile.
     let recorded = match std::fs::read_to_string(&a.model) {
-        Ok(text) if text.trim_start().starts_with("graph ") => {
-            let g = collective_fusion::graph::parse::parse(&text)
-                .map_err(|e| format!("{}: {e}", a.model))?;
-            // Passes assume a valid graph: text from a file is verified first, in every build.
-            collective_fusion::graph::verify::verify(
-                &g,
-                &collective_fusion::graph::verify::VerifyOptions::default(),
-            )
-            .map_err(|e| format!("{}: {e}", a.model))?;
-            if !g
-                .node_ids()
-                .any(|n| matches!(g.op(n), collective_fusion::graph::Op::GradSync { .. }))
-            {
-                return Err(format!(
-                    "{}: the graph has no grad_sync to bucket (a compiled graph?); profile the recorded step that `run --step-graph` writes",
-                    a.model
-                )
-                .into());
-            }
-            Some(g)
+        Ok(text) if collective_fusion::profile::is_graph_text(&text) => {
+            Some(collective_fusion::profile::recorded_step(&a.model, &text)?)
         }
         _ => None,
     };

@@ -29,6 +29,27 @@ pub enum ProfileError {
     Cycle(#[from] crate::graph::CycleError),
 }
 
+/// Whether `text` is a step in the graph text form (what `run --step-graph` writes) rather than
+/// a model profile.
+pub fn is_graph_text(text: &str) -> bool {
+    text.trim_start().starts_with("graph ")
+}
+
+/// A recorded step read from graph text (`name` for messages): parsed, then verified (passes
+/// assume a valid graph, so text from a file is verified in every build), and it must have a
+/// `grad_sync` to bucket.
+pub fn recorded_step(name: &str, text: &str) -> Result<Graph, String> {
+    let g = crate::graph::parse::parse(text).map_err(|e| format!("{name}: {e}"))?;
+    crate::graph::verify::verify(&g, &crate::graph::verify::VerifyOptions::default())
+        .map_err(|e| format!("{name}: {e}"))?;
+    if !g.node_ids().any(|n| matches!(g.op(n), Op::GradSync { .. })) {
+        return Err(format!(
+            "{name}: the graph has no grad_sync to bucket (a compiled graph?); profile the recorded step that `run --step-graph` writes"
+        ));
+    }
+    Ok(g)
+}
+
 /// What to simulate.
 #[derive(Clone, Debug)]
 pub struct ProfileOptions {

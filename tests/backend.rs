@@ -499,16 +499,13 @@ fn a_registered_parameter_whose_gradient_never_arrives_is_named() {
     use burn_backend::ops::FloatTensorOps;
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let d = device(0);
-    CollectiveOptions {
-        timeout: std::time::Duration::from_secs(5),
-        ..CollectiveOptions::default()
-    }
-    .install::<NdArray>();
-    Inner::start_communication_server(
+    start_server(
         std::slice::from_ref(&d),
-        DistributedConfig {
-            all_reduce_op: ReduceOperation::Mean,
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(5),
+            ..CollectiveOptions::default()
         },
+        ReduceOperation::Mean,
     );
     let params = |id: u64| DistributedParams {
         param_id: DistributedParamId::from(id),
@@ -1080,17 +1077,14 @@ fn a_single_rank_sync_leaves_the_gradients_alone_and_trains_alike() {
     let d = device(0);
     let alone = weights(&train(init_model::<Mlp>(), (0, ROWS_PER_RANK), &d));
     for single_rank in [SingleRank::Skip, SingleRank::Run] {
-        CollectiveOptions {
-            single_rank,
-            record_collectives: true,
-            ..CollectiveOptions::default()
-        }
-        .install::<NdArray>();
-        Inner::start_communication_server(
+        start_server(
             std::slice::from_ref(&d),
-            DistributedConfig {
-                all_reduce_op: ReduceOperation::Mean,
+            CollectiveOptions {
+                single_rank,
+                record_collectives: true,
+                ..CollectiveOptions::default()
             },
+            ReduceOperation::Mean,
         );
         let model = mark_distributed::<B, Mlp>(init_model()).expect("marking the model");
         let synced = weights(&train(model, (0, ROWS_PER_RANK), &d));

@@ -187,13 +187,8 @@ fn load_and_profile(text: &str, link: &str) -> Result<(), String> {
     };
     let graph;
     let profile;
-    let source = if text.trim_start().starts_with("graph ") {
-        graph = parse(text).map_err(|e| e.to_string())?;
-        collective_fusion::graph::verify::verify(
-            &graph,
-            &collective_fusion::graph::verify::VerifyOptions::default(),
-        )
-        .map_err(|e| e.to_string())?;
+    let source = if collective_fusion::profile::is_graph_text(text) {
+        graph = collective_fusion::profile::recorded_step("fuzz", text)?;
         StepSource::Recorded {
             name: "fuzz",
             graph: &graph,

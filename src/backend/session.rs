@@ -264,63 +264,72 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    /// The segment graph of `entries` and its plan, from the rank's plan cache; a compile error
-    /// fails the step on every rank.
+    /// The segment graph of `entries` (the gradient sync's reduce op) and its plan, from the
+    /// rank's plan cache; a compile error fails the step on every rank.
     pub(super) fn compile_segment(
         &self,
         rank: usize,
         cache: &mut PlanCache,
         entries: &[(String, TensorType)],
     ) -> (Graph, Arc<Plan>) {
-        let refs: Vec<(&str, &TensorType)> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let g = self.segment(&refs);
+        self.compile_segment_with(rank, cache, entries, self.reduce, "the gradient sync")
+    }
+
+    /// [`Session::compile_segment`] with the reduce op `reduce`, for `what` (in the error).
+    pub(super) fn compile_segment_with(
+        &self,
+        rank: usize,
+        cache: &mut PlanCache,
+        entries: &[(String, TensorType)],
+        reduce: ReduceOp,
+        what: &str,
+    ) -> (Graph, Arc<Plan>) {
+        let g = segment(self.world, entries, reduce);
         match cache.get_or_compile(&g, &self.options.config) {
             Ok(p) => (g, p),
-            Err(e) => self.fail(rank, format!("compiling the gradient sync: {e}")),
+            Err(e) => self.fail(rank, format!("compiling {what}: {e}")),
         }
     }
+}
 
-    /// The graph of a sync segment: a gradient and a `grad_sync` per entry, in ready order.
-    pub(super) fn segment(&self, entries: &[(&str, &TensorType)]) -> Graph {
-        self.segment_with(entries, self.reduce)
+/// The graph of a sync segment over `world` ranks: a gradient and a `grad_sync` per entry, in
+/// ready order, then one `sync`.
+fn segment(world: usize, entries: &[(String, TensorType)], reduce: ReduceOp) -> Graph {
+    let mut g = Graph::new("sync");
+    let group = g.add_group(world as u32);
+    let mut syncs = Vec::with_capacity(entries.len());
+    for (i, (name, ty)) in entries.iter().enumerate() {
+        let src = g.add_node(
+            Op::Input {
+                name: format!("{name}.grad"),
+            },
+            [(*ty).clone()],
+            &[],
+        );
+        let grad = g.add_node(
+            Op::Gradient {
+                param: name.to_string(),
+            },
+            [(*ty).clone()],
+            &[Value::of(src)],
+        );
+        let sync = g.add_node(
+            Op::GradSync {
+                param: name.to_string(),
+                ready: i as u32,
+                reduce,
+                group,
+            },
+            [(*ty).clone()],
+            &[Value::of(grad)],
+        );
+        syncs.push(Value::of(sync));
     }
+    g.add_node(Op::Sync, [], &syncs);
+    g
+}
 
-    /// [`Session::segment`] with the reduce op `reduce`.
-    pub(super) fn segment_with(&self, entries: &[(&str, &TensorType)], reduce: ReduceOp) -> Graph {
-        let mut g = Graph::new("sync");
-        let group = g.add_group(self.world as u32);
-        let mut syncs = Vec::with_capacity(entries.len());
-        for (i, (name, ty)) in entries.iter().enumerate() {
-            let src = g.add_node(
-                Op::Input {
-                    name: format!("{name}.grad"),
-                },
-                [(*ty).clone()],
-                &[],
-            );
-            let grad = g.add_node(
-                Op::Gradient {
-                    param: name.to_string(),
-                },
-                [(*ty).clone()],
-                &[Value::of(src)],
-            );
-            let sync = g.add_node(
-                Op::GradSync {
-                    param: name.to_string(),
-                    ready: i as u32,
-                    reduce,
-                    group,
-                },
-                [(*ty).clone()],
-                &[Value::of(grad)],
-            );
-            syncs.push(Value::of(sync));
-        }
-        g.add_node(Op::Sync, [], &syncs);
-        g
-    }
-
+impl<I: Backend> Session<I> {
     pub(super) fn submit(&self, tref: TensorRef<Collective<I>>, params: &DistributedParams) {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };

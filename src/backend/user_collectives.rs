@@ -212,14 +212,8 @@ impl UserReduce {
         }
     }
 
-    /// Waits for it and takes the reduced tensor.
-    fn take(
-        &self,
-        comm: &dyn Communicator,
-        timeout: Duration,
-        record: &dyn Fn(&ExecReport),
-    ) -> Result<Grad, String> {
-        self.wait(comm, timeout, record)?;
+    /// The reduced tensor, once [`UserReduce::wait`] succeeded (taken once).
+    fn take(&self) -> Result<Grad, String> {
         match std::mem::replace(&mut *self.lock(), Stage::Taken) {
             Stage::Done(g) => Ok(g),
             Stage::Failed(m) => Err(m),
@@ -285,12 +279,13 @@ impl<I: Backend> Session<I> {
             .enumerate()
             .map(|(i, x)| (format!("all_reduce.{i}"), x.ty.clone()))
             .collect();
-        let refs: Vec<(&str, &TensorType)> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let g = self.segment_with(&refs, run[0].op);
-        let plan = match q.cache.get_or_compile(&g, &self.options.config) {
-            Ok(p) => p,
-            Err(e) => self.fail(rank, format!("compiling the user all-reduces: {e}")),
-        };
+        let (_, plan) = self.compile_segment_with(
+            rank,
+            &mut q.cache,
+            &entries,
+            run[0].op,
+            "the user all-reduces",
+        );
         if !q.agreed.contains(&plan.graph_hash) {
             if let Err(e) = crate::runtime::agree::agree(&plan, comm, self.options.timeout) {
                 self.fail(rank, e.to_string());
@@ -457,7 +452,7 @@ pub(super) fn all_reduce<I: Backend>(
         if let Err(e) = s.wait_user(rank, &cell) {
             s.fail(rank, e);
         }
-        let reduced = match cell.take(s.comm(rank), s.options.timeout, &|_| {}) {
+        let reduced = match cell.take() {
             Ok(g) => g,
             Err(e) => s.fail(rank, e),
         };

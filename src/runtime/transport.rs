@@ -79,6 +79,8 @@ pub type ByRank = Vec<Option<Box<dyn Communicator>>>;
 /// the ranks of the devices this process was given; `cuda_index` maps a rank to its CUDA device
 /// index, where its device is a CUDA device (in-process NCCL only), and `device` names the
 /// device type for the error when it is not.
+// Only in-process NCCL (feature `cuda`) asks for CUDA devices.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn communicators(
     transport: &Transport,
     given: &[u32],
@@ -113,8 +115,6 @@ pub fn communicators(
         }
         Ok(world)
     };
-    // Only in-process NCCL asks for CUDA devices.
-    let _ = (&cuda_index, device);
     Ok(match transport {
         Transport::InProcess => {
             let world = every_rank()?;
