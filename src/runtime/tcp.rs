@@ -23,7 +23,15 @@
 //! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, two zero bytes,
 //! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes (op and dtype as
 //! `ReduceOp::code` and `DType::code`); rank 0 → peer: status
-//! `u8` (0: ok, then the result's bytes; 1: failed, then a `u32` length and the message).
+//! `u8` (0: ok, then the result's bytes; 1: failed, then a `u32` length and the message);
+//! peer → rank 0: acknowledgement `u8` 0 once the result is staged; rank 0 → peer, once every
+//! peer has acknowledged: commit `u8` 0 (or a failure as above). A peer hands its result to the
+//! caller only on the commit, so a peer lost before acknowledging fails the collective on every
+//! rank rather than on some (see [`run_root`]).
+//!
+//! Every read and write of a collective ends by its deadline however the bytes arrive (a peer
+//! that trickles its buffer a byte at a time is a timeout naming it, not a wait of one socket
+//! timeout per byte).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -79,6 +87,49 @@ fn same_call(a: &CollectiveDesc, b: &CollectiveDesc) -> bool {
 
 fn timed_out(e: &std::io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+/// Time left before `deadline`, or a `TimedOut` error once it has passed.
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        Err(std::io::Error::new(
+            ErrorKind::TimedOut,
+            "the deadline passed",
+        ))
+    } else {
+        Ok(left)
+    }
+}
+
+/// `read_exact` that ends by `deadline` however the bytes arrive: a socket timeout bounds one
+/// `read`, so a peer that trickles a byte at a time would otherwise hold the call for as many
+/// timeouts as the buffer has bytes.
+fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        s.set_read_timeout(Some(left(deadline)?))?;
+        match s.read(buf) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that ends by `deadline`, however slowly the other side reads.
+fn write_by(s: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        s.set_write_timeout(Some(left(deadline)?))?;
+        match s.write(buf) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 struct Shared {
@@ -340,49 +391,64 @@ fn run(
             reason,
         });
     }
-    let t0 = Instant::now();
     match links {
-        Links::Root(peers) => run_root(shared, peers, world, t0 + timeout, buf, what),
-        Links::Peer(s) => run_peer(shared, s, timeout, buf, what).map(|started| CommSpan {
-            start: started,
-            end: Instant::now(),
-        }),
+        Links::Root(peers) => run_root(shared, peers, world, timeout, buf, what),
+        Links::Peer(s) => run_peer(shared, s, timeout, buf, what),
     }
 }
 
+/// Status byte rank 0 sends before a result (phase one) and as the commit (phase two).
+const OK: u8 = 0;
+/// Status byte of a failure, followed by a `u32` length and the message.
+const FAILED: u8 = 1;
+
+/// Rank 0 tells every peer why the collective failed (best effort, a short wait each: they
+/// also see the connections close when the group aborts).
+fn tell_failure(peers: &mut [TcpStream], e: &CommError) {
+    let msg = e.to_string();
+    let mut answer = vec![FAILED];
+    answer.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    answer.extend_from_slice(msg.as_bytes());
+    for s in peers.iter_mut() {
+        let _ = write_by(s, &answer, Instant::now() + Duration::from_millis(200));
+    }
+}
+
+/// Rank 0's side: gather, reduce in rank order, then finish in two phases. Phase one sends the
+/// result to every peer, which stages it and acknowledges; only when every peer has
+/// acknowledged does phase two send the commit. A peer that fails before its acknowledgement
+/// fails the collective on every rank (rank 0 sends the failure instead of the commit), so no
+/// rank returns a result that another rank did not get. What is left is rank 0 dying between
+/// two one-byte commit writes.
 fn run_root(
     shared: &Shared,
     peers: &mut [TcpStream],
     world: usize,
-    deadline: Instant,
+    timeout: Duration,
     buf: &mut HostBuffer,
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
     let t0 = Instant::now();
+    let lost = |e: std::io::Error, r: usize| {
+        if timed_out(&e) {
+            CommError::Timeout {
+                rank: 0,
+                what: what.clone(),
+                waited: t0.elapsed(),
+                missing: vec![r],
+            }
+        } else {
+            failure(shared, what, e, r)
+        }
+    };
     let mut bufs = Vec::with_capacity(world);
     bufs.push(std::mem::take(buf));
     let gathered = (|| {
+        let deadline = t0 + timeout;
         for (i, s) in peers.iter_mut().enumerate() {
             let r = i + 1;
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
             let mut h = [0u8; HEADER];
-            if let Err(e) = s
-                .set_read_timeout(Some(left))
-                .and_then(|_| s.read_exact(&mut h))
-            {
-                return Err(if timed_out(&e) {
-                    CommError::Timeout {
-                        rank: 0,
-                        what: what.clone(),
-                        waited: t0.elapsed(),
-                        missing: vec![r],
-                    }
-                } else {
-                    failure(shared, what, e, r)
-                });
-            }
+            read_by(s, &mut h, deadline).map_err(|e| lost(e, r))?;
             let Some(theirs) = parse_header(&h) else {
                 return Err(failure(
                     shared,
@@ -406,44 +472,60 @@ fn run_root(
                     why: format!("{} is not reduced", what.dtype),
                 }
             })?;
-            s.read_exact(b.as_bytes_mut())
-                .map_err(|e| failure(shared, what, e, r))?;
+            read_by(s, b.as_bytes_mut(), deadline).map_err(|e| lost(e, r))?;
             bufs.push(b);
         }
         Ok(())
     })();
     if let Err(e) = gathered {
-        // Tell the peers why (best effort; they also see the connection close).
-        let msg = e.to_string();
-        let mut answer = vec![1u8];
-        answer.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-        answer.extend_from_slice(msg.as_bytes());
-        for s in peers.iter_mut() {
-            let _ = s
-                .set_write_timeout(Some(Duration::from_millis(200)))
-                .and_then(|_| s.write_all(&answer));
-        }
+        tell_failure(peers, &e);
         return Err(e);
     }
     let started = Instant::now();
     if !super::inprocess::reduce_in_rank_order(&mut bufs, what.op) {
-        return Err(CommError::Unsupported {
+        let e = CommError::Unsupported {
             rank: 0,
             what: what.clone(),
             why: "the ranks' buffers differ in dtype or length".into(),
-        });
+        };
+        tell_failure(peers, &e);
+        return Err(e);
     }
-    *buf = bufs.swap_remove(0);
+    let result = bufs.swap_remove(0);
+    let staged = (|| {
+        let deadline = Instant::now() + timeout;
+        for (i, s) in peers.iter_mut().enumerate() {
+            write_by(s, &[OK], deadline)
+                .and_then(|_| write_by(s, result.as_bytes(), deadline))
+                .map_err(|e| lost(e, i + 1))?;
+        }
+        for (i, s) in peers.iter_mut().enumerate() {
+            let mut ack = [FAILED];
+            read_by(s, &mut ack, deadline).map_err(|e| lost(e, i + 1))?;
+            if ack[0] != OK {
+                return Err(failure(
+                    shared,
+                    what,
+                    std::io::Error::other("it did not acknowledge the result"),
+                    i + 1,
+                ));
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = staged {
+        tell_failure(peers, &e);
+        return Err(e);
+    }
     for (i, s) in peers.iter_mut().enumerate() {
-        s.set_write_timeout(Some(
-            deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_secs(1)),
-        ))
-        .and_then(|_| s.write_all(&[0]))
-        .and_then(|_| s.write_all(buf.as_bytes()))
-        .map_err(|e| failure(shared, what, e, i + 1))?;
+        // Every peer holds the result: the collective is done. A peer that cannot take its
+        // commit byte has gone since it acknowledged; it fails on its own, and the next
+        // collective names it here.
+        if let Err(e) = write_by(s, &[OK], Instant::now() + timeout) {
+            tracing::warn!("rank 0: the commit of {what} to rank {} failed: {e}", i + 1);
+        }
     }
+    *buf = result;
     Ok(CommSpan {
         start: started,
         end: Instant::now(),
@@ -452,13 +534,14 @@ fn run_root(
 
 /// Rank 0's failure message after a failure status byte.
 fn failure_message(s: &mut TcpStream) -> String {
+    let deadline = Instant::now() + Duration::from_millis(500);
     let mut len = [0u8; 4];
-    s.read_exact(&mut len)
+    read_by(s, &mut len, deadline)
         .ok()
         .map(|_| u32::from_le_bytes(len).min(MAX_MESSAGE))
         .and_then(|n| {
             let mut m = vec![0u8; n as usize];
-            s.read_exact(&mut m).ok().map(|_| m)
+            read_by(s, &mut m, deadline).ok().map(|_| m)
         })
         .map_or_else(
             || "rank 0 failed the collective".to_string(),
@@ -469,24 +552,24 @@ fn failure_message(s: &mut TcpStream) -> String {
 /// A failure status and message rank 0 sent before the connection broke, if one arrives
 /// within `wait`.
 fn failure_status(s: &mut TcpStream, wait: Duration) -> Option<String> {
-    let mut status = [0u8; 1];
-    s.set_read_timeout(Some(wait))
-        .and_then(|_| s.read_exact(&mut status))
-        .ok()?;
-    (status[0] != 0).then(|| failure_message(s))
+    let mut status = [OK];
+    read_by(s, &mut status, Instant::now() + wait).ok()?;
+    (status[0] != OK).then(|| failure_message(s))
 }
 
+/// A peer's side: send, receive the result (staged: the caller gets it only after the
+/// commit), acknowledge, wait for the commit. On any error the caller gets no buffer.
 fn run_peer(
     shared: &Shared,
     s: &mut TcpStream,
     timeout: Duration,
     buf: &mut HostBuffer,
     what: &CollectiveDesc,
-) -> Result<Instant, CommError> {
+) -> Result<CommSpan, CommError> {
     let t0 = Instant::now();
     // Rank 0 may start this collective up to `timeout` after us and then wait as long for
     // the slowest peer.
-    let bound = super::comm::wait_bound(timeout);
+    let deadline = t0 + super::comm::wait_bound(timeout);
     let lost = |e: std::io::Error| {
         if timed_out(&e) {
             CommError::Timeout {
@@ -499,10 +582,13 @@ fn run_peer(
             failure(shared, what, e, 0)
         }
     };
-    if let Err(e) = s
-        .set_write_timeout(Some(bound))
-        .and_then(|_| s.write_all(&header(what)))
-        .and_then(|_| s.write_all(buf.as_bytes()))
+    let aborted = |s: &mut TcpStream| CommError::Aborted {
+        rank: shared.rank,
+        what: what.clone(),
+        reason: failure_message(s),
+    };
+    if let Err(e) =
+        write_by(s, &header(what), deadline).and_then(|_| write_by(s, buf.as_bytes(), deadline))
     {
         // Rank 0 stops reading when the collective fails elsewhere (another peer died) and
         // tells every peer why before it closes: that reason names the rank at fault, a
@@ -518,21 +604,24 @@ fn run_peer(
         }
         return Err(lost(e));
     }
-    let mut status = [0u8; 1];
-    s.set_read_timeout(Some(bound))
-        .and_then(|_| s.read_exact(&mut status))
-        .map_err(lost)?;
+    let mut status = [FAILED];
+    read_by(s, &mut status, deadline).map_err(lost)?;
     let started = Instant::now();
-    if status[0] != 0 {
-        return Err(CommError::Aborted {
-            rank: shared.rank,
-            what: what.clone(),
-            reason: failure_message(s),
-        });
+    if status[0] != OK {
+        return Err(aborted(s));
     }
-    s.read_exact(buf.as_bytes_mut())
-        .map_err(|e| failure(shared, what, e, 0))?;
-    Ok(started)
+    // Staged: `buf` is this thread's until the reply, and a failure below drops it.
+    read_by(s, buf.as_bytes_mut(), deadline).map_err(|e| failure(shared, what, e, 0))?;
+    write_by(s, &[OK], deadline).map_err(lost)?;
+    let mut commit = [FAILED];
+    read_by(s, &mut commit, deadline).map_err(lost)?;
+    if commit[0] != OK {
+        return Err(aborted(s));
+    }
+    Ok(CommSpan {
+        start: started,
+        end: Instant::now(),
+    })
 }
 
 impl Communicator for TcpComm {
@@ -587,5 +676,132 @@ impl Drop for TcpComm {
         for s in &self.shared.streams {
             let _ = s.shutdown(Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
+        RendezvousConfig {
+            rank,
+            world,
+            local_rank: rank,
+            addr: "127.0.0.1".into(),
+            port,
+            timeout: Duration::from_secs(20),
+            token: None,
+        }
+    }
+
+    fn desc(count: usize) -> CollectiveDesc {
+        CollectiveDesc {
+            collective: 0,
+            bucket: Some(0),
+            op: ReduceOp::Sum,
+            dtype: DType::F32,
+            count: count as u64,
+            params: Vec::new(),
+        }
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// A hand-written peer `rank` of `world`: joined, its data connection open.
+    fn raw_peer(rank: usize, world: usize, port: u16) -> TcpStream {
+        let c = cfg(rank, world, port);
+        let payload = rendezvous(&c, Vec::new).unwrap();
+        let data = u16::from_le_bytes([payload[0], payload[1]]);
+        connect_root(&c, data, Instant::now() + c.timeout).unwrap()
+    }
+
+    /// Rank 2 (by hand) sends its buffer and takes the result, then goes before acknowledging
+    /// it. No rank returns the result: rank 0 fails naming rank 2 and rank 1 fails with rank
+    /// 0's reason. Before the two phases, rank 1 had its result and went on alone.
+    #[test]
+    fn a_peer_lost_before_acknowledging_fails_the_collective_everywhere() {
+        let port = free_port();
+        let n = 16;
+        let timeout = Duration::from_secs(5);
+        thread::scope(|sc| {
+            sc.spawn(move || {
+                let mut s = raw_peer(2, 3, port);
+                s.write_all(&header(&desc(n))).unwrap();
+                s.write_all(HostBuffer::zeros(DType::F32, n).unwrap().as_bytes())
+                    .unwrap();
+                let mut result = vec![0u8; 1 + 4 * n];
+                s.read_exact(&mut result).unwrap();
+                assert_eq!(result[0], OK);
+            });
+            let out: Vec<_> = (0..2)
+                .map(|r| {
+                    sc.spawn(move || {
+                        let c = TcpComm::connect(&cfg(r, 3, port), timeout).unwrap();
+                        let one = HostBuffer::from_f64(DType::F32, &vec![1.0; n]).unwrap();
+                        c.all_reduce(one, desc(n))
+                            .unwrap()
+                            .wait(Duration::from_secs(30))
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect();
+            for (r, o) in out.iter().enumerate() {
+                let e = o.as_ref().map(|_| ()).unwrap_err().to_string();
+                assert!(e.contains("rank 2"), "rank {r}: {e}");
+            }
+        });
+    }
+
+    /// Rank 1 speaks the protocol by hand: a proper hello and header, then its buffer a byte
+    /// every 50 ms (it would take minutes). Rank 0 fails the collective within twice its
+    /// timeout with a timeout naming rank 1; before, each byte restarted the socket timeout.
+    #[test]
+    fn a_peer_that_trickles_its_buffer_is_a_timeout_naming_it() {
+        let port = free_port();
+        let n = 1024;
+        let timeout = Duration::from_secs(2);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        thread::scope(|sc| {
+            let stop = &stop;
+            sc.spawn(move || {
+                let mut s = raw_peer(1, 2, port);
+                s.write_all(&header(&desc(n))).unwrap();
+                for _ in 0..n * 4 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[7]).is_err()
+                    {
+                        break;
+                    }
+                    thread::sleep(Duration::from_millis(50));
+                }
+            });
+            let root = TcpComm::connect(&cfg(0, 2, port), timeout).unwrap();
+            let t0 = Instant::now();
+            let e = root
+                .all_reduce(HostBuffer::zeros(DType::F32, n).unwrap(), desc(n))
+                .unwrap()
+                .wait(Duration::from_secs(30))
+                .unwrap_err();
+            let waited = t0.elapsed();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            match e {
+                CommError::Timeout { rank, missing, .. } => {
+                    assert_eq!((rank, missing), (0, vec![1]));
+                }
+                e => panic!("expected a timeout naming rank 1, got {e}"),
+            }
+            assert!(
+                waited < timeout * 2,
+                "rank 0 waited {waited:?} for a trickling peer (timeout {timeout:?})"
+            );
+        });
     }
 }
