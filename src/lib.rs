@@ -13,6 +13,7 @@ pub mod codegen;
 pub mod config;
 pub mod cost;
 pub mod graph;
+pub mod measure;
 pub mod model;
 pub mod passes;
 pub mod profile;

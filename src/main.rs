@@ -575,6 +575,7 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
                 InitialWeightsArg::Broadcast => InitialWeights::Broadcast,
                 InitialWeightsArg::Verify => InitialWeights::Verify,
             },
+            probe_link: true,
             ..CollectiveOptions::default()
         },
     };
@@ -655,6 +656,19 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             "device (rank {}): {} buckets packed by the kernels on the gradients' buffers, {} collectives reduced in place in device memory, {} gradients handed back as views of their bucket",
             report.local_ranks[0], s0.device_buckets, s0.device_collectives, s0.view_grads
         )?;
+    }
+    let r0 = report.local_ranks[0];
+    if let Some(m) = &report.measured {
+        writeln!(out, "measured (rank {r0}, last step): {m}")?;
+    }
+    if report.world > 1 {
+        match &report.link {
+            Some(l) => writeln!(out, "link (rank {r0}, fitted): {l}")?,
+            None => writeln!(
+                out,
+                "link (rank {r0}): not fitted (collectives of fewer than two sizes)"
+            )?,
+        }
     }
     writeln!(
         out,

@@ -19,11 +19,13 @@ use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
     Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, Transport, lazy_stats,
-    mark_distributed, recorded_step_graph, sync_stats, take_trace, trace_span,
+    mark_distributed, measured_link, measured_step, recorded_step_graph, sync_stats, take_trace,
+    trace_span,
 };
 use crate::config::CompileConfig;
 use crate::graph::print::print;
 use crate::graph::{ComputeKind, Graph, Op};
+use crate::measure::{LinkFit, MeasuredStep};
 use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
 
@@ -151,6 +153,10 @@ pub struct RunReport {
     /// FNV-1a over the bits of the first local rank's final weights: equal digests, equal
     /// weights, across processes and runs.
     pub weights_digest: u64,
+    /// What the first local rank measured of its last step.
+    pub measured: Option<MeasuredStep>,
+    /// The link the first local rank fitted (a group of more than one rank).
+    pub link: Option<LinkFit>,
 }
 
 /// FNV-1a (64-bit) over the bits of `w`.
@@ -416,6 +422,8 @@ fn run_model<I: Backend, M: Net<I>>(
     let step = recorded_step_graph::<I>(first as usize)
         .and_then(|g| RecordedStep::of(g, &opts.collective.config).ok());
     let trace = take_trace::<I>();
+    let measured = measured_step::<I>(first as usize);
+    let link = measured_link::<I>(first as usize);
     Collective::<I>::close_communication_server(&devices[0]);
     let results = results.into_iter().collect::<Result<Vec<_>, String>>()?;
     let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
@@ -432,6 +440,8 @@ fn run_model<I: Backend, M: Net<I>>(
         step,
         trace,
         ranks_agree,
+        measured,
+        link,
     })
 }
 

@@ -15,8 +15,8 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SingleRank, SyncStats, UnusedParameters,
-    expected_plan, last_zero_filled, mark_distributed, no_sync, recorded_collectives,
-    recorded_step_graph, sync_stats,
+    expected_plan, last_zero_filled, mark_distributed, measured_link, measured_step, no_sync,
+    recorded_collectives, recorded_step_graph, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::graph::Op;
@@ -1104,5 +1104,90 @@ fn a_single_rank_sync_leaves_the_gradients_alone_and_trains_alike() {
                 assert!(!calls.is_empty());
             }
         }
+    }
+}
+
+#[test]
+fn every_rank_measures_its_steps_and_fits_the_link() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..2).map(device).collect();
+    start_server(
+        &devices,
+        CollectiveOptions {
+            config: CompileConfig {
+                bucket: BucketConfig {
+                    policy: BucketPolicy::Ddp,
+                    cap_bytes: 1024,
+                    first_bucket_bytes: 256,
+                },
+                ..CompileConfig::default()
+            },
+            probe_link: true,
+            timeout: std::time::Duration::from_secs(30),
+            ..CollectiveOptions::default()
+        },
+        ReduceOperation::Mean,
+    );
+    let init: ConvNet = init_model();
+    // Two convolutions and a linear layer, each a weight and a bias.
+    let params = 6;
+    let outcomes = on_every_rank(&devices, |d| {
+        let model = mark_distributed::<B, ConvNet>(init.clone().fork(d)).expect("marking");
+        let r = d.rank as usize;
+        train(model, (r * ROWS_PER_RANK, (r + 1) * ROWS_PER_RANK), d);
+    });
+    let measured: Vec<_> = (0..2)
+        .map(|r| {
+            (
+                measured_step::<NdArray>(r).expect("a measured step"),
+                measured_link::<NdArray>(r),
+                expected_plan::<NdArray>(r).expect("a plan").0,
+            )
+        })
+        .collect();
+    Inner::close_communication_server(&devices[0]);
+    for o in outcomes {
+        o.expect("training");
+    }
+    for (r, (step, link, plan)) in measured.iter().enumerate() {
+        assert_eq!(step.world, 2);
+        assert_eq!(step.gradients.len(), params, "rank {r}: {step:?}");
+        let ready: Vec<f64> = step.gradients.iter().map(|g| g.ready_us).collect();
+        assert!(
+            ready.windows(2).all(|w| w[0] <= w[1]),
+            "rank {r}: {ready:?}"
+        );
+        assert!(ready[0] >= 0.0, "rank {r}: {ready:?}");
+        assert!(step.sync_us >= *ready.last().unwrap(), "rank {r}: {step:?}");
+        assert!(step.end_us >= step.sync_us, "rank {r}: {step:?}");
+        assert!(step.exposed_us() >= 0.0);
+        // Every collective of the plan ran once in the step, after its launch.
+        assert_eq!(
+            step.collectives.len(),
+            plan.collectives.len(),
+            "rank {r}: {step:?}"
+        );
+        let mut ids: Vec<u32> = step.collectives.iter().map(|c| c.collective).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..plan.collectives.len() as u32).collect::<Vec<_>>());
+        for c in &step.collectives {
+            assert!(c.start_us >= c.launch_us, "rank {r}: {c:?}");
+            assert!(c.end_us >= c.start_us, "rank {r}: {c:?}");
+            assert!(c.bytes > 0 && c.wait_us >= 0.0, "rank {r}: {c:?}");
+        }
+        let bytes: u64 = step.collectives.iter().map(|c| c.bytes).sum();
+        let grad_bytes: u64 = step.gradients.iter().map(|g| g.bytes).sum();
+        assert_eq!(
+            bytes, grad_bytes,
+            "rank {r}: every gradient's bytes reduced once"
+        );
+        // The probe's three sizes and the buckets fit the link.
+        let link = link.expect("a fitted link");
+        assert!(link.sizes >= 3, "rank {r}: {link}");
+        assert!(
+            link.busbw_gbs > 0.0 && link.busbw_gbs.is_finite(),
+            "rank {r}: {link}"
+        );
+        assert!(link.alpha_us >= 0.0, "rank {r}: {link}");
     }
 }

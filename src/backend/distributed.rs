@@ -18,9 +18,11 @@ use hashbrown::HashMap;
 use super::options::CollectiveOptions;
 use super::replicas::ReplicaState;
 use super::session::{DeviceCounts, RankState, Session, lock, param_name, session, sessions};
+use super::step_clock::StepClock;
 use super::{Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::graph::{DType, Graph, ReduceOp};
+use crate::measure::{LinkFit, MeasuredStep};
 use crate::runtime::HostBuffer;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::CollectiveDesc;
@@ -115,6 +117,21 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         device_collectives: s.device[rank].collectives.load(Relaxed),
         view_grads: s.device[rank].views.load(Relaxed),
     }
+}
+
+/// What `rank` measured of its last synced step: when each gradient was ready, when each
+/// collective was launched, ran and was waited for, the sync point and its end (see
+/// [`crate::measure`]). `None` before the first synced step.
+pub fn measured_step<I: Backend>(rank: usize) -> Option<MeasuredStep> {
+    let s = session::<I>("measured_step");
+    s.clock(rank).last.clone()
+}
+
+/// The link fitted to the collectives `rank` ran in its recent steps (alpha and bus bandwidth
+/// of the cost model). `None` until collectives of two sizes have run, and on a group of one.
+pub fn measured_link<I: Backend>(rank: usize) -> Option<LinkFit> {
+    let s = session::<I>("measured_link");
+    s.clock(rank).link.fit()
 }
 
 /// The parameters `rank` zero-filled in its last step (see [`UnusedParameters::ZeroFill`]).
@@ -246,10 +263,14 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         eager_steps: 0,
                         flushed_steps: 0,
                         replicas: ReplicaState::default(),
+                        probed: false,
                     })
                 })
                 .collect(),
             user: (0..world).map(|_| Mutex::default()).collect(),
+            clocks: (0..world)
+                .map(|_| Mutex::new(StepClock::new(world)))
+                .collect(),
             calls,
             options,
         };

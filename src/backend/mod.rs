@@ -34,6 +34,7 @@ mod record;
 mod replicas;
 mod rules;
 mod session;
+mod step_clock;
 mod user_collectives;
 mod zero_fill;
 
@@ -44,8 +45,9 @@ use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
-    NoSync, SyncStats, expected_plan, gradient_syncs_total, last_zero_filled, no_sync,
-    recorded_collectives, recorded_step_graph, sync_stats, take_trace, trace_span,
+    NoSync, SyncStats, expected_plan, gradient_syncs_total, last_zero_filled, measured_link,
+    measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats, take_trace,
+    trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 pub use options::{CollectiveOptions, SingleRank, Transport, UnusedParameters};

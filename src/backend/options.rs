@@ -52,6 +52,12 @@ pub struct CollectiveOptions {
     /// Record every collective each rank's communicator is asked for
     /// ([`recorded_collectives`](super::recorded_collectives)); off by default.
     pub record_collectives: bool,
+    /// At the first gradient sync, time a few all-reduces of known sizes
+    /// ([`probe_link`](crate::runtime::probe::probe_link): 4 KiB, 1 MiB and 16 MiB, twice each)
+    /// so that [`measured_link`](super::measured_link) has a fit even when every step runs
+    /// collectives of one size. Off by default (about 40 MiB through the link once); `run`
+    /// turns it on. Without it the link is fitted from the steps' own collectives.
+    pub probe_link: bool,
 }
 
 /// What the gradient sync of a group of one rank does. A sum or mean over one rank is its own
@@ -103,6 +109,7 @@ impl Default for CollectiveOptions {
             coalesce_user_collectives: true,
             single_rank: SingleRank::default(),
             record_collectives: false,
+            probe_link: false,
         }
     }
 }

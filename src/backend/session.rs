@@ -23,6 +23,7 @@ use super::distributed::{from_host, graph_dtype, read_host};
 use super::options::{CollectiveOptions, SingleRank, UnusedParameters};
 use super::record::{SubmittedGradient, step_graph};
 use super::replicas::ReplicaState;
+use super::step_clock::StepClock;
 use super::user_collectives::UserQueue;
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
@@ -102,6 +103,8 @@ pub(super) struct RankState<I: Backend> {
     pub(super) flushed_steps: u64,
     /// What `mark_distributed` replicated on this rank.
     pub(super) replicas: ReplicaState,
+    /// The link probe ran ([`CollectiveOptions::probe_link`]).
+    pub(super) probed: bool,
 }
 
 pub(super) struct Session<I: Backend> {
@@ -123,6 +126,8 @@ pub(super) struct Session<I: Backend> {
     pub(super) calls: Vec<Option<crate::runtime::recording::CallLog>>,
     /// What each rank did on the device.
     pub(super) device: Vec<DeviceCounts>,
+    /// By rank: what its steps measured (locked briefly, never while forcing a tensor).
+    pub(super) clocks: Vec<Mutex<StepClock>>,
 }
 
 /// A rank's device work so far (the device fields of [`SyncStats`]).
@@ -200,8 +205,17 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    /// Adds a run's spans to the trace, when tracing.
+    /// `rank`'s clock.
+    pub(super) fn clock(&self, rank: usize) -> MutexGuard<'_, StepClock> {
+        lock(&self.clocks[rank])
+    }
+
+    /// Adds a run's collective timings to the rank's clock and its spans to the trace, when
+    /// tracing.
     pub(super) fn record(&self, rank: usize, report: &ExecReport) {
+        if let Some(c) = self.clocks.get(rank) {
+            lock(c).collectives(&report.timings);
+        }
         if let Some(d) = self.device.get(rank) {
             for (c, n) in [
                 (&d.packs, report.device_packs),
@@ -436,6 +450,8 @@ impl<I: Backend> Session<I> {
                 Grad::Host(buf)
             }
         };
+        // Its value exists: the one clock read of a gradient.
+        self.clock(rank).gradient(&name, ty.bytes());
         // The first gradient of a step starts following the previous step's plan.
         if st.live.is_none()
             && i == 0
@@ -528,7 +544,9 @@ impl<I: Backend> Session<I> {
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
         let log = super::lazy::take_log(device.rank);
+        self.clock(rank).sync_point();
         if st.no_sync {
+            self.clock(rank).discard();
             // A backward pass under no_sync: its gradients were accumulated, nothing to reduce.
             st.step_local = None;
             st.submitted.clear();
@@ -550,8 +568,21 @@ impl<I: Backend> Session<I> {
                 self.check_registered(rank, st);
             }
             st.local_steps += 1;
-            self.finish_step(st, log);
+            self.finish_step(rank, st, log);
             return;
+        }
+        if self.options.probe_link && !st.probed && self.world > 1 {
+            // Every rank's first synced step, before any of its collectives.
+            st.probed = true;
+            match crate::runtime::probe::probe_link(self.comm(rank), self.options.timeout) {
+                Ok(runs) => {
+                    let mut c = self.clock(rank);
+                    for (bytes, us) in runs {
+                        c.link.add(bytes, us);
+                    }
+                }
+                Err(e) => self.fail(rank, format!("probing the link: {e}")),
+            }
         }
         let reduced = if self.options.unused == UnusedParameters::ZeroFill {
             self.reduce_zero_fill(rank, st)
@@ -584,11 +615,12 @@ impl<I: Backend> Session<I> {
             let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
         }
-        self.finish_step(st, log);
+        self.finish_step(rank, st, log);
     }
 
     /// Ends a synced step: keeps its recorded graph, forgets its gradients.
-    fn finish_step(&self, st: &mut RankState<I>, log: Vec<super::lazy::LogEntry>) {
+    fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: Vec<super::lazy::LogEntry>) {
+        self.clock(rank).end_step(self.world);
         let grads: Vec<SubmittedGradient<'_>> = st
             .submitted
             .iter()

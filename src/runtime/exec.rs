@@ -123,6 +123,28 @@ pub struct ExecReport {
     /// Reduced gradients handed back as views of their device bucket rather than copied out
     /// of it (a plan collective's `views`).
     pub view_grads: u32,
+    /// Each collective's times, in the order this rank finished waiting for them.
+    pub timings: Vec<CollectiveTiming>,
+}
+
+/// When one plan collective ran, as this rank saw it: what the link and the overlap are
+/// measured from (one clock read at the launch and two at the wait; nothing synchronised).
+#[derive(Clone, Copy, Debug)]
+pub struct CollectiveTiming {
+    /// The plan collective.
+    pub collective: u32,
+    /// Bytes each rank contributes (the flat bucket, or the members' bytes together).
+    pub bytes: u64,
+    /// This rank launched it (its compute stream reached the launch).
+    pub launched: Instant,
+    /// On the communication stream: every rank had joined → the result was here (of the
+    /// earliest and latest call, for a collective of several calls).
+    pub comm: CommSpan,
+    /// The compute stream started and ended waiting for it: the part of the collective this
+    /// rank did not overlap is `wait_end - wait_start`.
+    pub wait_start: Instant,
+    /// See `wait_start`.
+    pub wait_end: Instant,
 }
 
 fn desc_of(
@@ -363,6 +385,8 @@ pub struct Execution {
     pc: usize,
     packed: Vec<Option<Packed>>,
     flight: Vec<Option<InFlight>>,
+    /// When each collective was launched, and its bytes.
+    launched: Vec<Option<(Instant, u64)>>,
     report: ExecReport,
 }
 
@@ -392,6 +416,7 @@ impl Execution {
             pc: 0,
             packed: (0..plan.collectives.len()).map(|_| None).collect(),
             flight: (0..plan.collectives.len()).map(|_| None).collect(),
+            launched: vec![None; plan.collectives.len()],
             report: ExecReport::default(),
         })
     }
@@ -600,9 +625,17 @@ impl Execution {
                             why: format!("collective #{} is ready before its pack", c.id),
                         })?;
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
+                    let bytes = buf.len() as u64 * buf.dtype().size();
+                    self.launched[c.id as usize] = Some((Instant::now(), bytes));
                     InFlight::Bucket(Pending::launch(comm, buf, what, report)?)
                 } else {
                     // The calls of one collective launch together (one NCCL group).
+                    let bytes = c
+                        .slots
+                        .iter()
+                        .map(|s| plan.slots[*s as usize].ty.bytes())
+                        .sum();
+                    self.launched[c.id as usize] = Some((Instant::now(), bytes));
                     let grouped = c.slots.len() > 1;
                     if grouped {
                         comm.group(true);
@@ -618,10 +651,12 @@ impl Execution {
             }
             Step::Wait(Event::Done(cid)) => {
                 let c = &plan.collectives[*cid as usize];
+                let mut whole: Option<CommSpan> = None;
                 match self.flight[c.id as usize].take() {
                     Some(InFlight::Bucket(p)) => {
                         let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
                         comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                        whole = Some(s);
                         self.packed[c.id as usize] = Some(buf);
                     }
                     Some(InFlight::Slots(calls)) => {
@@ -646,6 +681,10 @@ impl Execution {
                                 }
                             };
                             comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                            whole = Some(whole.map_or(s, |w| CommSpan {
+                                start: w.start.min(s.start),
+                                end: w.end.max(s.end),
+                            }));
                             grads[slot as usize] = g;
                         }
                     }
@@ -655,6 +694,19 @@ impl Execution {
                             why: format!("waits for collective #{} before it was launched", c.id),
                         });
                     }
+                }
+                let wait_end = Instant::now();
+                if let (Some((launched, bytes)), Some(comm)) =
+                    (self.launched[c.id as usize].take(), whole)
+                {
+                    report.timings.push(CollectiveTiming {
+                        collective: c.id,
+                        bytes,
+                        launched,
+                        comm,
+                        wait_start: t,
+                        wait_end,
+                    });
                 }
                 span(report, "compute", format!("wait {}", bucket_name(c)));
             }

@@ -26,6 +26,7 @@ pub mod host;
 pub mod inprocess;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod probe;
 pub mod recording;
 pub mod rendezvous;
 pub mod synthetic;

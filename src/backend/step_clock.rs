@@ -1,0 +1,110 @@
+//! A rank's clock over its steps: one read per gradient, the executor's collective timings,
+//! the sync point and its end, turned into a [`MeasuredStep`] at each synced step, and the
+//! collectives of recent steps kept to fit the link ([`LinkSamples`]).
+
+use std::time::Instant;
+
+use crate::measure::{LinkSamples, MeasuredCollective, MeasuredGradient, MeasuredStep};
+use crate::runtime::exec::CollectiveTiming;
+
+/// One rank's measurements.
+#[derive(Debug, Default)]
+pub(super) struct StepClock {
+    /// The current step began: the previous sync returned (or its first gradient arrived).
+    start: Option<Instant>,
+    gradients: Vec<(String, u64, Instant)>,
+    collectives: Vec<CollectiveTiming>,
+    sync: Option<Instant>,
+    /// The last synced step.
+    pub(super) last: Option<MeasuredStep>,
+    /// The collectives of recent steps.
+    pub(super) link: LinkSamples,
+}
+
+impl StepClock {
+    pub(super) fn new(world: usize) -> Self {
+        StepClock {
+            link: LinkSamples::new(world as u32),
+            ..Self::default()
+        }
+    }
+
+    /// A gradient's value exists now.
+    pub(super) fn gradient(&mut self, param: &str, bytes: u64) {
+        let now = Instant::now();
+        self.start.get_or_insert(now);
+        self.gradients.push((param.to_string(), bytes, now));
+    }
+
+    /// Collectives an execution of this step waited for.
+    pub(super) fn collectives(&mut self, timings: &[CollectiveTiming]) {
+        self.collectives.extend_from_slice(timings);
+    }
+
+    /// The backward pass reached the sync point.
+    pub(super) fn sync_point(&mut self) {
+        self.sync = Some(Instant::now());
+    }
+
+    /// A backward pass that did not sync (under `no_sync`): its gradients are not a step's.
+    pub(super) fn discard(&mut self) {
+        self.gradients.clear();
+        self.collectives.clear();
+        self.sync = None;
+    }
+
+    /// The sync returned: the step's measurements become [`StepClock::last`], its collectives
+    /// join the link samples, and the next step starts now.
+    pub(super) fn end_step(&mut self, world: usize) {
+        let end = Instant::now();
+        let start = self.start.unwrap_or(end);
+        let us = |t: Instant| {
+            if t >= start {
+                t.duration_since(start).as_secs_f64() * 1e6
+            } else {
+                -(start.duration_since(t).as_secs_f64() * 1e6)
+            }
+        };
+        let mut timings = std::mem::take(&mut self.collectives);
+        // The communication stream runs collectives in launch order: one starts when it was
+        // launched and the one before it had finished.
+        timings.sort_by_key(|t| t.launched);
+        let mut free = start;
+        let collectives = timings
+            .iter()
+            .map(|t| {
+                let begin = t.launched.max(free).min(t.comm.end);
+                free = t.comm.end;
+                MeasuredCollective {
+                    collective: t.collective,
+                    bytes: t.bytes,
+                    launch_us: us(t.launched),
+                    start_us: us(begin),
+                    end_us: us(t.comm.end),
+                    wait_us: t
+                        .wait_end
+                        .saturating_duration_since(t.wait_start)
+                        .as_secs_f64()
+                        * 1e6,
+                }
+            })
+            .collect();
+        let step = MeasuredStep {
+            world: world as u32,
+            gradients: std::mem::take(&mut self.gradients)
+                .into_iter()
+                .map(|(param, bytes, t)| MeasuredGradient {
+                    param,
+                    bytes,
+                    ready_us: us(t),
+                })
+                .collect(),
+            collectives,
+            sync_us: us(self.sync.take().unwrap_or(end)),
+            end_us: us(end),
+        };
+        self.link.add_step(&step);
+        self.last = Some(step);
+        self.start = Some(end);
+    }
+}
