@@ -40,6 +40,8 @@ enum RunModelArg {
     Mlp,
     /// Two 3×3 convolutions and a linear layer on 28×28 inputs.
     Convnet,
+    /// Transformer-style blocks of width 64 (many small tensors: 16 per block).
+    Blocks,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -494,6 +496,14 @@ struct RunArgs {
     /// Hidden layers of the MLP, 1024 wide each (default 3).
     #[arg(long)]
     hidden_layers: Option<usize>,
+    /// Transformer-style blocks of `--model blocks` (default 12).
+    #[arg(long)]
+    blocks: Option<usize>,
+    /// Train the same steps under each bucketing policy (per-param, ddp, cost; same seed) and
+    /// print each one's measured step time and exposed communication beside what the
+    /// simulator predicts for those very steps from the measured times and link.
+    #[arg(long, conflicts_with_all = ["policy", "trace", "svg", "step_graph"])]
+    compare_policies: bool,
     /// What marking the model does about the ranks' weights: take rank 0's, or check that
     /// they already are rank 0's.
     #[arg(long, value_enum, default_value = "broadcast")]
@@ -529,15 +539,24 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             DispatchDeviceArg::Cuda => DispatchOn::Cuda,
         }),
     };
-    let model = match (a.model, a.hidden_layers) {
-        (RunModelArg::Mlp, layers) => RunModel::Mlp {
+    let model = match (a.model, a.hidden_layers, a.blocks) {
+        (RunModelArg::Mlp, layers, None) => RunModel::Mlp {
             hidden_layers: layers.unwrap_or(3),
         },
-        (RunModelArg::Convnet, None) => RunModel::ConvNet,
-        (RunModelArg::Convnet, Some(_)) => {
+        (RunModelArg::Convnet, None, None) => RunModel::ConvNet,
+        (RunModelArg::Blocks, None, blocks) => RunModel::Blocks {
+            blocks: blocks.unwrap_or(12),
+        },
+        (_, Some(_), _) => {
             return Err("--hidden-layers is an option of --model mlp".into());
         }
+        (_, _, Some(_)) => {
+            return Err("--blocks is an option of --model blocks".into());
+        }
     };
+    if a.blocks == Some(0) {
+        return Err("--blocks must be at least 1".into());
+    }
     if !(a.timeout.is_finite() && a.timeout > 0.0) {
         return Err("--timeout must be a positive number of seconds".into());
     }
@@ -595,6 +614,9 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     };
+    if a.compare_policies {
+        return compare_policies_cmd(&opts, tty);
+    }
     let report = run(&opts, &progress)?;
     let mut out = String::new();
     writeln!(
@@ -658,6 +680,13 @@ fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         )?;
     }
     let r0 = report.local_ranks[0];
+    if s0.measured_plans > 0 {
+        writeln!(
+            out,
+            "measured plans (rank {r0}): {} compiled from measured steps, {} of them re-plans after a drift",
+            s0.measured_plans, s0.replans
+        )?;
+    }
     if let Some(m) = &report.measured {
         writeln!(out, "measured (rank {r0}, last step): {m}")?;
     }
@@ -877,6 +906,98 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Writes the output; a closed pipe (`| head`) is not an error.
+/// `run --compare-policies`: the table of [`collective_fusion::train::compare_policies`].
+fn compare_policies_cmd(
+    opts: &collective_fusion::train::RunOptions,
+    tty: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use collective_fusion::train::{PolicyRun, compare_policies};
+    const WARMUP: usize = 2;
+    let steps = opts.steps;
+    let progress = move |policy: &str, done: usize| {
+        if tty {
+            eprint!("\r{policy}: step {done}/{steps}   ");
+            if done == steps {
+                eprint!("\r{:40}\r", "");
+            }
+        }
+    };
+    let rows = compare_policies(opts, WARMUP, &progress)?;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "compare policies: {} on {} · {} ranks · batch {}/rank · steps {}–{} (median, rank 0) · predicted: the simulator on each step's measured backward and the run's link",
+        opts.model.name(),
+        opts.backend.name(),
+        opts.world,
+        opts.batch,
+        WARMUP + 1,
+        steps
+    )?;
+    writeln!(
+        out,
+        "{:<10} {:>11} {:>26} {:>26} {:>26}   link",
+        "policy",
+        "collectives",
+        "step ms (pred, err)",
+        "backward ms (pred, err)",
+        "exposed ms (pred, err)"
+    )?;
+    let cell = |p: (f64, f64)| {
+        format!(
+            "{:>8.2} {:>8.2} {:>+7.1}%",
+            p.0,
+            p.1,
+            PolicyRun::error(p) * 100.0
+        )
+    };
+    for r in &rows {
+        writeln!(
+            out,
+            "{:<10} {:>5.0} {:>5} {:>26} {:>26} {:>26}   {}",
+            r.policy.name(),
+            r.collectives.0,
+            format!("({:.0})", r.collectives.1),
+            cell(r.step_ms),
+            cell(r.backward_ms),
+            cell(r.exposed_ms),
+            r.link.map_or("not fitted".to_string(), |l| format!(
+                "{:.0} us + {:.2} GB/s",
+                l.alpha_us, l.busbw_gbs
+            ))
+        )?;
+    }
+    if let Some(c) = rows
+        .iter()
+        .find(|r| r.policy == collective_fusion::config::BucketPolicy::Cost)
+    {
+        writeln!(
+            out,
+            "cost: {} plan(s) from measured steps, {} re-plan(s)",
+            c.measured_plans.0, c.measured_plans.1
+        )?;
+    }
+    let same = rows
+        .iter()
+        .all(|r| r.weights_digest == rows[0].weights_digest);
+    let agree = rows.iter().all(|r| r.ranks_agree);
+    writeln!(
+        out,
+        "final weights: ranks agree under every policy: {}; the same weights under every policy: {}",
+        if agree { "yes" } else { "NO" },
+        if same {
+            "yes"
+        } else {
+            "no (sums in a different order)"
+        }
+    )?;
+    emit(&out)?;
+    if !agree {
+        return Err("the ranks ended with different weights".into());
+    }
+    Ok(())
+}
+
 fn emit(out: &str) -> Result<(), Box<dyn std::error::Error>> {
     use std::io::Write as _;
     match std::io::stdout().lock().write_all(out.as_bytes()) {

@@ -7,10 +7,18 @@
 //! ([`LinkSamples::fit`]). Times are microseconds from the start of the step: the end of the
 //! previous sync on that rank (for the first step, its first gradient).
 //!
+//! A [`MeasuredProfile`] (one rank's ready times and link) is what the backend compiles its
+//! plans from once a step has been measured: [`MeasuredProfile::segment`] is the sync segment
+//! with the measured time before each gradient as compute, [`MeasuredProfile::system_profile`]
+//! the cost model's system.
+//!
 //! Plain data: no device, no Burn; the backend fills it, `run` prints it, the cost model reads it.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
+
+use crate::cost::SystemProfile;
+use crate::graph::{ComputeKind, Graph, NodeId, Op, ReduceOp, TensorType, Value};
 
 /// One gradient of a measured step.
 #[derive(Clone, Debug, PartialEq)]
@@ -222,6 +230,199 @@ impl LinkSamples {
             sizes: pts.len(),
             samples: self.samples,
         })
+    }
+}
+
+/// What a plan is compiled from once a step has been measured: the gradients' ready times (µs
+/// from the first, in ready order) and the fitted link, as one rank (rank 0)
+/// measured them. Every rank compiles from the same one, so every rank gets the same plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredProfile {
+    /// Ready time of each gradient, in ready order.
+    pub ready_us: Vec<f64>,
+    /// The link, when there was one to fit.
+    pub link: Option<LinkFit>,
+}
+
+/// Compute nodes of a measured segment count nanoseconds as their `flops`, at this rate
+/// (TFLOP/s) in the measured system profile: one "flop" per nanosecond.
+pub const MEASURED_TFLOPS: f64 = 1e-3;
+
+impl MeasuredProfile {
+    /// A step's ready times, from its first gradient (what comes before, the forward pass and
+    /// the optimizer, cannot overlap a collective of the step and is no part of a plan), and
+    /// the link fit.
+    pub fn from_step(step: &MeasuredStep, link: Option<LinkFit>) -> Self {
+        let first = step.gradients.first().map_or(0.0, |g| g.ready_us);
+        MeasuredProfile {
+            ready_us: step
+                .gradients
+                .iter()
+                .map(|g| (g.ready_us - first).max(0.0))
+                .collect(),
+            link,
+        }
+    }
+
+    /// As numbers (ready times, then alpha and bus bandwidth; zeros for no link), to share.
+    pub fn encode(&self) -> Vec<f64> {
+        let mut v = self.ready_us.clone();
+        let l = self.link.map_or((0.0, 0.0), |l| (l.alpha_us, l.busbw_gbs));
+        v.extend([l.0, l.1]);
+        v
+    }
+
+    /// What [`MeasuredProfile::encode`] wrote, `None` when the length does not match.
+    pub fn decode(v: &[f64]) -> Option<Self> {
+        let n = v.len().checked_sub(2)?;
+        let (alpha_us, busbw_gbs) = (v[n], v[n + 1]);
+        Some(MeasuredProfile {
+            ready_us: v[..n].to_vec(),
+            link: (busbw_gbs > 0.0 && busbw_gbs.is_finite() && alpha_us >= 0.0).then_some(
+                LinkFit {
+                    alpha_us,
+                    busbw_gbs,
+                    sizes: 0,
+                    samples: 0,
+                },
+            ),
+        })
+    }
+
+    /// The link's predicted cost of one all-reduce of `bytes` over `world` ranks, µs.
+    fn link_us(link: &LinkFit, bytes: u64, world: u32) -> f64 {
+        let n = f64::from(world.max(2));
+        link.alpha_us + bytes as f64 * 2.0 * (n - 1.0) / n / (link.busbw_gbs * 1e3)
+    }
+
+    /// How far this profile moved from `base`, as a fraction: the largest change of a
+    /// gradient's ready time relative to base's last ready time (its backward pass), or the relative change of the
+    /// link's cost of one all-reduce of `bytes` (all the gradients). Infinite when the two do
+    /// not describe the same gradients, or only one has a link.
+    pub fn drift(&self, base: &MeasuredProfile, bytes: u64, world: u32) -> f64 {
+        if self.ready_us.len() != base.ready_us.len() {
+            return f64::INFINITY;
+        }
+        let span = base.ready_us.last().copied().unwrap_or(0.0).max(1.0);
+        let ready = self
+            .ready_us
+            .iter()
+            .zip(&base.ready_us)
+            .map(|(a, b)| (a - b).abs() / span)
+            .fold(0.0, f64::max);
+        let link = match (&self.link, &base.link) {
+            (None, None) => 0.0,
+            (Some(a), Some(b)) => {
+                let (a, b) = (
+                    Self::link_us(a, bytes, world),
+                    Self::link_us(b, bytes, world),
+                );
+                (a / b.max(1e-9) - 1.0).abs()
+            }
+            _ => f64::INFINITY,
+        };
+        ready.max(link)
+    }
+
+    /// The system profile of this measurement: the fitted link (`fallback`'s without one),
+    /// compute at [`MEASURED_TFLOPS`] (a measured segment's compute nodes carry nanoseconds),
+    /// `fallback`'s copy bandwidth.
+    pub fn system_profile(&self, world: u32, fallback: &SystemProfile) -> SystemProfile {
+        let (alpha_us, busbw_gbs) = self
+            .link
+            .map_or((fallback.alpha_us, fallback.busbw_gbs), |l| {
+                (l.alpha_us, l.busbw_gbs)
+            });
+        SystemProfile {
+            name: "measured".into(),
+            description: "the link and the step as this job measured them".into(),
+            world,
+            alpha_us,
+            busbw_gbs,
+            compute_tflops: MEASURED_TFLOPS,
+            mem_gbs: fallback.mem_gbs,
+            sources: Vec::new(),
+        }
+    }
+
+    /// The sync segment of `entries` (parameter and gradient type, in ready order) with the
+    /// measured time before each gradient as a `compute` node: `"until <param>, ready <t> us"`
+    /// (the gradient's ready time in its label, for people), its `flops` the nanoseconds since
+    /// the previous gradient.
+    /// Each gradient is the result of its compute node, followed by its `grad_sync`; one `sync`
+    /// ends it. Ready times missing (a profile of fewer gradients) count as no time.
+    pub fn segment(&self, world: u32, reduce: ReduceOp, entries: &[(String, TensorType)]) -> Graph {
+        self.segment_until(world, reduce, entries, 0.0)
+    }
+
+    /// [`MeasuredProfile::segment`] with `tail_us` of compute after the last gradient before
+    /// the sync point (a `compute "until the sync point"` node ordered before the `sync`, when
+    /// it is more than zero): the whole measured backward from its first gradient, to predict
+    /// a step rather than to plan one.
+    pub fn segment_until(
+        &self,
+        world: u32,
+        reduce: ReduceOp,
+        entries: &[(String, TensorType)],
+        tail_us: f64,
+    ) -> Graph {
+        let mut g = Graph::new("measured");
+        let group = g.add_group(world);
+        let mut prev: Option<NodeId> = None;
+        let mut last = 0.0f64;
+        let mut syncs = Vec::with_capacity(entries.len());
+        for (i, (name, ty)) in entries.iter().enumerate() {
+            let at = self.ready_us.get(i).copied().unwrap_or(last).max(last);
+            let ns = ((at - last) * 1e3).round().max(0.0) as u64;
+            last = at;
+            let operands: Vec<Value> = prev.map(Value::of).into_iter().collect();
+            let compute = g.add_node(
+                Op::Compute {
+                    name: format!("until {name}, ready {at:.0} us"),
+                    kind: ComputeKind::Opaque,
+                    flops: ns,
+                },
+                [ty.clone()],
+                &operands,
+            );
+            prev = Some(compute);
+            let grad = g.add_node(
+                Op::Gradient {
+                    param: name.clone(),
+                },
+                [ty.clone()],
+                &[Value::of(compute)],
+            );
+            let sync = g.add_node(
+                Op::GradSync {
+                    param: name.clone(),
+                    ready: i as u32,
+                    reduce,
+                    group,
+                },
+                [ty.clone()],
+                &[Value::of(grad)],
+            );
+            syncs.push(Value::of(sync));
+        }
+        let tail_ns = (tail_us * 1e3).round();
+        let tail = (tail_ns >= 1.0).then(|| {
+            let operands: Vec<Value> = prev.map(Value::of).into_iter().collect();
+            g.add_node(
+                Op::Compute {
+                    name: format!("until the sync point, at {:.0} us", last + tail_us),
+                    kind: ComputeKind::Opaque,
+                    flops: tail_ns as u64,
+                },
+                [TensorType::new(crate::graph::DType::F32, &[])],
+                &operands,
+            )
+        });
+        let sync = g.add_node(Op::Sync, [], &syncs);
+        if let Some(t) = tail {
+            g.add_order(t, sync);
+        }
+        g
     }
 }
 

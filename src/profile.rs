@@ -13,7 +13,8 @@ use crate::config::{BucketPolicy, CompileConfig};
 use crate::cost::{CostModel, SimSpan, StepTimes, simulate, simulate_spans};
 use crate::graph::builder::{BuildOptions, build_step_graph};
 use crate::graph::print::fmt_bytes;
-use crate::graph::{Graph, Op, ReduceOp};
+use crate::graph::{DType, Graph, Op, ReduceOp, TensorType};
+use crate::measure::{LinkFit, MeasuredProfile, MeasuredStep};
 use crate::model::ModelProfile;
 use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
@@ -264,6 +265,40 @@ pub fn compare_step(
         selected,
         recorded: matches!(source, StepSource::Recorded { .. }),
     })
+}
+
+/// What the simulator predicts for a step a rank measured, under `policy`: the measured
+/// backward from its first gradient (the time before each gradient and after the last one, as
+/// compute: [`MeasuredProfile::segment_until`]) compiled with `config` under the measured link
+/// (`link`; `config`'s system without one) and simulated. Its `total` is the predicted time from
+/// the first gradient to the end of the sync, its `exposed()` the predicted communication the
+/// step waited for; compare them with [`MeasuredStep`]'s. Gradient types are taken as `f32` of
+/// the measured bytes (what the cost model reads of them is their size).
+pub fn predict_measured(
+    step: &MeasuredStep,
+    link: Option<LinkFit>,
+    reduce: ReduceOp,
+    config: &CompileConfig,
+    policy: BucketPolicy,
+) -> Result<StepTimes, ProfileError> {
+    let profile = MeasuredProfile::from_step(step, link);
+    let entries: Vec<(String, TensorType)> = step
+        .gradients
+        .iter()
+        .map(|g| {
+            (
+                g.param.clone(),
+                TensorType::new(DType::F32, &[g.bytes.div_ceil(4).max(1)]),
+            )
+        })
+        .collect();
+    let last = step.gradients.last().map_or(step.sync_us, |g| g.ready_us);
+    let mut g = profile.segment_until(step.world, reduce, &entries, (step.sync_us - last).max(0.0));
+    let mut cfg = config.clone();
+    cfg.bucket.policy = policy;
+    cfg.cost = CostModel::new(profile.system_profile(step.world, &config.cost.system));
+    compile(&mut g, &cfg)?;
+    Ok(simulate(&g, &cfg.cost)?)
 }
 
 /// The simulated step of `graph` as trace spans of rank 0 (every rank runs the same schedule in

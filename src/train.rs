@@ -14,7 +14,7 @@ use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::conv::{Conv2d, Conv2dConfig};
 use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn_nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
@@ -83,6 +83,14 @@ pub enum RunModel {
     },
     /// Two 3×3 convolutions (1 → 16 → 32 channels) on 28×28 inputs, then a linear layer to 10.
     ConvNet,
+    /// Many small tensors: each input row as 16 tokens of 49 features, embedded to width 64,
+    /// `blocks` transformer-style blocks (pre-norm single-head self-attention with q/k/v/o
+    /// projections, then a 64 → 256 → 64 GELU MLP, both residual; 16 parameter tensors of at
+    /// most 64 KiB each per block), mean over tokens, a linear layer to 10.
+    Blocks {
+        /// Transformer-style blocks (12 by default).
+        blocks: usize,
+    },
 }
 
 impl RunModel {
@@ -91,6 +99,7 @@ impl RunModel {
         match self {
             RunModel::Mlp { .. } => "mlp",
             RunModel::ConvNet => "convnet",
+            RunModel::Blocks { .. } => "blocks",
         }
     }
 }
@@ -155,6 +164,8 @@ pub struct RunReport {
     pub weights_digest: u64,
     /// What the first local rank measured of its last step.
     pub measured: Option<MeasuredStep>,
+    /// What the first local rank measured of each synced step, in order.
+    pub measured_steps: Vec<MeasuredStep>,
     /// The link the first local rank fitted (a group of more than one rank).
     pub link: Option<LinkFit>,
 }
@@ -235,7 +246,7 @@ impl<I: Backend> Net<I> for Mlp<I> {
     fn init(d: &Dev<I>, model: RunModel) -> Self {
         let hidden = match model {
             RunModel::Mlp { hidden_layers } => hidden_layers,
-            RunModel::ConvNet => 3,
+            _ => 3,
         };
         let widths: Vec<usize> = std::iter::once(INPUTS)
             .chain(std::iter::repeat_n(1024, hidden))
@@ -278,6 +289,72 @@ impl<I: Backend> Net<I> for ConvNet<I> {
         let h = burn_core::tensor::activation::relu(self.0.forward(h));
         let h = burn_core::tensor::activation::relu(self.1.forward(h));
         self.2.forward(h.reshape([n, 32 * INPUTS]))
+    }
+}
+
+/// Tokens per input row of [`RunModel::Blocks`], features per token, model width, MLP width.
+const TOKENS: usize = 16;
+const TOKEN_FEATURES: usize = INPUTS / TOKENS;
+const WIDTH: usize = 64;
+const MLP_WIDTH: usize = 4 * WIDTH;
+
+/// One transformer-style block: norm, q, k, v, o, norm, MLP in, MLP out.
+type Block<I> = (
+    LayerNorm<B<I>>,
+    Linear<B<I>>,
+    Linear<B<I>>,
+    Linear<B<I>>,
+    Linear<B<I>>,
+    LayerNorm<B<I>>,
+    Linear<B<I>>,
+    Linear<B<I>>,
+);
+
+/// Token embedding, the blocks, a final norm and the head.
+type Blocks<I> = (Linear<B<I>>, Vec<Block<I>>, LayerNorm<B<I>>, Linear<B<I>>);
+
+impl<I: Backend> Net<I> for Blocks<I> {
+    fn init(d: &Dev<I>, model: RunModel) -> Self {
+        let n = match model {
+            RunModel::Blocks { blocks } => blocks,
+            _ => 12,
+        };
+        let block = || {
+            (
+                LayerNormConfig::new(WIDTH).init(d),
+                LinearConfig::new(WIDTH, WIDTH).init(d),
+                LinearConfig::new(WIDTH, WIDTH).init(d),
+                LinearConfig::new(WIDTH, WIDTH).init(d),
+                LinearConfig::new(WIDTH, WIDTH).init(d),
+                LayerNormConfig::new(WIDTH).init(d),
+                LinearConfig::new(WIDTH, MLP_WIDTH).init(d),
+                LinearConfig::new(MLP_WIDTH, WIDTH).init(d),
+            )
+        };
+        (
+            LinearConfig::new(TOKEN_FEATURES, WIDTH).init(d),
+            (0..n).map(|_| block()).collect(),
+            LayerNormConfig::new(WIDTH).init(d),
+            LinearConfig::new(WIDTH, OUTPUTS).init(d),
+        )
+    }
+    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
+        use burn_core::tensor::activation::{gelu, softmax};
+        let n = x.dims()[0];
+        let mut h = self.0.forward(x.reshape([n, TOKENS, TOKEN_FEATURES]));
+        let scale = 1.0 / (WIDTH as f64).sqrt();
+        for (norm1, q, k, v, o, norm2, fc1, fc2) in &self.1 {
+            let a = norm1.forward(h.clone());
+            let scores = q
+                .forward(a.clone())
+                .matmul(k.forward(a.clone()).swap_dims(1, 2));
+            let attn = softmax(scores.mul_scalar(scale), 2).matmul(v.forward(a));
+            h = h + o.forward(attn);
+            let m = fc2.forward(gelu(fc1.forward(norm2.forward(h.clone()))));
+            h = h + m;
+        }
+        let pooled: Tensor<B<I>, 2> = self.2.forward(h).mean_dim(1).reshape([n, WIDTH]);
+        self.3.forward(pooled)
     }
 }
 
@@ -363,7 +440,7 @@ fn run_model<I: Backend, M: Net<I>>(
     // Parameters initialize lazily: materialize them before the ranks copy them.
     let w0 = weights::<I, M>(&init);
     let params = w0.len();
-    type RankResult = Result<(Vec<StepRecord>, Vec<f32>), String>;
+    type RankResult = Result<(Vec<StepRecord>, Vec<f32>, Vec<MeasuredStep>), String>;
     let results: Vec<RankResult> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .iter()
@@ -377,6 +454,7 @@ fn run_model<I: Backend, M: Net<I>>(
                         mark_distributed::<B<I>, M>(model).map_err(|e| e.to_string())?;
                     let mut optim = SgdConfig::new().init::<B<I>, M>();
                     let mut records = Vec::with_capacity(opts.steps);
+                    let mut measured: Vec<MeasuredStep> = Vec::new();
                     for step in 0..opts.steps {
                         let t0 = Instant::now();
                         let (x, y) =
@@ -399,10 +477,15 @@ fn run_model<I: Backend, M: Net<I>>(
                         });
                         tracing::info!(rank, step = step + 1, "step done");
                         if rank == first as usize {
+                            if let Some(m) = measured_step::<I>(rank)
+                                && measured.last() != Some(&m)
+                            {
+                                measured.push(m);
+                            }
                             progress(step + 1);
                         }
                     }
-                    Ok((records, weights::<I, M>(&model)))
+                    Ok((records, weights::<I, M>(&model), measured))
                 })
             })
             .collect();
@@ -426,13 +509,18 @@ fn run_model<I: Backend, M: Net<I>>(
     let link = measured_link::<I>(first as usize);
     Collective::<I>::close_communication_server(&devices[0]);
     let results = results.into_iter().collect::<Result<Vec<_>, String>>()?;
-    let ranks_agree = results.iter().all(|(_, w)| *w == results[0].1);
+    let ranks_agree = results.iter().all(|(_, w, _)| *w == results[0].1);
     let weights_digest = weights_digest(&results[0].1);
+    let (steps, measured_steps) = results
+        .into_iter()
+        .next()
+        .map(|r| (r.0, r.2))
+        .unwrap_or_default();
     Ok(RunReport {
         world,
         local_ranks: local,
         weights_digest,
-        steps: results.into_iter().next().map(|r| r.0).unwrap_or_default(),
+        steps,
         params,
         bytes: params as u64 * 4,
         stats,
@@ -441,6 +529,7 @@ fn run_model<I: Backend, M: Net<I>>(
         trace,
         ranks_agree,
         measured,
+        measured_steps,
         link,
     })
 }
@@ -465,6 +554,7 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         match opts.model {
             RunModel::Mlp { .. } => run_model::<I, Mlp<I>>(opts, device, progress),
             RunModel::ConvNet => run_model::<I, ConvNet<I>>(opts, device, progress),
+            RunModel::Blocks { .. } => run_model::<I, Blocks<I>>(opts, device, progress),
         }
     }
     // In-process NCCL: a GPU per rank. One rank per process: the launcher's local rank. Other
@@ -507,4 +597,145 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         #[cfg(not(feature = "cuda"))]
         RunBackend::Cuda => Err("--backend cuda needs a build with `--features cuda`".into()),
     }
+}
+
+/// One policy's row of [`compare_policies`]: medians over the compared steps of rank
+/// `local_ranks[0]`, milliseconds, each measured value beside what the simulator predicts for
+/// that very step ([`crate::profile::predict_measured`]: the step's measured backward from its
+/// first gradient and the run's fitted link, compiled under the policy and simulated).
+#[derive(Clone, Debug)]
+pub struct PolicyRun {
+    /// The policy.
+    pub policy: crate::config::BucketPolicy,
+    /// Steps compared (the ones after the warm-up).
+    pub steps: usize,
+    /// Collectives per step, measured and predicted.
+    pub collectives: (f64, f64),
+    /// The whole step (forward, backward with sync, optimizer), measured and predicted (the
+    /// measured forward and optimizer plus the predicted backward from the first gradient).
+    pub step_ms: (f64, f64),
+    /// From the first gradient to the end of the sync: the part the simulator models.
+    pub backward_ms: (f64, f64),
+    /// Communication the step waited for at its sync point.
+    pub exposed_ms: (f64, f64),
+    /// The run's link fit.
+    pub link: Option<LinkFit>,
+    /// Plans compiled from measured steps, and re-plans.
+    pub measured_plans: (u64, u64),
+    /// The digest of the final weights (equal digests: equal weights) and whether the ranks
+    /// agreed.
+    pub weights_digest: u64,
+    /// Whether every rank ended with the same weights.
+    pub ranks_agree: bool,
+}
+
+impl PolicyRun {
+    /// `predicted / measured - 1` of a pair.
+    pub fn error(pair: (f64, f64)) -> f64 {
+        if pair.0 > 0.0 {
+            pair.1 / pair.0 - 1.0
+        } else {
+            0.0
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Trains `opts` once under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed,
+/// data and steps) and compares each run's measured steps after the first `warmup` with what
+/// the simulator predicts for them. `progress` is told the policy and the step.
+pub fn compare_policies(
+    opts: &RunOptions,
+    warmup: usize,
+    progress: &(dyn Fn(&str, usize) + Sync),
+) -> Result<Vec<PolicyRun>, String> {
+    use crate::config::BucketPolicy;
+    use crate::graph::ReduceOp;
+    if opts.steps <= warmup {
+        return Err(format!(
+            "comparing policies needs more than {warmup} steps (the first {warmup} warm up); got {}",
+            opts.steps
+        ));
+    }
+    let mut rows = Vec::new();
+    for policy in [
+        BucketPolicy::PerParam,
+        BucketPolicy::Ddp,
+        BucketPolicy::Cost,
+    ] {
+        let mut o = opts.clone();
+        o.collective.config.bucket.policy = policy;
+        let report = run(&o, &|s| progress(policy.name(), s))?;
+        // One measurement per synced step; align them with the steps from the end.
+        let skip = report
+            .steps
+            .len()
+            .saturating_sub(report.measured_steps.len());
+        let pairs: Vec<(&StepRecord, &MeasuredStep)> = report.steps[skip..]
+            .iter()
+            .zip(&report.measured_steps)
+            .skip(warmup.saturating_sub(skip))
+            .collect();
+        if pairs.is_empty() {
+            return Err(format!(
+                "policy {}: no step after the warm-up was measured (a group of one rank syncs nothing)",
+                policy.name()
+            ));
+        }
+        let mut cols: [Vec<f64>; 8] = Default::default();
+        for (rec, m) in &pairs {
+            let p = crate::profile::predict_measured(
+                m,
+                report.link,
+                ReduceOp::Mean,
+                &o.collective.config,
+                policy,
+            )
+            .map_err(|e| format!("predicting a {} step: {e}", policy.name()))?;
+            let first = m.gradients.first().map_or(m.sync_us, |g| g.ready_us);
+            let backward = (m.end_us - first) / 1e3;
+            let predicted = p.total * 1e3;
+            let step = rec.secs * 1e3;
+            let values = [
+                step,
+                step - backward + predicted,
+                backward,
+                predicted,
+                m.exposed_us() / 1e3,
+                p.exposed() * 1e3,
+                m.collectives.len() as f64,
+                p.collectives as f64,
+            ];
+            for (c, v) in cols.iter_mut().zip(values) {
+                c.push(v);
+            }
+        }
+        let [s, sp, b, bp, e, ep, c, cp] = cols.map(median);
+        let st = report.stats[0];
+        rows.push(PolicyRun {
+            policy,
+            steps: pairs.len(),
+            collectives: (c, cp),
+            step_ms: (s, sp),
+            backward_ms: (b, bp),
+            exposed_ms: (e, ep),
+            link: report.link,
+            measured_plans: (st.measured_plans, st.replans),
+            weights_digest: report.weights_digest,
+            ranks_agree: report.ranks_agree,
+        });
+    }
+    Ok(rows)
 }

@@ -253,6 +253,69 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `run --compare-policies`: the same steps of the many-small-tensors model under every
+/// policy, each row's measured times beside the simulator's prediction for those steps, and the
+/// same final weights whatever the bucketing (the in-process sum is elementwise in rank order).
+#[test]
+fn run_compare_policies_measures_and_predicts_every_policy() {
+    let out = common::output_bounded(
+        std::process::Command::new(env!("CARGO_BIN_EXE_collective-fusion")).args([
+            "run",
+            "--model",
+            "blocks",
+            "--blocks",
+            "2",
+            "--world",
+            "2",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--compare-policies",
+        ]),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.starts_with("compare policies: blocks on ndarray · 2 ranks"),
+        "{text}"
+    );
+    let row = |name: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} row: {text}"));
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    // Two blocks of 16 tensors, the embedding, the final norm and the head: 38 gradients, one
+    // all-reduce each under per-param, measured and predicted alike.
+    assert_eq!(row("per-param")[1..3], ["38", "(38)"], "{text}");
+    let ddp: f64 = row("ddp")[1].parse().unwrap();
+    assert!(ddp < 38.0, "{text}");
+    for name in ["per-param", "ddp", "cost"] {
+        let r = row(name);
+        // measured, predicted, error of step, backward, exposed.
+        for i in [3, 4, 6, 7, 9, 10] {
+            let v: f64 = r[i].parse().unwrap_or_else(|_| panic!("{name}: {text}"));
+            assert!(v.is_finite() && v >= 0.0, "{text}");
+        }
+    }
+    assert!(
+        text.contains("cost: 1 plan(s) from measured steps"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "ranks agree under every policy: yes; the same weights under every policy: yes"
+        ),
+        "{text}"
+    );
+}
+
 /// `run --backend wgpu`: the same training on Burn's wgpu backend (Mesa's software Vulkan driver
 /// in CI), buckets packed on the device; with `--bucket-view` the reduced gradients are views of
 /// their buckets, and the weights are bit for bit those of the copies.
@@ -366,6 +429,10 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
         (&["run", "--bucket-cap", "0"], &[]),
         (&["run", "--bucket-cap", "1ZiB"], &[]),
         (&["run", "--world", "100000"], &[]),
+        (&["run", "--model", "blocks", "--blocks", "0"], &[]),
+        (&["run", "--model", "mlp", "--blocks", "2"], &[]),
+        (&["run", "--compare-policies", "--steps", "2"], &[]),
+        (&["run", "--compare-policies", "--policy", "ddp"], &[]),
         (&["plan", "--model", "gpt2", "--world", "0"], &[]),
         (&["plan", "--model", "no-such-model"], &[]),
         (&["profile", "--model", "gpt2", "--world", "0"], &[]),

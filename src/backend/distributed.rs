@@ -100,6 +100,11 @@ pub struct SyncStats {
     /// Reduced gradients handed back as views of their device bucket instead of copies
     /// ([`CompileConfig::gradient_as_bucket_view`]).
     pub view_grads: u64,
+    /// Plans compiled from measured steps ([`CollectiveOptions::measured_plans`]), the first
+    /// included.
+    pub measured_plans: u64,
+    /// Of those, the ones compiled because the measured profile drifted.
+    pub replans: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -116,6 +121,8 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         device_buckets: s.device[rank].packs.load(Relaxed),
         device_collectives: s.device[rank].collectives.load(Relaxed),
         view_grads: s.device[rank].views.load(Relaxed),
+        measured_plans: st.planner.plans,
+        replans: st.planner.replans,
     }
 }
 
@@ -174,7 +181,7 @@ pub fn expected_plan<I: Backend>(rank: usize) -> Option<(Arc<Plan>, String)> {
     let st = s.state(rank, "expected_plan");
     let plan = st.expected.clone()?;
     let mut optimized = st.expected_segment.clone()?;
-    crate::passes::compile(&mut optimized, &s.options.config).ok()?;
+    crate::passes::compile(&mut optimized, &s.expected_config(&st)).ok()?;
     Some((plan, crate::graph::print::print(&optimized)))
 }
 
@@ -264,6 +271,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         flushed_steps: 0,
                         replicas: ReplicaState::default(),
                         probed: false,
+                        planner: Default::default(),
                     })
                 })
                 .collect(),

@@ -50,7 +50,7 @@ pub use distributed::{
     trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
-pub use options::{CollectiveOptions, SingleRank, Transport, UnusedParameters};
+pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as};
 pub use replicas::{InitialWeights, ReplicaError};
 

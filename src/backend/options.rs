@@ -58,6 +58,42 @@ pub struct CollectiveOptions {
     /// collectives of one size. Off by default (about 40 MiB through the link once); `run`
     /// turns it on. Without it the link is fitted from the steps' own collectives.
     pub probe_link: bool,
+    /// Under the `cost` bucketing policy, compile the plans from measured steps (see
+    /// [`MeasuredPlans`]); `None` keeps the plan of the recorded order alone. The other
+    /// policies do not read times, so for them this changes nothing.
+    pub measured_plans: Option<MeasuredPlans>,
+}
+
+/// How the `cost` policy's plans follow what the steps measured.
+///
+/// After the first synced step, and then every [`MeasuredPlans::every_steps`] synced steps (a
+/// check step: the same steps on every rank), the ranks share rank 0's measured profile (its
+/// gradients' ready times and its link fit, [`MeasuredProfile`](crate::measure::MeasuredProfile))
+/// in one small all-reduce. The first check compiles the plan from it: the sync segment with the
+/// measured time before each gradient, under the measured link. A later check compiles again
+/// (a re-plan, counted in [`SyncStats::replans`](super::SyncStats)) only when the profile drifted
+/// from the one the plan came from by more than [`MeasuredPlans::drift`], or when some rank's
+/// step left the plan (its gradients came in another order). Every rank decides from the same
+/// shared numbers, so every rank compiles the same plan at the same step; the plan agreement
+/// checks it before its first collective.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MeasuredPlans {
+    /// Synced steps between checks (at least 1).
+    pub every_steps: u64,
+    /// The drift that re-plans, as a fraction (see
+    /// [`MeasuredProfile::drift`](crate::measure::MeasuredProfile::drift)): 0.5 re-plans when a
+    /// gradient's ready time moved by half the backward pass (first to last gradient), or the link's cost of the
+    /// step's bytes by half.
+    pub drift: f64,
+}
+
+impl Default for MeasuredPlans {
+    fn default() -> Self {
+        MeasuredPlans {
+            every_steps: 10,
+            drift: 0.5,
+        }
+    }
 }
 
 /// What the gradient sync of a group of one rank does. A sum or mean over one rank is its own
@@ -110,6 +146,7 @@ impl Default for CollectiveOptions {
             single_rank: SingleRank::default(),
             record_collectives: false,
             probe_link: false,
+            measured_plans: Some(MeasuredPlans::default()),
         }
     }
 }

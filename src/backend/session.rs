@@ -27,7 +27,10 @@ use super::step_clock::StepClock;
 use super::user_collectives::UserQueue;
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
+use crate::config::BucketPolicy;
+use crate::cost::CostModel;
 use crate::graph::{Graph, Op, ReduceOp, TensorType, Value};
+use crate::measure::MeasuredProfile;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::Communicator;
 use crate::runtime::exec::ExecReport;
@@ -105,6 +108,22 @@ pub(super) struct RankState<I: Backend> {
     pub(super) replicas: ReplicaState,
     /// The link probe ran ([`CollectiveOptions::probe_link`]).
     pub(super) probed: bool,
+    /// Plans from measured steps ([`CollectiveOptions::measured_plans`]).
+    pub(super) planner: Planner,
+}
+
+/// A rank's state of [`MeasuredPlans`](super::MeasuredPlans).
+#[derive(Debug, Default)]
+pub(super) struct Planner {
+    /// Synced steps so far.
+    pub(super) synced: u64,
+    /// The profile the current plan was compiled from.
+    pub(super) base: Option<crate::measure::MeasuredProfile>,
+    /// This rank compiled a plan of its own since (a step left the measured plan).
+    pub(super) stale: bool,
+    /// Plans compiled from measured steps, and those of them a drift caused.
+    pub(super) plans: u64,
+    pub(super) replans: u64,
 }
 
 pub(super) struct Session<I: Backend> {
@@ -631,6 +650,7 @@ impl<I: Backend> Session<I> {
             })
             .collect();
         st.last_step = Some(step_graph(self.world as u32, self.reduce, &grads, &log));
+        self.plan_from_measured(rank, st);
         st.submitted.clear();
         st.index.clear();
         st.registered.clear();
@@ -732,8 +752,99 @@ impl<I: Backend> Session<I> {
             let (g, plan) = self.compile_segment(rank, &mut st.cache, &owned);
             st.expected = Some(plan);
             st.expected_segment = Some(g);
+            st.planner.stale = st.planner.base.is_some();
         }
         reduced
+    }
+
+    /// The compiler options of a plan compiled from `profile`: the measured link and compute.
+    fn measured_config(&self, profile: &MeasuredProfile) -> crate::config::CompileConfig {
+        let mut config = self.options.config.clone();
+        config.cost =
+            CostModel::new(profile.system_profile(self.world as u32, &config.cost.system));
+        config
+    }
+
+    /// The compiler options the expected plan was compiled with.
+    pub(super) fn expected_config(&self, st: &RankState<I>) -> crate::config::CompileConfig {
+        match &st.planner.base {
+            Some(p) if !st.planner.stale => self.measured_config(p),
+            _ => self.options.config.clone(),
+        }
+    }
+
+    /// At a check step of [`MeasuredPlans`](super::MeasuredPlans), shares rank 0's measured
+    /// profile and every rank's need of a plan, and compiles the next step's plan from that
+    /// profile when this is the first check, some rank needs one, or the profile drifted. Every
+    /// rank decides from the same shared numbers.
+    fn plan_from_measured(&self, rank: usize, st: &mut RankState<I>) {
+        let Some(every) = self.options.measured_plans else {
+            return;
+        };
+        if self.world < 2
+            || self.options.config.bucket.policy != BucketPolicy::Cost
+            || self.options.unused == UnusedParameters::ZeroFill
+            || st.submitted.is_empty()
+        {
+            return;
+        }
+        st.planner.synced += 1;
+        let n = st.planner.synced;
+        if n != 1 && !n.is_multiple_of(every.every_steps.max(1)) {
+            return;
+        }
+        let entries: Vec<(String, TensorType)> = st
+            .submitted
+            .iter()
+            .map(|s| (s.name.clone(), s.ty.clone()))
+            .collect();
+        let mine = {
+            let c = self.clock(rank);
+            let mut p = match &c.last {
+                Some(m) => MeasuredProfile::from_step(m, c.link.fit()),
+                None => MeasuredProfile {
+                    ready_us: Vec::new(),
+                    link: None,
+                },
+            };
+            let last = p.ready_us.last().copied().unwrap_or(0.0);
+            p.ready_us.resize(entries.len(), last);
+            p
+        };
+        let shared = crate::runtime::agree::share_from_root(
+            self.comm(rank),
+            &mine.encode(),
+            st.planner.stale,
+            self.options.timeout,
+        );
+        let (values, stale) = match shared {
+            Ok(s) => s,
+            Err(e) => self.fail(rank, format!("sharing the measured step: {e}")),
+        };
+        let Some(profile) = MeasuredProfile::decode(&values) else {
+            return;
+        };
+        let bytes: u64 = entries.iter().map(|(_, t)| t.bytes()).sum();
+        let drifted = st
+            .planner
+            .base
+            .as_ref()
+            .is_some_and(|b| profile.drift(b, bytes, self.world as u32) > every.drift);
+        if st.planner.base.is_some() && !drifted && !stale.contains(&true) {
+            return;
+        }
+        let config = self.measured_config(&profile);
+        let g = profile.segment(self.world as u32, self.reduce, &entries);
+        let plan = match st.cache.get_or_compile(&g, &config) {
+            Ok(p) => p,
+            Err(e) => self.fail(rank, format!("compiling the measured gradient sync: {e}")),
+        };
+        st.planner.replans += u64::from(drifted);
+        st.planner.plans += 1;
+        st.planner.base = Some(profile);
+        st.planner.stale = false;
+        st.expected = Some(plan);
+        st.expected_segment = Some(g);
     }
 
     /// Every parameter Burn registered for this step's sync must have sent its gradient; else

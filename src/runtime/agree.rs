@@ -25,11 +25,13 @@ const GATHER_LEN: u32 = AGREE_LEN + 2;
 const GATHER_BYTES: u32 = AGREE_LEN + 3;
 /// Launch index of [`gather_counts`]'s all-reduce.
 const GATHER_COUNTS: u32 = AGREE_LEN + 4;
+/// Launch index of [`share_from_root`]'s all-reduce.
+const SHARE_ROOT: u32 = AGREE_LEN + 5;
 
-/// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, or [`gather_counts`]'s)
-/// own all-reduces.
+/// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, [`gather_counts`]'s or
+/// [`share_from_root`]'s) own all-reduces.
 pub fn is_agreement(d: &CollectiveDesc) -> bool {
-    (AGREE_LEN..=GATHER_COUNTS).contains(&d.collective)
+    (AGREE_LEN..=SHARE_ROOT).contains(&d.collective)
 }
 
 /// Launch indices of the bucket all-reduces that broadcast rank 0's initial weights when a
@@ -186,6 +188,39 @@ pub fn gather_counts(
     all[rank] = mine as f64;
     let all = exchange(comm, GATHER_COUNTS, all, timeout)?;
     Ok(all.iter().map(|c| *c as u64).collect())
+}
+
+/// Rank 0's `values` and every rank's `flag`, on every rank, in one small all-reduce (rank 0
+/// writes its values, the others zeros; each rank its own flag). `values` must have the same
+/// length on every rank (a different one is the communicator's mismatch error). What a
+/// decision every rank must make alike is made from: rank 0 decides, the others follow.
+pub fn share_from_root(
+    comm: &dyn Communicator,
+    values: &[f64],
+    flag: bool,
+    timeout: std::time::Duration,
+) -> Result<(Vec<f64>, Vec<bool>), CommError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if world <= 1 {
+        return Ok((values.to_vec(), vec![flag]));
+    }
+    let n = values.len();
+    let mut all = vec![0.0; n + world];
+    if rank == 0 {
+        all[..n].copy_from_slice(values);
+    }
+    all[n + rank] = if flag { 1.0 } else { 0.0 };
+    let all = exchange(comm, SHARE_ROOT, all, timeout)?;
+    // The communicator checked every rank gave the same length.
+    let all = if all.len() == n + world {
+        all
+    } else {
+        vec![0.0; n + world]
+    };
+    Ok((
+        all[..n].to_vec(),
+        all[n..].iter().map(|f| *f != 0.0).collect(),
+    ))
 }
 
 /// Exchanges `plan`'s collective sequence with every rank of `comm` and checks they are equal.
