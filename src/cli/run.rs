@@ -1,0 +1,447 @@
+//! The `run` command: train on real Burn backends and print what the run measured
+//! (`--compare-policies`: the same steps under every bucketing policy beside the simulator's
+//! prediction).
+
+use std::fmt::Write as _;
+
+use clap::ValueEnum;
+use collective_fusion::graph::print::fmt_bytes;
+
+use crate::{
+    BackendArg, DispatchDeviceArg, Policy, RunModelArg, TransportArg, configured, emit, parse_size,
+};
+
+#[derive(clap::Args)]
+pub(crate) struct RunArgs {
+    /// Ranks.
+    #[arg(long, default_value_t = 4)]
+    world: u32,
+    /// Model.
+    #[arg(long, value_enum, default_value = "mlp")]
+    model: RunModelArg,
+    /// Training steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
+    #[arg(long, value_enum)]
+    policy: Option<Policy>,
+    /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
+    #[arg(long, value_parser = parse_size)]
+    bucket_cap: Option<u64>,
+    /// Cap of the first bucket. Default 1MiB.
+    #[arg(long, value_parser = parse_size)]
+    first_bucket: Option<u64>,
+    /// Write every rank's spans as Chrome/Perfetto trace JSON.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+    /// Write the same as an SVG timeline.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+    /// Write rank 0's last recorded step (every op, the gradients and their syncs) in the
+    /// graph text form; `profile --model FILE --print-graph` compiles and simulates it.
+    #[arg(long)]
+    step_graph: Option<std::path::PathBuf>,
+    /// How the ranks talk: threads of this process, or one rank per process.
+    #[arg(long, value_enum, default_value = "inprocess")]
+    transport: TransportArg,
+    /// The Burn backend inside `Collective`.
+    #[arg(long, value_enum, default_value = "ndarray")]
+    backend: BackendArg,
+    /// The device of `--backend dispatch`.
+    #[arg(long, value_enum, default_value = "ndarray")]
+    dispatch_device: DispatchDeviceArg,
+    /// Hand reduced gradients back as views of their bucket (device backends; DDP's
+    /// gradient_as_bucket_view; default: CF_BUCKET_VIEW, else off).
+    #[arg(long)]
+    bucket_view: bool,
+    /// Bound on every wait for another rank, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Seed of this process's model initialization. Processes seeded differently build
+    /// different weights; marking the model gives every rank rank 0's.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Hidden layers of the MLP, 1024 wide each (default 3).
+    #[arg(long)]
+    hidden_layers: Option<usize>,
+    /// Transformer-style blocks of `--model blocks` (default 12).
+    #[arg(long)]
+    blocks: Option<usize>,
+    /// Train the same steps under each bucketing policy (per-param, ddp, cost; same seed) and
+    /// print each one's measured step time and exposed communication beside what the
+    /// simulator predicts for those very steps from the measured times and link.
+    #[arg(long, conflicts_with_all = ["policy", "trace", "svg", "step_graph"])]
+    compare_policies: bool,
+    /// What marking the model does about the ranks' weights: take rank 0's, or check that
+    /// they already are rank 0's.
+    #[arg(long, value_enum, default_value = "broadcast")]
+    initial_weights: InitialWeightsArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InitialWeightsArg {
+    /// Every rank takes rank 0's weights (PyTorch DDP's behaviour).
+    Broadcast,
+    /// Every rank keeps its own, which must be rank 0's bit for bit.
+    Verify,
+}
+
+pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use collective_fusion::backend::{CollectiveOptions, InitialWeights, Transport};
+    use collective_fusion::train::{DispatchOn, RunBackend, RunModel, RunOptions, run};
+    use std::io::IsTerminal as _;
+    if a.world == 0 || a.world > 256 {
+        return Err("--world must be between 1 and 256".into());
+    }
+    if a.steps == 0 || a.batch == 0 {
+        return Err("--steps and --batch must be at least 1".into());
+    }
+    let config = configured(a.policy, a.bucket_cap, a.first_bucket, a.bucket_view)?;
+    let backend = match a.backend {
+        BackendArg::Ndarray => RunBackend::NdArray,
+        BackendArg::Wgpu => RunBackend::Wgpu,
+        BackendArg::Cuda => RunBackend::Cuda,
+        BackendArg::Dispatch => RunBackend::Dispatch(match a.dispatch_device {
+            DispatchDeviceArg::Ndarray => DispatchOn::NdArray,
+            DispatchDeviceArg::Wgpu => DispatchOn::Wgpu,
+            DispatchDeviceArg::Cuda => DispatchOn::Cuda,
+        }),
+    };
+    let model = match (a.model, a.hidden_layers, a.blocks) {
+        (RunModelArg::Mlp, layers, None) => RunModel::Mlp {
+            hidden_layers: layers.unwrap_or(3),
+        },
+        (RunModelArg::Convnet, None, None) => RunModel::ConvNet,
+        (RunModelArg::Blocks, None, blocks) => RunModel::Blocks {
+            blocks: blocks.unwrap_or(12),
+        },
+        (_, Some(_), _) => {
+            return Err("--hidden-layers is an option of --model mlp".into());
+        }
+        (_, _, Some(_)) => {
+            return Err("--blocks is an option of --model blocks".into());
+        }
+    };
+    if a.blocks == Some(0) {
+        return Err("--blocks must be at least 1".into());
+    }
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        return Err("--timeout must be a positive number of seconds".into());
+    }
+    let timeout = std::time::Duration::from_secs_f64(a.timeout);
+    let from_env = || collective_fusion::runtime::rendezvous::RendezvousConfig::from_env(timeout);
+    let transport = match a.transport {
+        TransportArg::Inprocess => Transport::InProcess,
+        TransportArg::Tcp => Transport::Tcp(from_env()?),
+        #[cfg(feature = "cuda")]
+        TransportArg::Nccl => Transport::Nccl(from_env()?),
+        #[cfg(feature = "cuda")]
+        TransportArg::NcclLocal => {
+            if !matches!(
+                backend,
+                RunBackend::Cuda | RunBackend::Dispatch(DispatchOn::Cuda)
+            ) {
+                return Err("--transport nccl-local needs --backend cuda (a GPU per rank)".into());
+            }
+            Transport::NcclLocal
+        }
+    };
+    let opts = RunOptions {
+        world: a.world,
+        model,
+        steps: a.steps,
+        batch: a.batch,
+        backend,
+        seed: a.seed,
+        collective: CollectiveOptions {
+            config: config.clone(),
+            timeout,
+            trace: a.trace.is_some() || a.svg.is_some(),
+            transport,
+            initial_weights: match a.initial_weights {
+                InitialWeightsArg::Broadcast => InitialWeights::Broadcast,
+                InitialWeightsArg::Verify => InitialWeights::Verify,
+            },
+            probe_link: true,
+            ..CollectiveOptions::default()
+        },
+    };
+    let tty = std::io::stderr().is_terminal();
+    let steps = a.steps;
+    let progress = move |done: usize| {
+        if tty {
+            let width = 30;
+            let filled = done * width / steps;
+            eprint!(
+                "\r[{}{}] step {done}/{steps}",
+                "#".repeat(filled),
+                " ".repeat(width - filled)
+            );
+            if done == steps {
+                eprint!("\r{:60}\r", "");
+            }
+        }
+    };
+    if a.compare_policies {
+        return compare_policies_cmd(&opts, tty);
+    }
+    let report = run(&opts, &progress)?;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "run {} on {} · {} ranks{} · {} params ({}) · batch {}/rank · policy {} · cap {} · first {}",
+        model.name(),
+        backend.name(),
+        report.world,
+        if report.local_ranks.len() == report.world as usize {
+            String::new()
+        } else {
+            format!(" (this process: rank {:?})", report.local_ranks)
+        },
+        report.params,
+        fmt_bytes(report.bytes),
+        a.batch,
+        config.bucket.policy.name(),
+        fmt_bytes(config.bucket.cap_bytes),
+        fmt_bytes(config.bucket.first_bucket_bytes)
+    )?;
+    writeln!(
+        out,
+        "{:>5} {:>11} {:>13} {:>10}",
+        "step", "time", "backward+sync", "loss"
+    )?;
+    for (i, s) in report.steps.iter().enumerate() {
+        writeln!(
+            out,
+            "{:>5} {:>8.1} ms {:>10.1} ms {:>10.5}",
+            i + 1,
+            s.secs * 1e3,
+            s.backward_secs * 1e3,
+            s.loss
+        )?;
+    }
+    if report.steps.len() > 1 {
+        let rest = &report.steps[1..];
+        let mean = rest.iter().map(|s| s.secs).sum::<f64>() / rest.len() as f64;
+        writeln!(
+            out,
+            "steps 2–{}: mean {:.1} ms",
+            report.steps.len(),
+            mean * 1e3
+        )?;
+    }
+    let s0 = &report.stats[0];
+    writeln!(
+        out,
+        "gradient sync: {} steps launched buckets during backward, {} reduced at the sync point, {} left alone (one rank), {} plan(s) compiled; ranks agree: {}",
+        s0.eager_steps,
+        s0.flushed_steps,
+        s0.local_steps,
+        s0.compiled,
+        if report.ranks_agree { "yes" } else { "NO" }
+    )?;
+    if s0.device_buckets + s0.device_collectives + s0.view_grads > 0 {
+        writeln!(
+            out,
+            "device (rank {}): {} buckets packed by the kernels on the gradients' buffers, {} collectives reduced in place in device memory, {} gradients handed back as views of their bucket",
+            report.local_ranks[0], s0.device_buckets, s0.device_collectives, s0.view_grads
+        )?;
+    }
+    let r0 = report.local_ranks[0];
+    if s0.measured_plans > 0 {
+        writeln!(
+            out,
+            "measured plans (rank {r0}): {} compiled from measured steps, {} of them re-plans after a drift",
+            s0.measured_plans, s0.replans
+        )?;
+    }
+    if let Some(m) = &report.measured {
+        writeln!(out, "measured (rank {r0}, last step): {m}")?;
+    }
+    if report.world > 1 {
+        match &report.link {
+            Some(l) => writeln!(out, "link (rank {r0}, fitted): {l}")?,
+            None => writeln!(
+                out,
+                "link (rank {r0}): not fitted (collectives of fewer than two sizes)"
+            )?,
+        }
+    }
+    writeln!(
+        out,
+        "weights digest (rank {}): {:016x}",
+        report.local_ranks[0], report.weights_digest
+    )?;
+    let l = &report.lazy[0];
+    writeln!(
+        out,
+        "lazy ops (rank 0): {} recorded, {} ran, {} never ran (dropped before needed); queue run {} times for a value ({}), {} for a shape or dtype, {} by sync, {} at the bound",
+        l.recorded,
+        l.executed,
+        l.skipped,
+        l.forced_by_value,
+        l.forced_by
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        l.forced_by_metadata,
+        l.forced_by_sync,
+        l.forced_by_bound
+    )?;
+    if let Some(st) = &report.step {
+        writeln!(
+            out,
+            "recorded step (rank 0): {} ops ({} matmul/conv), {:.1} MFLOP; {} buckets; the first launches with {} of {} ops after it still to run",
+            st.ops,
+            st.heavy_ops,
+            st.flops as f64 / 1e6,
+            st.buckets,
+            st.ops_after_first_launch,
+            st.ops
+        )?;
+        if let Some(p) = &a.step_graph {
+            std::fs::write(p, &st.text).map_err(|e| format!("writing {}: {e}", p.display()))?;
+            writeln!(out, "step graph: {}", p.display())?;
+        }
+    }
+    let title = format!(
+        "run {} · {} ranks · {}",
+        model.name(),
+        report.world,
+        config.bucket.policy.name()
+    );
+    if let Some(p) = &a.trace {
+        std::fs::write(
+            p,
+            collective_fusion::trace::chrome_json(&title, &report.trace),
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        writeln!(out, "trace: {} ({} spans)", p.display(), report.trace.len())?;
+    }
+    if let Some(p) = &a.svg {
+        // The last step: from rank 0's last forward to the end.
+        let from = report
+            .trace
+            .iter()
+            .filter(|s| s.rank == 0 && s.name == "forward")
+            .map(|s| s.start_us)
+            .fold(0.0, f64::max);
+        let to = report
+            .trace
+            .iter()
+            .map(|s| s.start_us + s.dur_us)
+            .fold(0.0, f64::max);
+        let title = format!(
+            "{title} · step {} of {}",
+            report.steps.len(),
+            report.steps.len()
+        );
+        std::fs::write(
+            p,
+            collective_fusion::trace::svg_between(&title, &report.trace, from, to),
+        )
+        .map_err(|e| format!("writing {}: {e}", p.display()))?;
+        writeln!(out, "svg: {} (the last step)", p.display())?;
+    }
+    if !report.ranks_agree {
+        emit(&out)?;
+        return Err("the ranks ended with different weights".into());
+    }
+    emit(&out)
+}
+
+/// `run --compare-policies`: the table of [`collective_fusion::train::compare_policies`].
+fn compare_policies_cmd(
+    opts: &collective_fusion::train::RunOptions,
+    tty: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use collective_fusion::train::{PolicyRun, compare_policies};
+    const WARMUP: usize = 2;
+    let steps = opts.steps;
+    let progress = move |policy: &str, done: usize| {
+        if tty {
+            eprint!("\r{policy}: step {done}/{steps}   ");
+            if done == steps {
+                eprint!("\r{:40}\r", "");
+            }
+        }
+    };
+    let rows = compare_policies(opts, WARMUP, &progress)?;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "compare policies: {} on {} · {} ranks · batch {}/rank · steps {}–{} (median, rank 0) · predicted: the simulator on each step's measured backward and the run's link",
+        opts.model.name(),
+        opts.backend.name(),
+        opts.world,
+        opts.batch,
+        WARMUP + 1,
+        steps
+    )?;
+    writeln!(
+        out,
+        "{:<10} {:>11} {:>26} {:>26} {:>26}   link",
+        "policy",
+        "collectives",
+        "step ms (pred, err)",
+        "backward ms (pred, err)",
+        "exposed ms (pred, err)"
+    )?;
+    let cell = |p: (f64, f64)| {
+        format!(
+            "{:>8.2} {:>8.2} {:>+7.1}%",
+            p.0,
+            p.1,
+            PolicyRun::error(p) * 100.0
+        )
+    };
+    for r in &rows {
+        writeln!(
+            out,
+            "{:<10} {:>5.0} {:>5} {:>26} {:>26} {:>26}   {}",
+            r.policy.name(),
+            r.collectives.0,
+            format!("({:.0})", r.collectives.1),
+            cell(r.step_ms),
+            cell(r.backward_ms),
+            cell(r.exposed_ms),
+            r.link.map_or("not fitted".to_string(), |l| format!(
+                "{:.0} us + {:.2} GB/s",
+                l.alpha_us, l.busbw_gbs
+            ))
+        )?;
+    }
+    if let Some(c) = rows
+        .iter()
+        .find(|r| r.policy == collective_fusion::config::BucketPolicy::Cost)
+    {
+        writeln!(
+            out,
+            "cost: {} plan(s) from measured steps, {} re-plan(s)",
+            c.measured_plans.0, c.measured_plans.1
+        )?;
+    }
+    let same = rows
+        .iter()
+        .all(|r| r.weights_digest == rows[0].weights_digest);
+    let agree = rows.iter().all(|r| r.ranks_agree);
+    writeln!(
+        out,
+        "final weights: ranks agree under every policy: {}; the same weights under every policy: {}",
+        if agree { "yes" } else { "NO" },
+        if same {
+            "yes"
+        } else {
+            "no (sums in a different order)"
+        }
+    )?;
+    emit(&out)?;
+    if !agree {
+        return Err("the ranks ended with different weights".into());
+    }
+    Ok(())
+}
