@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
 use crate::cost::SystemProfile;
+use crate::graph::builder::add_gradient_sync;
 use crate::graph::{ComputeKind, Graph, NodeId, Op, ReduceOp, TensorType, Value};
 
 /// One gradient of a measured step.
@@ -386,24 +387,9 @@ impl MeasuredProfile {
                 &operands,
             );
             prev = Some(compute);
-            let grad = g.add_node(
-                Op::Gradient {
-                    param: name.clone(),
-                },
-                [ty.clone()],
-                &[Value::of(compute)],
-            );
-            let sync = g.add_node(
-                Op::GradSync {
-                    param: name.clone(),
-                    ready: i as u32,
-                    reduce,
-                    group,
-                },
-                [ty.clone()],
-                &[Value::of(grad)],
-            );
-            syncs.push(Value::of(sync));
+            syncs.push(add_gradient_sync(
+                &mut g, name, ty, compute, i as u32, reduce, group,
+            ));
         }
         let tail_ns = (tail_us * 1e3).round();
         let tail = (tail_ns >= 1.0).then(|| {

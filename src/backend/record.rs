@@ -12,6 +12,7 @@
 use hashbrown::HashMap;
 
 use super::lazy::LogEntry;
+use crate::graph::builder::add_gradient_sync;
 use crate::graph::{DType, Graph, GroupId, NodeId, Op, ReduceOp, TensorType, Value};
 
 /// A gradient submitted for sync.
@@ -112,22 +113,6 @@ fn add_sync(
     gr: &SubmittedGradient<'_>,
     src: NodeId,
 ) -> (usize, Value) {
-    let grad = g.add_node(
-        Op::Gradient {
-            param: gr.name.to_string(),
-        },
-        [gr.ty.clone()],
-        &[Value::of(src)],
-    );
-    let sync = g.add_node(
-        Op::GradSync {
-            param: gr.name.to_string(),
-            ready: i as u32,
-            reduce,
-            group,
-        },
-        [gr.ty.clone()],
-        &[Value::of(grad)],
-    );
-    (i, Value::of(sync))
+    let sync = add_gradient_sync(g, &gr.name, &gr.ty, src, i as u32, reduce, group);
+    (i, sync)
 }

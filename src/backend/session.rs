@@ -29,7 +29,8 @@ use super::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::config::BucketPolicy;
 use crate::cost::CostModel;
-use crate::graph::{Graph, Op, ReduceOp, TensorType, Value};
+use crate::graph::builder::add_gradient_sync;
+use crate::graph::{Graph, Op, ReduceOp, TensorType};
 use crate::measure::MeasuredProfile;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::Communicator;
@@ -339,24 +340,9 @@ fn segment(world: usize, entries: &[(String, TensorType)], reduce: ReduceOp) -> 
             [(*ty).clone()],
             &[],
         );
-        let grad = g.add_node(
-            Op::Gradient {
-                param: name.to_string(),
-            },
-            [(*ty).clone()],
-            &[Value::of(src)],
-        );
-        let sync = g.add_node(
-            Op::GradSync {
-                param: name.to_string(),
-                ready: i as u32,
-                reduce,
-                group,
-            },
-            [(*ty).clone()],
-            &[Value::of(grad)],
-        );
-        syncs.push(Value::of(sync));
+        syncs.push(add_gradient_sync(
+            &mut g, name, ty, src, i as u32, reduce, group,
+        ));
     }
     g.add_node(Op::Sync, [], &syncs);
     g

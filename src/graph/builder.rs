@@ -7,7 +7,7 @@
 //! `sync` node reads every `grad_sync`. Node positions follow the ready order, so the printed
 //! schedule interleaves gradients with the compute that produces them, as a real backward does.
 
-use super::{ComputeKind, Graph, NodeId, Op, ReduceOp, TensorType, Value};
+use super::{ComputeKind, Graph, GroupId, NodeId, Op, ReduceOp, TensorType, Value};
 use crate::model::ModelProfile;
 
 /// Options for [`build_step_graph`].
@@ -80,6 +80,38 @@ fn emit_down_to(
     }
 }
 
+/// Adds the gradient of `param` (of type `ty`, made by `source`) and its `grad_sync` (`ready`-th
+/// in ready order, over `group`), and returns the `grad_sync`'s value: the pair every step graph
+/// ends a parameter's backward with.
+pub fn add_gradient_sync(
+    g: &mut Graph,
+    param: &str,
+    ty: &TensorType,
+    source: NodeId,
+    ready: u32,
+    reduce: ReduceOp,
+    group: GroupId,
+) -> Value {
+    let grad = g.add_node(
+        Op::Gradient {
+            param: param.to_string(),
+        },
+        [ty.clone()],
+        &[Value::of(source)],
+    );
+    let sync = g.add_node(
+        Op::GradSync {
+            param: param.to_string(),
+            ready,
+            reduce,
+            group,
+        },
+        [ty.clone()],
+        &[Value::of(grad)],
+    );
+    Value::of(sync)
+}
+
 /// The backward graph of one step of `profile` on `opts.world` ranks.
 pub fn build_step_graph(profile: &ModelProfile, opts: &BuildOptions) -> Graph {
     let mut g = Graph::new(profile.model.clone());
@@ -115,24 +147,15 @@ pub fn build_step_graph(profile: &ModelProfile, opts: &BuildOptions) -> Graph {
         );
         let producer = compute[layer].expect("layer emitted above");
         let ty = TensorType::new(dtype, &p.shape);
-        let grad = g.add_node(
-            Op::Gradient {
-                param: p.name.clone(),
-            },
-            [ty.clone()],
-            &[Value::of(producer)],
-        );
-        let sync = g.add_node(
-            Op::GradSync {
-                param: p.name.clone(),
-                ready: ready as u32,
-                reduce: opts.reduce,
-                group,
-            },
-            [ty],
-            &[Value::of(grad)],
-        );
-        syncs.push(Value::of(sync));
+        syncs.push(add_gradient_sync(
+            &mut g,
+            &p.name,
+            &ty,
+            producer,
+            ready as u32,
+            opts.reduce,
+            group,
+        ));
     }
     emit_down_to(
         &mut g,
