@@ -127,6 +127,19 @@ fn train_data_parallel<M: Net>(policy: BucketPolicy) -> Vec<Vec<f32>> {
     train_data_parallel_inspect::<M>(policy, |_| {})
 }
 
+/// The compiler options of these tests: `policy` with small caps, so that these small models
+/// form several buckets.
+fn small_buckets(policy: BucketPolicy) -> CompileConfig {
+    CompileConfig {
+        bucket: BucketConfig {
+            policy,
+            cap_bytes: 1024,
+            first_bucket_bytes: 256,
+        },
+        ..CompileConfig::default()
+    }
+}
+
 /// [`train_data_parallel`], calling `inspect` while the communication server still runs.
 fn train_data_parallel_inspect<M: Net>(
     policy: BucketPolicy,
@@ -135,14 +148,8 @@ fn train_data_parallel_inspect<M: Net>(
     let devices: Vec<_> = (0..WORLD).map(device).collect();
     CollectiveOptions {
         config: CompileConfig {
-            bucket: BucketConfig {
-                policy,
-                // Small caps so these small models form several buckets.
-                cap_bytes: 1024,
-                first_bucket_bytes: 256,
-            },
             verify: true,
-            ..CompileConfig::default()
+            ..small_buckets(policy)
         },
         timeout: std::time::Duration::from_secs(30),
         ..CollectiveOptions::default()
@@ -305,13 +312,8 @@ fn the_optimized_graph_of_a_recorded_training_step_is_stable() {
         compile(
             &mut g,
             &CompileConfig {
-                bucket: BucketConfig {
-                    policy: BucketPolicy::Ddp,
-                    cap_bytes: 1024,
-                    first_bucket_bytes: 256,
-                },
                 verify: true,
-                ..CompileConfig::default()
+                ..small_buckets(BucketPolicy::Ddp)
             },
         )
         .expect("the recorded step compiles");
@@ -837,14 +839,7 @@ fn a_step_that_fails_after_some_buckets_were_reduced_leaves_every_gradient_as_it
     start_server(
         &devices,
         CollectiveOptions {
-            config: CompileConfig {
-                bucket: BucketConfig {
-                    policy: BucketPolicy::PerParam,
-                    cap_bytes: 1024,
-                    first_bucket_bytes: 256,
-                },
-                ..CompileConfig::default()
-            },
+            config: small_buckets(BucketPolicy::PerParam),
             timeout: std::time::Duration::from_secs(10),
             check_finite: true,
             ..CollectiveOptions::default()
@@ -1118,14 +1113,7 @@ fn every_rank_measures_its_steps_and_fits_the_link() {
     start_server(
         &devices,
         CollectiveOptions {
-            config: CompileConfig {
-                bucket: BucketConfig {
-                    policy: BucketPolicy::Ddp,
-                    cap_bytes: 1024,
-                    first_bucket_bytes: 256,
-                },
-                ..CompileConfig::default()
-            },
+            config: small_buckets(BucketPolicy::Ddp),
             probe_link: true,
             timeout: std::time::Duration::from_secs(30),
             ..CollectiveOptions::default()
@@ -1207,14 +1195,7 @@ fn a_drifting_step_replans_once_on_every_rank_together() {
     start_server(
         &devices,
         CollectiveOptions {
-            config: CompileConfig {
-                bucket: BucketConfig {
-                    policy: BucketPolicy::Cost,
-                    cap_bytes: 1024,
-                    first_bucket_bytes: 256,
-                },
-                ..CompileConfig::default()
-            },
+            config: small_buckets(BucketPolicy::Cost),
             // Checks after steps 1, 4 and 8: the first plans, the second sees the larger batch.
             measured_plans: Some(MeasuredPlans {
                 every_steps: 4,
@@ -1309,13 +1290,8 @@ fn a_recorded_measured_and_compiled_convnet_step_is_stable() {
             }),
         };
         let mut config = CompileConfig {
-            bucket: BucketConfig {
-                policy: BucketPolicy::Cost,
-                cap_bytes: 1024,
-                first_bucket_bytes: 256,
-            },
             verify: true,
-            ..CompileConfig::default()
+            ..small_buckets(BucketPolicy::Cost)
         };
         config.cost = CostModel::new(profile.system_profile(WORLD, &config.cost.system));
         let mut g = profile.segment(WORLD, ReduceOp::Mean, &entries);

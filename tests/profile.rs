@@ -24,6 +24,16 @@ fn options(link: &str) -> ProfileOptions {
     }
 }
 
+/// The standard output of a command that must have succeeded (its standard error otherwise).
+fn success_stdout(out: std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
 #[test]
 fn profile_tables_of_two_models() {
     for (model, link) in [("gpt2", "h200-nvlink"), ("resnet50", "ib-400g")] {
@@ -129,12 +139,7 @@ fn profile_command_prints_the_table_and_writes_both_traces() {
             .arg("--svg")
             .arg(&svg_path),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = success_stdout(out);
     assert!(text.contains("ddp*") && text.contains("bound"), "{text}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     assert!(json["traceEvents"].as_array().unwrap().len() > 100);
@@ -180,12 +185,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
             .arg("--step-graph")
             .arg(&step_graph),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = success_stdout(out);
     assert!(
         text.contains("2 steps launched buckets during backward, 1 reduced at the sync point"),
         "{text}"
@@ -212,12 +212,7 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
             ])
             .arg(&step_graph),
     );
-    assert!(
-        prof.status.success(),
-        "{}",
-        String::from_utf8_lossy(&prof.stderr)
-    );
-    let ptext = String::from_utf8(prof.stdout).unwrap();
+    let ptext = success_stdout(prof);
     assert!(ptext.contains("world 8 · recorded step"), "{ptext}");
     assert!(ptext.contains("\nddp* "), "{ptext}");
     assert!(ptext.contains("all_reduce_start"), "{ptext}");
@@ -274,12 +269,7 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
             "--compare-policies",
         ]),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = success_stdout(out);
     assert!(
         text.starts_with("compare policies: blocks on ndarray · 2 ranks"),
         "{text}"
@@ -340,12 +330,7 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
                 ])
                 .args(extra),
         );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        success_stdout(out)
     };
     let copies = run(&[]);
     assert!(copies.starts_with("run mlp on wgpu · 2 ranks"), "{copies}");

@@ -113,6 +113,6 @@ fn add_sync(
     gr: &SubmittedGradient<'_>,
     src: NodeId,
 ) -> (usize, Value) {
-    let sync = add_gradient_sync(g, &gr.name, &gr.ty, src, i as u32, reduce, group);
+    let sync = add_gradient_sync(g, gr.name, gr.ty, src, i as u32, reduce, group);
     (i, sync)
 }
