@@ -296,33 +296,41 @@ impl MeasuredProfile {
         link.alpha_us + bytes as f64 * 2.0 * (n - 1.0) / n / (link.busbw_gbs * 1e3)
     }
 
-    /// How far this profile moved from `base`, as a fraction: the largest change of a
-    /// gradient's ready time relative to base's last ready time (its backward pass), or the relative change of the
-    /// link's cost of one all-reduce of `bytes` (all the gradients). Infinite when the two do
-    /// not describe the same gradients, or only one has a link.
+    /// How far this profile moved from `base`, as a fraction of the longer of base's backward
+    /// pass (its last ready time) and base's link cost of one all-reduce of `bytes` (all the
+    /// gradients): the largest change of a gradient's ready time, or the change of that link
+    /// cost. Both move the step's timeline, so both are weighed against the same length: a link
+    /// whose small all-reduce got twice as slow does not re-plan a step whose backward pass is a
+    /// hundred times longer (the plan could win back at most that change), while a
+    /// communication-bound step re-plans when its link moves. Infinite when the two do not
+    /// describe the same gradients, or only one has a link.
     pub fn drift(&self, base: &MeasuredProfile, bytes: u64, world: u32) -> f64 {
         if self.ready_us.len() != base.ready_us.len() {
             return f64::INFINITY;
         }
-        let span = base.ready_us.last().copied().unwrap_or(0.0).max(1.0);
+        let link = match (&self.link, &base.link) {
+            (None, None) => None,
+            (Some(a), Some(b)) => Some((
+                Self::link_us(a, bytes, world),
+                Self::link_us(b, bytes, world),
+            )),
+            _ => return f64::INFINITY,
+        };
+        let span = base
+            .ready_us
+            .last()
+            .copied()
+            .unwrap_or(0.0)
+            .max(link.map_or(0.0, |(_, b)| b))
+            .max(1.0);
         let ready = self
             .ready_us
             .iter()
             .zip(&base.ready_us)
-            .map(|(a, b)| (a - b).abs() / span)
+            .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
-        let link = match (&self.link, &base.link) {
-            (None, None) => 0.0,
-            (Some(a), Some(b)) => {
-                let (a, b) = (
-                    Self::link_us(a, bytes, world),
-                    Self::link_us(b, bytes, world),
-                );
-                (a / b.max(1e-9) - 1.0).abs()
-            }
-            _ => f64::INFINITY,
-        };
-        ready.max(link)
+        let link = link.map_or(0.0, |(a, b)| (a - b).abs());
+        ready.max(link) / span
     }
 
     /// The system profile of this measurement: the fitted link (`fallback`'s without one),
@@ -438,6 +446,48 @@ mod tests {
         assert!((f.alpha_us - 50.0).abs() < 2.0, "{f}");
         assert!((f.busbw_gbs - 2.0).abs() < 0.02, "{f}");
         assert_eq!((f.sizes, f.samples), (5, 55));
+    }
+
+    fn profile(ready_us: &[f64], alpha_us: f64, busbw_gbs: f64) -> MeasuredProfile {
+        MeasuredProfile {
+            ready_us: ready_us.to_vec(),
+            link: Some(LinkFit {
+                alpha_us,
+                busbw_gbs,
+                sizes: 3,
+                samples: 6,
+            }),
+        }
+    }
+
+    /// Drift is measured against the step's length: a backward pass that grew re-plans, a link
+    /// whose small all-reduce got four times slower does not when the backward pass dwarfs it,
+    /// and does when communication is the step.
+    #[test]
+    fn drift_weighs_ready_times_and_the_link_against_the_step() {
+        let base = profile(&[0.0, 5_000.0, 10_000.0], 20.0, 1.0);
+        // 64 KiB over 2 ranks at 1 GB/s: about 85 us against a 10 ms backward pass.
+        let small = 64 << 10;
+        assert_eq!(base.drift(&base, small, 2), 0.0);
+        let longer = profile(&[0.0, 20_000.0, 40_000.0], 20.0, 1.0);
+        assert!((longer.drift(&base, small, 2) - 3.0).abs() < 1e-9);
+        let slow_link = profile(&[0.0, 5_000.0, 10_000.0], 80.0, 0.25);
+        assert!(slow_link.drift(&base, small, 2) < 0.05);
+        // 1 GiB: the link (about 1.07 s) is the longer; four times slower is a drift of 3.
+        let big = 1 << 30;
+        let d = slow_link.drift(&base, big, 2);
+        assert!((d - 3.0).abs() < 0.01, "{d}");
+        // Different gradients, or a link on one side only: always re-plan.
+        assert_eq!(
+            profile(&[0.0], 20.0, 1.0).drift(&base, small, 2),
+            f64::INFINITY
+        );
+        let no_link = MeasuredProfile {
+            link: None,
+            ..base.clone()
+        };
+        assert_eq!(no_link.drift(&base, small, 2), f64::INFINITY);
+        assert_eq!(no_link.drift(&no_link, small, 2), 0.0);
     }
 
     #[test]

@@ -82,8 +82,8 @@ pub struct MeasuredPlans {
     pub every_steps: u64,
     /// The drift that re-plans, as a fraction (see
     /// [`MeasuredProfile::drift`](crate::measure::MeasuredProfile::drift)): 0.5 re-plans when a
-    /// gradient's ready time moved by half the backward pass (first to last gradient), or the link's cost of the
-    /// step's bytes by half.
+    /// gradient's ready time, or the link's cost of the step's bytes, moved by half the longer of
+    /// the backward pass (first to last gradient) and that link cost.
     pub drift: f64,
 }
 

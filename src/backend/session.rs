@@ -807,9 +807,15 @@ impl<I: Backend> Session<I> {
             Ok(s) => s,
             Err(e) => self.fail(rank, format!("sharing the measured step: {e}")),
         };
-        let Some(profile) = MeasuredProfile::decode(&values) else {
+        let Some(mut profile) = MeasuredProfile::decode(&values) else {
             return;
         };
+        // A link that could not be fitted this time (sizes too close to tell α from β, noise
+        // that made larger all-reduces look faster) keeps the last fitted one: a fit that comes
+        // and goes is no drift. One that appears for the first time re-plans.
+        if profile.link.is_none() {
+            profile.link = st.planner.base.as_ref().and_then(|b| b.link);
+        }
         let bytes: u64 = entries.iter().map(|(_, t)| t.bytes()).sum();
         let drifted = st
             .planner
