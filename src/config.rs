@@ -9,6 +9,7 @@
 //! | `CF_OVERLAP` | `1`/`0`: split collectives and schedule them to overlap backward | 1 |
 //! | `CF_REDUCE_DTYPE` | cast buckets to `bf16`/`f16`/`f32` for the all-reduce | none |
 //! | `CF_PACK_ALIGN` | member alignment in a packed bucket, bytes (a power of two) | 16 |
+//! | `CF_HOIST_MB` | MiB that ops deferred behind a gradient's producers may keep alive (`hoist-producers`); `0` keeps program order | 256 |
 //! | `CF_BUCKET_VIEW` | `1`/`0`: reduced gradients as views of their bucket (DDP's `gradient_as_bucket_view`) | 0 |
 //! | `CF_LINK` | system profile for the cost model (name or file) | `h200-nvlink` |
 //! | `CF_VERIFY` | `1`/`0`: verify after every pass that changed something | on in debug builds |
@@ -106,6 +107,10 @@ pub struct CompileConfig {
     /// was cast. On a device that saves the unpack kernel, and the bucket's gradients are not
     /// held twice while it is unpacked; the host path still copies. Off by default, as in DDP.
     pub gradient_as_bucket_view: bool,
+    /// `hoist-producers`: the most bytes that ops deferred behind a gradient's producers may
+    /// keep alive (0: backward runs in program order). The Burn backend's lazy queue follows
+    /// the same rule with the same bound when it forces a gradient. 256 MiB by default.
+    pub hoist_bytes: u64,
     /// The cost model the `cost` policy and the simulator use.
     pub cost: CostModel,
     /// Verify the input and the graph after every pass that changed it.
@@ -124,6 +129,7 @@ impl Default for CompileConfig {
             reduce_dtype: None,
             pack_align_bytes: crate::graph::PACK_ALIGN_BYTES,
             gradient_as_bucket_view: false,
+            hoist_bytes: 256 << 20,
             cost: CostModel::default(),
             verify: cfg!(debug_assertions),
             print_after: PrintAfter::Never,
@@ -216,6 +222,13 @@ impl CompileConfig {
                     )
                 })?;
         }
+        if let Some(v) = get("CF_HOIST_MB") {
+            self.hoist_bytes = match v.trim().parse::<f64>() {
+                Ok(0.0) => 0,
+                _ => mib_to_bytes(&v)
+                    .ok_or_else(|| bad("CF_HOIST_MB", &v, "a number of MiB, 0 or more"))?,
+            };
+        }
         if let Some(v) = get("CF_BUCKET_VIEW") {
             self.gradient_as_bucket_view =
                 parse_bool(&v).ok_or_else(|| bad("CF_BUCKET_VIEW", &v, "1 or 0"))?;
@@ -242,5 +255,28 @@ impl CompileConfig {
                 .collect();
         }
         Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(var: &'static str, value: &str) -> Result<CompileConfig, ConfigError> {
+        CompileConfig::default().with_vars(|k| (k == var).then(|| value.to_string()))
+    }
+
+    #[test]
+    fn the_hoist_bound_is_mib_zero_turns_it_off_and_garbage_is_named() {
+        assert_eq!(CompileConfig::default().hoist_bytes, 256 * MIB);
+        assert_eq!(with("CF_HOIST_MB", "0").unwrap().hoist_bytes, 0);
+        assert_eq!(
+            with("CF_HOIST_MB", " 1.5 ").unwrap().hoist_bytes,
+            3 * MIB / 2
+        );
+        for bad in ["-1", "lots", "inf"] {
+            let e = with("CF_HOIST_MB", bad).unwrap_err().to_string();
+            assert!(e.contains("CF_HOIST_MB") && e.contains(bad), "{e}");
+        }
     }
 }

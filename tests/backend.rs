@@ -15,8 +15,8 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, MeasuredPlans, SingleRank, SyncStats,
-    UnusedParameters, expected_plan, last_zero_filled, mark_distributed, measured_link,
-    measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
+    UnusedParameters, executed_step_order, expected_plan, last_zero_filled, mark_distributed,
+    measured_link, measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::cost::CostModel;
@@ -145,11 +145,19 @@ fn train_data_parallel_inspect<M: Net>(
     policy: BucketPolicy,
     inspect: impl FnOnce(&[Vec<f32>]),
 ) -> Vec<Vec<f32>> {
+    train_data_parallel_with::<M>(small_buckets(policy), inspect)
+}
+
+/// [`train_data_parallel_inspect`] under `config`.
+fn train_data_parallel_with<M: Net>(
+    config: CompileConfig,
+    inspect: impl FnOnce(&[Vec<f32>]),
+) -> Vec<Vec<f32>> {
     let devices: Vec<_> = (0..WORLD).map(device).collect();
     CollectiveOptions {
         config: CompileConfig {
             verify: true,
-            ..small_buckets(policy)
+            ..config
         },
         timeout: std::time::Duration::from_secs(30),
         ..CollectiveOptions::default()
@@ -319,6 +327,60 @@ fn the_optimized_graph_of_a_recorded_training_step_is_stable() {
         .expect("the recorded step compiles");
         insta::assert_snapshot!(by_first_appearance(&print(&g)));
     });
+}
+
+/// The lazy queue runs a recorded step in the order `hoist-producers` gives its graph: each
+/// gradient's producers first, the ops it does not read (a layer's input gradient) after. The
+/// weights are those of program order, bit for bit.
+#[test]
+fn the_queue_runs_each_gradients_producers_first_as_the_pass_orders_them() {
+    use collective_fusion::passes::Pass;
+    use collective_fusion::passes::hoist_producers::HoistProducers;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let config = small_buckets(BucketPolicy::Ddp);
+    let bound = config.hoist_bytes;
+    assert!(bound > 0, "on by default");
+    let hoisted = train_data_parallel_with::<Mlp>(config.clone(), |_| {
+        for r in 0..WORLD as usize {
+            let mut g = recorded_step_graph::<NdArray>(r).expect("a recorded step");
+            let ran = executed_step_order::<NdArray>(r).expect("a recorded step");
+            let compute = |g: &collective_fusion::graph::Graph| -> Vec<_> {
+                g.topo_order()
+                    .unwrap()
+                    .into_iter()
+                    .filter(|n| matches!(g.op(*n), Op::Compute { .. }))
+                    .collect()
+            };
+            let recorded = compute(&g);
+            let changed = HoistProducers {
+                max_deferred_bytes: bound,
+            }
+            .run(&mut g)
+            .unwrap();
+            assert!(changed, "rank {r}: a layer's input gradient moves");
+            let ran_set: std::collections::HashSet<usize> = ran.iter().copied().collect();
+            let planned: Vec<usize> = compute(&g)
+                .into_iter()
+                .map(|n| recorded.iter().position(|m| *m == n).unwrap())
+                .filter(|i| ran_set.contains(i))
+                .collect();
+            assert_eq!(ran, planned, "rank {r}: the queue ran the pass's order");
+            let mut in_order = ran.clone();
+            in_order.sort_unstable();
+            assert_ne!(ran, in_order, "rank {r}: not program order");
+        }
+    });
+    let in_order = train_data_parallel_with::<Mlp>(
+        CompileConfig {
+            hoist_bytes: 0,
+            ..config
+        },
+        |_| {
+            let ran = executed_step_order::<NdArray>(0).expect("a recorded step");
+            assert!(ran.windows(2).all(|w| w[0] < w[1]), "{ran:?}");
+        },
+    );
+    assert_eq!(hoisted, in_order, "the same weights, bit for bit");
 }
 
 #[test]

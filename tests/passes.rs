@@ -269,6 +269,7 @@ fn disable_pass_by_name_and_print_after_change() {
     assert_eq!(
         ran,
         [
+            "hoist-producers",
             "bucket-gradients",
             "async-collectives",
             "schedule-overlap",

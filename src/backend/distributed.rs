@@ -196,6 +196,17 @@ pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
     st.last_step.clone()
 }
 
+/// The order in which the ops of the last step `rank` synchronized ran, up to its sync point:
+/// positions in record order, the order in which [`recorded_step_graph`] numbers its `compute`
+/// nodes. Ops that ran eagerly as they were recorded, and ops that had not run by the sync point,
+/// are absent. With `hoist-producers` on (the default), each gradient's producers run before the
+/// ops it does not read, as that pass orders the recorded graph.
+pub fn executed_step_order<I: Backend>(rank: usize) -> Option<Vec<usize>> {
+    let s = session::<I>("executed_step_order");
+    let st = s.state(rank, "executed_step_order");
+    st.last_step.as_ref().map(|_| st.last_ran.clone())
+}
+
 /// This process's communicators for `devices`, as `options.transport` says; a start-up failure
 /// panics with the typed error's message.
 fn communicators<D: 'static>(
@@ -256,6 +267,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         expected: None,
                         expected_segment: None,
                         last_step: None,
+                        last_ran: Vec::new(),
                         live: None,
                         cache: PlanCache::new(),
                         workspace: Workspace::default(),

@@ -119,6 +119,16 @@ pub(crate) struct LogEntry {
 struct Queue {
     pending: VecDeque<(u64, Weak<dyn Pending>)>,
     log: VecDeque<LogEntry>,
+    /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]).
+    ran: VecDeque<u64>,
+}
+
+/// What a rank recorded and ran since the last [`take_log`].
+pub(crate) struct StepLog {
+    /// The recorded ops, oldest first.
+    pub entries: Vec<LogEntry>,
+    /// The nodes whose op ran, in the order they ran.
+    pub ran: Vec<u64>,
 }
 
 /// One rank's queue of recorded nodes, and its log since the last sync point.
@@ -139,6 +149,7 @@ impl Recorder {
             queue: Mutex::new(Queue {
                 pending: VecDeque::new(),
                 log: VecDeque::new(),
+                ran: VecDeque::new(),
             }),
             stats: Mutex::new(LazyStats::default()),
         }
@@ -146,7 +157,7 @@ impl Recorder {
 
     /// Runs every queued node up to sequence number `seq`, oldest first.
     fn run_until(&self, seq: u64, why: ForceReason) {
-        let mut ran = 0;
+        let mut ran = Vec::new();
         let mut skipped = 0;
         loop {
             let item = {
@@ -156,19 +167,119 @@ impl Recorder {
                     _ => None,
                 }
             };
-            let Some((_, node)) = item else { break };
+            let Some((s, node)) = item else { break };
             match node.upgrade() {
                 Some(n) => {
                     if n.run() {
-                        ran += 1;
+                        ran.push(s);
                     }
                 }
                 None => skipped += 1,
             }
         }
-        if ran + skipped == 0 {
+        self.count(ran, skipped, why);
+    }
+
+    /// Runs the queued producers of node `seq` (itself and the queued nodes it reads, directly
+    /// or not, by the log), oldest first, and leaves the other queued nodes up to `seq` queued,
+    /// when the bytes of the distinct recorded values those read or produce are at most
+    /// `max_bytes`; otherwise runs everything up to `seq` ([`Self::run_until`]). The rule of the
+    /// `hoist-producers` pass (`passes/hoist_producers.rs`), applied as a gradient is forced. A
+    /// queued node the log no longer describes cannot be told apart, so it runs in order.
+    fn run_producers(&self, seq: u64, max_bytes: u64, why: ForceReason) {
+        let picked = {
+            let mut q = lock(&self.queue);
+            let upto = q.pending.iter().take_while(|(s, _)| *s <= seq).count();
+            let first = q.log.front().map_or(u64::MAX, |e| e.seq);
+            let entry = |s: u64| {
+                let i = usize::try_from(s.checked_sub(first)?).ok()?;
+                q.log.get(i).filter(|e| e.seq == s)
+            };
+            let queued: hashbrown::HashSet<u64> =
+                q.pending.iter().take(upto).map(|(s, _)| *s).collect();
+            let mut producers: hashbrown::HashSet<u64> = hashbrown::HashSet::new();
+            let mut stack = vec![seq];
+            let mut described = true;
+            while let Some(s) = stack.pop() {
+                if !queued.contains(&s) || !producers.insert(s) {
+                    continue;
+                }
+                match entry(s) {
+                    Some(e) => stack.extend(e.inputs.iter().copied()),
+                    None => described = false,
+                }
+            }
+            let mut seen: hashbrown::HashSet<u64> = hashbrown::HashSet::new();
+            let mut bytes = 0u64;
+            for (s, _) in q.pending.iter().take(upto) {
+                if producers.contains(s) {
+                    continue;
+                }
+                let Some(e) = entry(*s) else {
+                    described = false;
+                    break;
+                };
+                for v in std::iter::once(*s).chain(e.inputs.iter().copied()) {
+                    if let Some(ve) = entry(v)
+                        && seen.insert(v)
+                    {
+                        let b = super::record::entry_type(ve)
+                            .checked_bytes()
+                            .unwrap_or(u64::MAX);
+                        bytes = bytes.saturating_add(b);
+                    }
+                }
+            }
+            if !described || bytes > max_bytes || producers.len() == upto {
+                None
+            } else {
+                let mut picked = Vec::with_capacity(producers.len());
+                let mut kept = VecDeque::with_capacity(q.pending.len() - producers.len());
+                for (s, node) in q.pending.drain(..) {
+                    if producers.contains(&s) {
+                        picked.push((s, node));
+                    } else {
+                        kept.push_back((s, node));
+                    }
+                }
+                q.pending = kept;
+                Some(picked)
+            }
+        };
+        let Some(picked) = picked else {
+            return self.run_until(seq, why);
+        };
+        let mut ran = Vec::new();
+        let mut skipped = 0;
+        for (s, node) in picked {
+            match node.upgrade() {
+                Some(n) => {
+                    if n.run() {
+                        ran.push(s);
+                    }
+                }
+                None => skipped += 1,
+            }
+        }
+        self.count(ran, skipped, why);
+    }
+
+    /// Notes nodes that ran and were skipped for `why`.
+    fn count(&self, ran: Vec<u64>, skipped: u64, why: ForceReason) {
+        if ran.is_empty() && skipped == 0 {
             return;
         }
+        let executed = ran.len() as u64;
+        {
+            let mut q = lock(&self.queue);
+            for s in ran {
+                if q.ran.len() == MAX_LOG {
+                    q.ran.pop_front();
+                }
+                q.ran.push_back(s);
+            }
+        }
+        let ran = executed;
         let mut st = lock(&self.stats);
         st.executed += ran;
         st.skipped += skipped;
@@ -232,9 +343,14 @@ pub(crate) fn recorder(rank: u32) -> &'static Recorder {
     RECORDERS[rank as usize % RANKS].get_or_init(Recorder::new)
 }
 
-/// The ops `rank` recorded since the last call, oldest first (at most the last 65,536).
-pub(crate) fn take_log(rank: u32) -> Vec<LogEntry> {
-    lock(&recorder(rank).queue).log.drain(..).collect()
+/// The ops `rank` recorded since the last call, oldest first, and the order they ran in (at
+/// most the last 65,536 of each).
+pub(crate) fn take_log(rank: u32) -> StepLog {
+    let mut q = lock(&recorder(rank).queue);
+    StepLog {
+        entries: q.log.drain(..).collect(),
+        ran: q.ran.drain(..).collect(),
+    }
 }
 
 /// Runs everything `rank` recorded so far (`Backend::sync`).
@@ -387,6 +503,23 @@ impl<P: Clone + Send + 'static> CTensor<P> {
             // the lock waits for that.
             n.run();
         }
+    }
+
+    /// [`Self::inner_for`], running only this node's queued producers when what that leaves
+    /// queued keeps at most `max_bytes` alive (see [`Recorder::run_producers`]); 0 runs
+    /// everything recorded before it, as [`Self::inner_for`] does.
+    pub(crate) fn inner_hoisted(&self, why: &'static str, max_bytes: u64) -> P {
+        if max_bytes == 0 {
+            return self.inner_for(why);
+        }
+        if let Repr::Lazy(n) = &self.repr {
+            if !matches!(*lock(&n.state), State::Done(_)) {
+                recorder(self.rank).run_producers(n.seq, max_bytes, ForceReason::Value(why));
+                n.run();
+            }
+            return n.value();
+        }
+        self.inner_for(why)
     }
 
     /// The computed tensor, consuming the handle: moved out when this was the last handle.

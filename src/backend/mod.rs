@@ -45,9 +45,9 @@ use burn_std::DType;
 
 pub use api::{CollectiveTensor, DistributedContext, all_reduce};
 pub use distributed::{
-    NoSync, SyncStats, expected_plan, gradient_syncs_total, last_zero_filled, measured_link,
-    measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats, take_trace,
-    trace_span,
+    NoSync, SyncStats, executed_step_order, expected_plan, gradient_syncs_total, last_zero_filled,
+    measured_link, measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
+    take_trace, trace_span,
 };
 pub use lazy::{CTensor, LazyStats, lazy_stats};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};

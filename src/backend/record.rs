@@ -39,6 +39,16 @@ fn dtype(d: burn_std::DType) -> DType {
     }
 }
 
+/// The graph type of a recorded op's result (a scalar f32 when its rule did not know it).
+pub(crate) fn entry_type(e: &LogEntry) -> TensorType {
+    let dims: Vec<u64> = e
+        .shape
+        .as_ref()
+        .map(|s| s.iter().map(|d| *d as u64).collect())
+        .unwrap_or_default();
+    TensorType::new(e.dtype.map_or(DType::F32, dtype), &dims)
+}
+
 /// The graph of one recorded step of one rank.
 pub(crate) fn step_graph(
     world: u32,
@@ -75,12 +85,7 @@ pub(crate) fn step_graph(
             .iter()
             .filter_map(|s| node_of.get(s).map(|n| Value::of(*n)))
             .collect();
-        let dims: Vec<u64> = e
-            .shape
-            .as_ref()
-            .map(|s| s.iter().map(|d| *d as u64).collect())
-            .unwrap_or_default();
-        let ty = TensorType::new(e.dtype.map_or(DType::F32, dtype), &dims);
+        let ty = entry_type(e);
         let id = g.add_node(
             Op::Compute {
                 name: e.op.to_string(),

@@ -82,6 +82,9 @@ pub(super) struct RankState<I: Backend> {
     pub(super) expected_segment: Option<Graph>,
     /// The graph of the last synced step: every recorded op, the gradients, their syncs.
     pub(super) last_step: Option<Graph>,
+    /// The ops of the last synced step that ran by its sync point, in the order they ran, as
+    /// positions in its record order.
+    pub(super) last_ran: Vec<usize>,
     pub(super) live: Option<Live>,
     pub(super) cache: PlanCache,
     pub(super) workspace: Workspace,
@@ -395,7 +398,21 @@ impl<I: Backend> Session<I> {
             return;
         }
         st.index.insert(name.clone(), i);
-        let inner = t.inner_for("gradient sync");
+        // The gradient's producers first (the `hoist-producers` rule), so its bucket can start
+        // before the ops it does not read.
+        let hoist = if self
+            .options
+            .config
+            .disabled_passes
+            .iter()
+            .any(|p| p == "hoist-producers")
+            || !self.options.config.overlap
+        {
+            0
+        } else {
+            self.options.config.hoist_bytes
+        };
+        let inner = t.inner_hoisted("gradient sync", hoist);
         let on_device = self.options.device_buckets
             && !self.options.check_finite
             && !st.no_sync
@@ -624,7 +641,7 @@ impl<I: Backend> Session<I> {
     }
 
     /// Ends a synced step: keeps its recorded graph, forgets its gradients.
-    fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: Vec<super::lazy::LogEntry>) {
+    fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: super::lazy::StepLog) {
         self.clock(rank).end_step(self.world);
         let grads: Vec<SubmittedGradient<'_>> = st
             .submitted
@@ -635,7 +652,19 @@ impl<I: Backend> Session<I> {
                 seq: x.seq,
             })
             .collect();
-        st.last_step = Some(step_graph(self.world as u32, self.reduce, &grads, &log));
+        let at: HashMap<u64, usize> = log
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.seq, i))
+            .collect();
+        st.last_ran = log.ran.iter().filter_map(|s| at.get(s).copied()).collect();
+        st.last_step = Some(step_graph(
+            self.world as u32,
+            self.reduce,
+            &grads,
+            &log.entries,
+        ));
         self.plan_from_measured(rank, st);
         st.submitted.clear();
         st.index.clear();

@@ -8,12 +8,14 @@
 //! iteration limit.
 //!
 //! The default pipeline ([`pipeline`]) is:
-//! `bucket-gradients → fuse-bucket-io → async-collectives → schedule-overlap → cleanup`.
+//! `hoist-producers → bucket-gradients → fuse-bucket-io → async-collectives → schedule-overlap →
+//! cleanup` (the first and the two scheduling passes only when collectives overlap compute).
 
 pub mod async_collectives;
 pub mod bucket_gradients;
 pub mod cleanup;
 pub mod fuse_bucket_io;
+pub mod hoist_producers;
 pub mod schedule_overlap;
 
 use std::collections::BTreeMap;
@@ -281,7 +283,13 @@ impl Pass for Fixpoint {
 
 /// The default pipeline for a configuration.
 pub fn pipeline(config: &CompileConfig) -> PassManager {
-    let mut passes: Vec<Box<dyn Pass>> = vec![
+    let mut passes: Vec<Box<dyn Pass>> = Vec::new();
+    if config.overlap {
+        passes.push(Box::new(hoist_producers::HoistProducers {
+            max_deferred_bytes: config.hoist_bytes,
+        }));
+    }
+    passes.extend::<[Box<dyn Pass>; 2]>([
         Box::new(bucket_gradients::BucketGradients::new(
             config.bucket,
             config.cost.clone(),
@@ -294,7 +302,7 @@ pub fn pipeline(config: &CompileConfig) -> PassManager {
                 views: config.gradient_as_bucket_view,
             },
         )),
-    ];
+    ]);
     if config.overlap {
         passes.push(Box::new(async_collectives::AsyncCollectives));
         passes.push(Box::new(schedule_overlap::ScheduleOverlap));
