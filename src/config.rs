@@ -25,7 +25,7 @@ use crate::graph::DType;
 pub const MIB: u64 = 1024 * 1024;
 
 /// How gradients are grouped into buckets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BucketPolicy {
     /// One collective per parameter, as Burn does today.
     PerParam,
@@ -58,7 +58,7 @@ impl BucketPolicy {
 }
 
 /// Options of the `bucket-gradients` pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketConfig {
     /// Grouping rule.
     pub policy: BucketPolicy,
@@ -79,7 +79,7 @@ impl Default for BucketConfig {
 }
 
 /// When the pass manager keeps the graph text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum PrintAfter {
     /// Never.
     #[default]
@@ -167,6 +167,49 @@ fn parse_bool(s: &str) -> Option<bool> {
         "1" | "true" | "on" | "yes" => Some(true),
         "0" | "false" | "off" | "no" => Some(false),
         _ => None,
+    }
+}
+
+/// Field by field (the cost model's numbers by their bits), so that equal configurations hash
+/// alike: with [`PartialEq`] it keys the plan cache.
+impl std::hash::Hash for CompileConfig {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        // Destructured: a new field does not compile until it is hashed here.
+        let CompileConfig {
+            bucket,
+            overlap,
+            reduce_dtype,
+            pack_align_bytes,
+            gradient_as_bucket_view,
+            hoist_bytes,
+            cost,
+            verify,
+            print_after,
+            disabled_passes,
+        } = self;
+        bucket.hash(h);
+        overlap.hash(h);
+        reduce_dtype.hash(h);
+        pack_align_bytes.hash(h);
+        gradient_as_bucket_view.hash(h);
+        hoist_bytes.hash(h);
+        let crate::cost::SystemProfile {
+            name,
+            description,
+            world,
+            alpha_us,
+            busbw_gbs,
+            compute_tflops,
+            mem_gbs,
+            sources,
+        } = &cost.system;
+        (name, description, world, sources).hash(h);
+        for x in [alpha_us, busbw_gbs, compute_tflops, mem_gbs] {
+            x.to_bits().hash(h);
+        }
+        verify.hash(h);
+        print_after.hash(h);
+        disabled_passes.hash(h);
     }
 }
 

@@ -261,9 +261,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 (0..16).flat_map(|_| rng.next_u64().to_le_bytes()).collect()
             })?;
             let hex: String = id.iter().take(8).map(|b| format!("{b:02x}")).collect();
-            let digest = id.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-            });
+            let digest = collective_fusion::graph::fnv64_bytes(&id);
             println!(
                 "rank {} of {}: joined {}:{} in {} ms; id {hex}… ({} bytes, fnv {digest:016x})",
                 cfg.rank,

@@ -172,11 +172,12 @@ pub struct RunReport {
 
 /// FNV-1a (64-bit) over the bits of `w`.
 pub fn weights_digest(w: &[f32]) -> u64 {
-    w.iter()
-        .flat_map(|x| x.to_bits().to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        })
+    use std::hash::Hasher as _;
+    let mut h = crate::graph::Fnv64::default();
+    for x in w {
+        h.write(&x.to_bits().to_le_bytes());
+    }
+    h.finish()
 }
 
 /// A recorded step, compiled with the run's options.

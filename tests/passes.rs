@@ -254,6 +254,67 @@ fn manager_names_the_pass_after_which_verification_failed() {
     assert!(err.contains("cycle"), "{err}");
 }
 
+/// A pass inside a fixpoint group is verified after every change it makes, and the error
+/// names it inside its group; the failed compile keeps the graph as the pass left it.
+#[test]
+fn a_nested_pass_is_verified_named_and_its_graph_kept() {
+    struct Breaks;
+    impl Pass for Breaks {
+        fn name(&self) -> &'static str {
+            "breaks"
+        }
+        fn run(&self, g: &mut collective_fusion::graph::Graph) -> Result<bool, PassError> {
+            let order = g.topo_order()?;
+            g.add_order(order[order.len() - 1], order[1]);
+            Ok(true)
+        }
+    }
+    let pm = PassManager::new(
+        vec![Box::new(Fixpoint::new("group", vec![Box::new(Breaks)], 4))],
+        ManagerOptions {
+            verify: true,
+            ..Default::default()
+        },
+    );
+    let err = pm.run(&mut parse(BUCKETED).unwrap()).unwrap_err();
+    let CompileError::Pass { pass, error, graph } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(pass, "group");
+    assert!(
+        matches!(error, PassError::Verify { pass, .. } if pass == "group/breaks"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("after nested pass 'group/breaks'"),
+        "{err}"
+    );
+    assert!(graph.contains("graph \"b\" {"), "{graph}");
+    // Unverified, the group's second round finds the cycle the first made: a typed error.
+    let err = Fixpoint::new("group", vec![Box::new(Breaks)], 4)
+        .run(&mut parse(BUCKETED).unwrap())
+        .unwrap_err();
+    assert!(matches!(err, PassError::Cycle(_)), "{err}");
+}
+
+/// `dead-code` runs inside the `cleanup` group and can be disabled by its own name.
+#[test]
+fn a_nested_pass_can_be_disabled_by_name() {
+    let text = r#"graph "g" {
+  %0 = input "x" : f32[4]
+  %1 = compute "unused" kind=elementwise flops=4 (%0) : f32[4]
+}
+"#;
+    let mut cfg = config(bucket(Ddp, 16, 1 << 20), true);
+    let mut g = parse(text).unwrap();
+    compile(&mut g, &cfg).unwrap();
+    assert!(!roundtrip(&g).contains("unused"));
+    cfg.disabled_passes = vec!["dead-code".into()];
+    let mut g = parse(text).unwrap();
+    compile(&mut g, &cfg).unwrap();
+    assert!(roundtrip(&g).contains("unused"));
+}
+
 #[test]
 fn disable_pass_by_name_and_print_after_change() {
     let text = chain(&[

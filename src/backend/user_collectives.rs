@@ -51,7 +51,7 @@ use crate::runtime::exec::{ExecOptions, ExecReport, Execution, NoHooks, UserAllR
 #[derive(Default)]
 pub(super) struct UserQueue {
     /// All-reduces issued so far.
-    issued: u32,
+    issued: u64,
     queued: Vec<Queued>,
     outstanding: Vec<Arc<UserReduce>>,
     /// Plans of coalesced launches, by their segment graph.
@@ -420,8 +420,9 @@ pub(super) fn all_reduce<I: Backend>(
             cell
         } else {
             let desc = CollectiveDesc {
-                // Launched alone, they count down from the top so they never match a bucket.
-                collective: u32::MAX - q.issued,
+                // Launched alone, in the user range of launch indices: never matched with a
+                // bucket or an agreement exchange.
+                collective: crate::runtime::comm::Purpose::user_launch(q.issued),
                 bucket: None,
                 op,
                 dtype,

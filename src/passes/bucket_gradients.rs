@@ -115,9 +115,7 @@ pub fn plan_buckets(
     config: &BucketConfig,
     cost: &CostModel,
 ) -> Result<Vec<Vec<NodeId>>, PassError> {
-    let order = graph.topo_order().map_err(|e| PassError {
-        message: format!("graph has a cycle (node index {})", e.node.index()),
-    })?;
+    let order = graph.topo_order()?;
     // Sequence of grad_syncs per key, in ready order, with ready times from the compute before.
     let mut keys: Vec<BucketKey> = Vec::new();
     let mut seqs: HashMap<BucketKey, Vec<(u32, Candidate)>> = HashMap::new();
@@ -173,13 +171,11 @@ pub fn plan_buckets(
                 }
                 _ => format!("node {}", n.index()),
             };
-            return Err(PassError {
-                message: format!(
-                    "{} depends on {}, which is ready after it: ready positions must follow the dependencies (sync {i} of its key)",
-                    name(c.node),
-                    name(later.node)
-                ),
-            });
+            return Err(PassError::Unsupported(format!(
+                "{} depends on {}, which is ready after it: ready positions must follow the dependencies (sync {i} of its key)",
+                name(c.node),
+                name(later.node)
+            )));
         }
         let sizes: Vec<u64> = cands.iter().map(|c| c.bytes).collect();
         let lo: Vec<usize> = cands.iter().map(|c| c.lo).collect();

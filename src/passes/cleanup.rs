@@ -29,9 +29,7 @@ impl Pass for Cleanup {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError> {
-        let order = graph.topo_order().map_err(|e| PassError {
-            message: format!("graph has a cycle (node index {})", e.node.index()),
-        })?;
+        let order = graph.topo_order()?;
         let mut changed = false;
         for &id in order.iter().rev() {
             if graph.op(id).is_pure() && graph.successors(id).is_empty() {

@@ -84,13 +84,11 @@ impl Pass for FuseBucketIo {
 
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError> {
         if !crate::graph::pack_align_ok(u64::from(self.config.align_bytes)) {
-            return Err(PassError {
-                message: format!(
-                    "pack alignment {} bytes is not a power of two of at most {} bytes",
-                    self.config.align_bytes,
-                    crate::graph::MAX_PACK_ALIGN_BYTES
-                ),
-            });
+            return Err(PassError::Unsupported(format!(
+                "pack alignment {} bytes is not a power of two of at most {} bytes",
+                self.config.align_bytes,
+                crate::graph::MAX_PACK_ALIGN_BYTES
+            )));
         }
         let targets: Vec<NodeId> = graph
             .node_ids()
@@ -154,8 +152,10 @@ fn fuse_one(
     });
     let (scale_div, reduce) = match (reduce, cfg.prescale) {
         (ReduceOp::Mean, true) => {
-            let n = graph.group_size(group).ok_or_else(|| PassError {
-                message: format!("all_reduce of bucket {bucket} names undeclared group {group}"),
+            let n = graph.group_size(group).ok_or_else(|| {
+                PassError::Unsupported(format!(
+                    "all_reduce of bucket {bucket} names undeclared group {group}"
+                ))
             })?;
             (Some(n), ReduceOp::Sum)
         }

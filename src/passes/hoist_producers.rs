@@ -70,9 +70,7 @@ impl Pass for HoistProducers {
         if self.max_deferred_bytes == 0 {
             return Ok(false);
         }
-        let before = graph.topo_order().map_err(|e| PassError {
-            message: format!("graph has a cycle (node index {})", e.node.index()),
-        })?;
+        let before = graph.topo_order()?;
         let compute: Vec<NodeId> = before
             .iter()
             .copied()
@@ -134,7 +132,7 @@ fn hoisted_order(graph: &Graph, compute: &[NodeId], max_bytes: u64) -> Vec<NodeI
             .copied()
             .filter(|n| !done[n.index()] && !producers.contains(n))
             .collect();
-        let hoist = deferred_bytes(graph, &deferred, |n| is_compute(n)) <= max_bytes;
+        let hoist = deferred_bytes(graph, &deferred, is_compute) <= max_bytes;
         for &n in &compute[first..=upto] {
             if !done[n.index()] && (!hoist || producers.contains(&n)) {
                 done[n.index()] = true;

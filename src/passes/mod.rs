@@ -25,7 +25,7 @@ use thiserror::Error;
 
 use crate::config::{CompileConfig, PrintAfter};
 use crate::graph::verify::{VerifyError, VerifyOptions, reductions_of, verify};
-use crate::graph::{Graph, Op, print};
+use crate::graph::{CycleError, Graph, Op, print};
 
 /// A graph rewrite.
 pub trait Pass {
@@ -33,14 +33,51 @@ pub trait Pass {
     fn name(&self) -> &'static str;
     /// Rewrites the graph; returns whether anything changed.
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError>;
+    /// The passes it runs inside it (a [`Fixpoint`]'s), which can be disabled by name too.
+    fn nested(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
+    /// [`Pass::run`] under a manager's options: a group skips its disabled members and
+    /// verifies after each member that changed the graph. Other passes just run.
+    fn run_managed(&self, graph: &mut Graph, _cx: &RunContext<'_>) -> Result<bool, PassError> {
+        self.run(graph)
+    }
+}
+
+/// What a [`PassManager`] hands the passes it runs.
+#[derive(Clone, Copy, Debug)]
+pub struct RunContext<'a> {
+    /// Pass names to skip.
+    pub disabled: &'a [String],
+    /// Verify after every change with these options; `None` when verification is off.
+    pub verify: Option<&'a VerifyOptions>,
 }
 
 /// A pass could not do its work.
 #[derive(Debug, Error, PartialEq)]
-#[error("{message}")]
-pub struct PassError {
-    /// What went wrong, naming the node or value concerned.
-    pub message: String,
+pub enum PassError {
+    /// The graph has a cycle.
+    #[error("graph has a cycle (node index {})", .0.node.index())]
+    Cycle(#[from] CycleError),
+    /// The graph is not what the pass requires; the message names the node or value.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A pass inside a group broke an invariant.
+    #[error("after nested pass '{pass}': {error}")]
+    Verify {
+        /// The nested pass.
+        pass: String,
+        /// The violations.
+        error: VerifyError,
+    },
+    /// A fixpoint group did not converge.
+    #[error("fixpoint '{name}' still changed the graph after {limit} iterations")]
+    NoFixpoint {
+        /// The group's name.
+        name: String,
+        /// Its iteration limit.
+        limit: usize,
+    },
 }
 
 /// Compilation failed.
@@ -61,6 +98,8 @@ pub enum CompileError {
         pass: String,
         /// Its error.
         error: PassError,
+        /// The graph's text as the pass left it (not in the message; logged at debug level).
+        graph: String,
     },
     /// A pass changed which gradients get reduced.
     #[error("after pass '{pass}': the reduced gradients changed: {detail}")]
@@ -69,14 +108,6 @@ pub enum CompileError {
         pass: String,
         /// Which parameters were gained or lost.
         detail: String,
-    },
-    /// A fixpoint group did not converge.
-    #[error("fixpoint '{name}' still changed the graph after {limit} iterations")]
-    NoFixpoint {
-        /// The group's name.
-        name: String,
-        /// Its iteration limit.
-        limit: usize,
     },
     /// A pass name given to disable is unknown.
     #[error("cannot disable unknown pass '{0}' (known: {1})")]
@@ -164,9 +195,17 @@ impl PassManager {
         self.passes.iter().map(|p| p.name()).collect()
     }
 
+    /// Names of the passes and of the passes nested in them, in order.
+    pub fn all_names(&self) -> Vec<&'static str> {
+        self.passes
+            .iter()
+            .flat_map(|p| std::iter::once(p.name()).chain(p.nested()))
+            .collect()
+    }
+
     /// Runs the pipeline on `graph`.
     pub fn run(&self, graph: &mut Graph) -> Result<PassReport, CompileError> {
-        let names = self.names();
+        let names = self.all_names();
         for d in &self.opts.disabled {
             if !names.contains(&d.as_str()) {
                 return Err(CompileError::UnknownPass(d.clone(), names.join(", ")));
@@ -190,9 +229,18 @@ impl PassManager {
                 continue;
             }
             let t0 = Instant::now();
-            let changed = pass.run(graph).map_err(|error| CompileError::Pass {
-                pass: name.to_string(),
-                error,
+            let cx = RunContext {
+                disabled: &self.opts.disabled,
+                verify: self.opts.verify.then_some(&self.opts.verify_options),
+            };
+            let changed = pass.run_managed(graph, &cx).map_err(|error| {
+                let text = print::print(graph);
+                tracing::debug!(pass = name, %error, "pass failed; the graph as it left it:\n{text}");
+                CompileError::Pass {
+                    pass: name.to_string(),
+                    error,
+                    graph: text,
+                }
             })?;
             let duration = t0.elapsed();
             tracing::debug!(pass = name, changed, ?duration, "ran");
@@ -260,23 +308,49 @@ impl Pass for Fixpoint {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError> {
+        self.run_managed(
+            graph,
+            &RunContext {
+                disabled: &[],
+                verify: None,
+            },
+        )
+    }
+
+    fn nested(&self) -> Vec<&'static str> {
+        self.passes
+            .iter()
+            .flat_map(|p| std::iter::once(p.name()).chain(p.nested()))
+            .collect()
+    }
+
+    /// Rounds of its enabled members until none changes the graph; with verification on, the
+    /// graph is verified after every member that changed it, naming that member.
+    fn run_managed(&self, graph: &mut Graph, cx: &RunContext<'_>) -> Result<bool, PassError> {
         let mut any = false;
         for _ in 0..self.limit {
             let mut changed = false;
             for p in &self.passes {
-                changed |= p.run(graph)?;
+                if cx.disabled.iter().any(|d| d == p.name()) {
+                    continue;
+                }
+                let c = p.run_managed(graph, cx)?;
+                if c && let Some(opts) = cx.verify {
+                    verify(graph, opts).map_err(|error| PassError::Verify {
+                        pass: format!("{}/{}", self.name, p.name()),
+                        error,
+                    })?;
+                }
+                changed |= c;
             }
             if !changed {
                 return Ok(any);
             }
             any = true;
         }
-        Err(PassError {
-            message: CompileError::NoFixpoint {
-                name: self.name.to_string(),
-                limit: self.limit,
-            }
-            .to_string(),
+        Err(PassError::NoFixpoint {
+            name: self.name.to_string(),
+            limit: self.limit,
         })
     }
 }

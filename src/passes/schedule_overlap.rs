@@ -45,9 +45,7 @@ impl Pass for ScheduleOverlap {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool, PassError> {
-        let before = graph.topo_order().map_err(|e| PassError {
-            message: format!("graph has a cycle (node index {})", e.node.index()),
-        })?;
+        let before = graph.topo_order()?;
         let order = list_schedule(graph, &before);
         let mut changed = order != before;
         // Chain the starts of each group in launch order.

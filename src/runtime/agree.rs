@@ -13,7 +13,7 @@
 //! then the sequences, padded to the longest; on a mismatch, two more for the names.
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, Communicator};
+use super::comm::{CollectiveDesc, CommError, Communicator, Purpose};
 use crate::codegen::plan::Plan;
 use crate::graph::{DType, Fnv64, ReduceOp};
 
@@ -28,10 +28,14 @@ const GATHER_COUNTS: u32 = AGREE_LEN + 4;
 /// Launch index of [`share_from_root`]'s all-reduce.
 const SHARE_ROOT: u32 = AGREE_LEN + 5;
 
+/// Launch indices of the agreement's own all-reduces and of [`all_gather_bytes`]'s,
+/// [`gather_counts`]'s and [`share_from_root`]'s ([`Purpose::Agreement`]).
+pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=SHARE_ROOT;
+
 /// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, [`gather_counts`]'s or
 /// [`share_from_root`]'s) own all-reduces.
 pub fn is_agreement(d: &CollectiveDesc) -> bool {
-    (AGREE_LEN..=SHARE_ROOT).contains(&d.collective)
+    d.purpose() == Purpose::Agreement
 }
 
 /// Launch indices of the bucket all-reduces that broadcast rank 0's initial weights when a
@@ -40,11 +44,11 @@ pub const WEIGHT_BROADCAST: u32 = u32::MAX - 2_000_000;
 
 /// Whether `d` is one of the initial-weight broadcast's all-reduces.
 pub fn is_weight_broadcast(d: &CollectiveDesc) -> bool {
-    (WEIGHT_BROADCAST..AGREE_LEN).contains(&d.collective)
+    d.purpose() == Purpose::WeightBroadcast
 }
 
 /// What the agreement's exchanges carry as their parameter list (for messages).
-pub const AGREEMENT_LABEL: &str = "(plan agreement)";
+const AGREEMENT_LABEL: &str = "(plan agreement)";
 
 /// Fields per call in the exchange.
 const FIELDS: usize = 6;

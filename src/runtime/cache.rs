@@ -9,7 +9,7 @@ use hashbrown::HashMap;
 
 use crate::codegen::plan::{LowerError, Plan, lower};
 use crate::config::CompileConfig;
-use crate::graph::{CycleError, Graph};
+use crate::graph::{CycleError, Graph, GraphStructure, fnv64};
 use crate::passes::{CompileError, compile};
 
 /// Why a graph could not be compiled to a plan.
@@ -26,32 +26,50 @@ pub enum PlanError {
     Lower(#[from] LowerError),
 }
 
+/// What a cached plan was compiled from: the graph's structure and the configuration. A hit
+/// compares both, not only their hashes.
+#[derive(Clone, Debug)]
+pub struct PlanKey {
+    structure: GraphStructure,
+    config: CompileConfig,
+    hash: u64,
+}
+
+impl PlanKey {
+    /// The key of `graph` (as recorded, before passes) under `config`.
+    pub fn new(graph: &Graph, config: &CompileConfig) -> Result<Self, CycleError> {
+        let structure = graph.structure()?;
+        let hash = fnv64(&(&structure, config));
+        Ok(PlanKey {
+            structure,
+            config: config.clone(),
+            hash,
+        })
+    }
+}
+
+impl PartialEq for PlanKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.structure == other.structure && self.config == other.config
+    }
+}
+
+// A configuration whose cost numbers are NaN equals nothing, itself included: its plans are
+// compiled again, never confused. Profiles with NaN are refused when loaded.
+impl Eq for PlanKey {}
+
+impl Hash for PlanKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.hash.hash(h);
+    }
+}
+
 /// Compiled plans by structure.
 #[derive(Default)]
 pub struct PlanCache {
-    plans: HashMap<(u64, u64), Arc<Plan>>,
+    plans: HashMap<PlanKey, Arc<Plan>>,
     hits: u64,
     misses: u64,
-}
-
-/// A stable fingerprint of the options that change what a graph compiles to.
-fn config_key(config: &CompileConfig) -> u64 {
-    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
-    format!("{config:?}").hash(&mut h);
-    h.finish()
-}
-
-struct Fnv(u64);
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= u64::from(*b);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
 }
 
 impl PlanCache {
@@ -67,7 +85,7 @@ impl PlanCache {
         graph: &Graph,
         config: &CompileConfig,
     ) -> Result<Arc<Plan>, PlanError> {
-        let key = (graph.structural_hash()?, config_key(config));
+        let key = PlanKey::new(graph, config)?;
         if let Some(p) = self.plans.get(&key) {
             self.hits += 1;
             return Ok(Arc::clone(p));
@@ -98,5 +116,40 @@ impl PlanCache {
     /// Whether it holds no plan.
     pub fn is_empty(&self) -> bool {
         self.plans.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::builder::{BuildOptions, build_step_graph};
+    use crate::model::ModelProfile;
+
+    #[test]
+    fn a_key_compares_the_structure_and_the_config_not_their_hash() {
+        let profile = ModelProfile::load("resnet50").unwrap();
+        let step = |world| {
+            build_step_graph(
+                &profile,
+                &BuildOptions {
+                    world,
+                    ..BuildOptions::default()
+                },
+            )
+        };
+        let config = CompileConfig::default();
+        let a = PlanKey::new(&step(8), &config).unwrap();
+        assert_eq!(a, PlanKey::new(&step(8), &config).unwrap());
+        let mut other = PlanKey::new(&step(4), &config).unwrap();
+        assert_ne!(a, other);
+        // Even under a colliding hash, another structure is another key.
+        other.hash = a.hash;
+        assert_ne!(a, other);
+        let mut slower = config.clone();
+        slower.cost.system.busbw_gbs /= 2.0;
+        let mut b = PlanKey::new(&step(8), &slower).unwrap();
+        assert_ne!(a.hash, b.hash);
+        b.hash = a.hash;
+        assert_ne!(a, b);
     }
 }

@@ -29,29 +29,85 @@ pub struct CollectiveDesc {
     pub params: Vec<String>,
 }
 
+/// What a collective is for. Each purpose has its own range of launch indices, so a call of
+/// one purpose can never be matched with a call of another on a peer, and the purpose of a call
+/// (one received from a peer included) is known from its launch index alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Purpose {
+    /// A collective of a compiled plan (launch index = its index in the plan).
+    Plan,
+    /// The start-up link probe ([`super::probe::LINK_PROBE`]).
+    LinkProbe,
+    /// Rank 0's initial weights ([`super::agree::WEIGHT_BROADCAST`]).
+    WeightBroadcast,
+    /// The plan agreement and the other small exchanges of [`super::agree`].
+    Agreement,
+    /// A user's `all_reduce` launched on its own ([`Purpose::user_launch`]).
+    User,
+}
+
+impl Purpose {
+    /// The purpose of launch index `collective`.
+    pub fn of(collective: u32) -> Purpose {
+        use super::agree::{AGREEMENT_IDS, WEIGHT_BROADCAST};
+        match collective {
+            c if c > *AGREEMENT_IDS.end() => Purpose::User,
+            c if AGREEMENT_IDS.contains(&c) => Purpose::Agreement,
+            c if c >= WEIGHT_BROADCAST => Purpose::WeightBroadcast,
+            c if c >= super::probe::LINK_PROBE => Purpose::LinkProbe,
+            _ => Purpose::Plan,
+        }
+    }
+
+    /// The launch index of a rank's `n`-th user all-reduce launched on its own: counting down
+    /// from the top of the range and wrapping within it, so it never leaves [`Purpose::User`].
+    pub fn user_launch(n: u64) -> u32 {
+        let window = u64::from(u32::MAX - *super::agree::AGREEMENT_IDS.end());
+        u32::MAX - (n % window) as u32
+    }
+}
+
+impl CollectiveDesc {
+    /// What it is for, from its launch index.
+    pub fn purpose(&self) -> Purpose {
+        Purpose::of(self.collective)
+    }
+}
+
 impl fmt::Display for CollectiveDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self
-            .params
-            .first()
-            .is_some_and(|p| p == super::agree::AGREEMENT_LABEL)
-        {
-            return write!(
-                f,
-                "the plan agreement exchange ({}×{})",
-                self.dtype, self.count
-            );
-        }
-        if super::agree::is_weight_broadcast(self) {
-            return write!(
-                f,
-                "the initial-weight broadcast, bucket {} ({}×{}, {} params from {})",
-                self.bucket.unwrap_or(0),
-                self.dtype,
-                self.count,
-                self.params.len(),
-                self.params.first().map_or("nothing", String::as_str)
-            );
+        match self.purpose() {
+            Purpose::Agreement => {
+                return write!(
+                    f,
+                    "the plan agreement exchange ({}×{})",
+                    self.dtype, self.count
+                );
+            }
+            Purpose::WeightBroadcast => {
+                return write!(
+                    f,
+                    "the initial-weight broadcast, bucket {} ({}×{}, {} params from {})",
+                    self.bucket.unwrap_or(0),
+                    self.dtype,
+                    self.count,
+                    self.params.len(),
+                    self.params.first().map_or("nothing", String::as_str)
+                );
+            }
+            Purpose::LinkProbe => {
+                return write!(f, "the link probe ({}×{})", self.dtype, self.count);
+            }
+            Purpose::User => {
+                return write!(
+                    f,
+                    "a user all-reduce ({} {}×{})",
+                    self.op.name(),
+                    self.dtype,
+                    self.count
+                );
+            }
+            Purpose::Plan => {}
         }
         match self.bucket {
             Some(b) => write!(f, "all-reduce #{} (bucket b{b}", self.collective)?,
@@ -446,4 +502,48 @@ fn first_member_difference(
                 b.params.get(i).map_or(none, String::as_str)
             )
         })
+}
+
+#[cfg(test)]
+mod purpose_tests {
+    use super::*;
+
+    fn desc(collective: u32) -> CollectiveDesc {
+        CollectiveDesc {
+            collective,
+            bucket: None,
+            op: ReduceOp::Sum,
+            dtype: DType::F32,
+            count: 3,
+            params: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn every_launch_index_has_one_purpose_and_user_launches_stay_in_theirs() {
+        assert_eq!(desc(0).purpose(), Purpose::Plan);
+        assert_eq!(
+            desc(super::super::probe::LINK_PROBE).purpose(),
+            Purpose::LinkProbe
+        );
+        assert_eq!(
+            desc(super::super::agree::WEIGHT_BROADCAST + 7).purpose(),
+            Purpose::WeightBroadcast
+        );
+        let agreement = super::super::agree::AGREEMENT_IDS;
+        assert_eq!(desc(*agreement.start()).purpose(), Purpose::Agreement);
+        assert_eq!(desc(*agreement.end()).purpose(), Purpose::Agreement);
+        // A long job's millions of metric all-reduces never reach the agreement's indices.
+        for n in [0u64, 1, 999_994, 999_995, 5_000_000, u64::MAX] {
+            let c = Purpose::user_launch(n);
+            assert_eq!(Purpose::of(c), Purpose::User, "{n} → {c}");
+        }
+        assert_eq!(Purpose::user_launch(0), u32::MAX);
+        assert_ne!(Purpose::user_launch(1), Purpose::user_launch(2));
+        assert_eq!(
+            desc(Purpose::user_launch(0)).to_string(),
+            "a user all-reduce (sum f32×3)"
+        );
+        assert!(desc(*agreement.start()).to_string().contains("agreement"));
+    }
 }
