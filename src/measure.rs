@@ -79,6 +79,33 @@ impl MeasuredStep {
         (self.end_us - self.sync_us).max(0.0)
     }
 
+    /// The part of [`Self::exposed_us`] spent waiting for collectives: the union of the waits
+    /// inside the sync point. The rest of it is host work at the sync point (packs, unpacks
+    /// and the write-back of the reduced gradients), which the simulator does not model.
+    pub fn waited_at_sync_us(&self) -> f64 {
+        let mut spans: Vec<(f64, f64)> = self
+            .collectives
+            .iter()
+            .map(|c| {
+                (
+                    (c.end_us - c.wait_us).max(self.sync_us),
+                    c.end_us.min(self.end_us),
+                )
+            })
+            .filter(|(a, b)| b > a)
+            .collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (mut total, mut reach) = (0.0, f64::NEG_INFINITY);
+        for (a, b) in spans {
+            let a = a.max(reach);
+            if b > a {
+                total += b - a;
+                reach = b;
+            }
+        }
+        total.min(self.exposed_us())
+    }
+
     /// Busy time of the communication stream.
     pub fn comm_us(&self) -> f64 {
         self.collectives
@@ -488,6 +515,30 @@ mod tests {
         };
         assert_eq!(no_link.drift(&base, small, 2), f64::INFINITY);
         assert_eq!(no_link.drift(&no_link, small, 2), 0.0);
+    }
+
+    /// The waits inside the sync point, overlaps counted once; the rest of the exposed time
+    /// is host work.
+    #[test]
+    fn the_exposed_time_splits_into_waits_and_host_work() {
+        let c = |end_us: f64, wait_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 4,
+            launch_us: 0.0,
+            start_us: 0.0,
+            end_us,
+            wait_us,
+        };
+        let step = MeasuredStep {
+            world: 2,
+            gradients: Vec::new(),
+            // Waits [90, 110] (before the sync from 100 on), [105, 120] and [130, 135].
+            collectives: vec![c(110.0, 20.0), c(120.0, 15.0), c(135.0, 5.0)],
+            sync_us: 100.0,
+            end_us: 150.0,
+        };
+        assert_eq!(step.exposed_us(), 50.0);
+        assert_eq!(step.waited_at_sync_us(), 25.0);
     }
 
     #[test]

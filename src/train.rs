@@ -3,6 +3,10 @@
 //! synthetic data. What the `run` command drives; its trace shows where each rank's step time
 //! goes (forward, backward, optimizer on the compute stream; pack, all-reduce, wait and unpack
 //! of every bucket).
+//!
+//! It is the `run` command's driver and the models the tests and benchmarks train, public for
+//! them: an example of `Collective<B>` under Burn's own modules and optimizer, not a training
+//! framework. A real job uses its own loop, or burn-train's learner, over `Collective<B>`.
 
 use std::time::Instant;
 
@@ -619,6 +623,9 @@ pub struct PolicyRun {
     pub backward_ms: (f64, f64),
     /// Communication the step waited for at its sync point.
     pub exposed_ms: (f64, f64),
+    /// The measured exposed time split: waiting for collectives, and host work at the sync
+    /// point (packs, unpacks, write-back), which the simulator does not model.
+    pub exposed_split_ms: (f64, f64),
     /// The run's link fit.
     pub link: Option<LinkFit>,
     /// Plans compiled from measured steps, and re-plans.
@@ -695,7 +702,7 @@ pub fn compare_policies(
                 policy.name()
             ));
         }
-        let mut cols: [Vec<f64>; 8] = Default::default();
+        let mut cols: [Vec<f64>; 10] = Default::default();
         for (rec, m) in &pairs {
             let p = crate::profile::predict_measured(
                 m,
@@ -718,12 +725,14 @@ pub fn compare_policies(
                 p.exposed() * 1e3,
                 m.collectives.len() as f64,
                 p.collectives as f64,
+                m.waited_at_sync_us() / 1e3,
+                (m.exposed_us() - m.waited_at_sync_us()) / 1e3,
             ];
             for (c, v) in cols.iter_mut().zip(values) {
                 c.push(v);
             }
         }
-        let [s, sp, b, bp, e, ep, c, cp] = cols.map(median);
+        let [s, sp, b, bp, e, ep, c, cp, w, h] = cols.map(median);
         let st = report.stats[0];
         rows.push(PolicyRun {
             policy,
@@ -732,6 +741,7 @@ pub fn compare_policies(
             step_ms: (s, sp),
             backward_ms: (b, bp),
             exposed_ms: (e, ep),
+            exposed_split_ms: (w, h),
             link: report.link,
             measured_plans: (st.measured_plans, st.replans),
             weights_digest: report.weights_digest,

@@ -289,9 +289,14 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
     for name in ["per-param", "ddp", "cost"] {
         let r = row(name);
         // measured, predicted, error of step, backward, exposed.
-        for i in [3, 4, 6, 7, 9, 10] {
+        for i in [3, 4, 6, 7, 9, 10, 12, 13] {
             let v: f64 = r[i].parse().unwrap_or_else(|_| panic!("{name}: {text}"));
             assert!(v.is_finite() && v >= 0.0, "{text}");
+        }
+        // The waits and the host work are each a part of the measured exposed time.
+        let exposed: f64 = r[9].parse().unwrap();
+        for i in [12, 13] {
+            assert!(r[i].parse::<f64>().unwrap() <= exposed + 0.01, "{text}");
         }
     }
     assert!(
