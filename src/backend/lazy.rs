@@ -157,17 +157,28 @@ impl Recorder {
 
     /// Runs every queued node up to sequence number `seq`, oldest first.
     fn run_until(&self, seq: u64, why: ForceReason) {
-        let mut ran = Vec::new();
-        let mut skipped = 0;
-        loop {
-            let item = {
+        self.run_nodes(
+            || {
                 let mut q = lock(&self.queue);
                 match q.pending.front() {
                     Some((s, _)) if *s <= seq => q.pending.pop_front(),
                     _ => None,
                 }
-            };
-            let Some((s, node)) = item else { break };
+            },
+            why,
+        );
+    }
+
+    /// Runs the nodes `next` hands out until it has none (a node nobody holds is skipped),
+    /// and counts them for `why`.
+    fn run_nodes(
+        &self,
+        mut next: impl FnMut() -> Option<(u64, Weak<dyn Pending>)>,
+        why: ForceReason,
+    ) {
+        let mut ran = Vec::new();
+        let mut skipped = 0;
+        while let Some((s, node)) = next() {
             match node.upgrade() {
                 Some(n) => {
                     if n.run() {
@@ -246,22 +257,13 @@ impl Recorder {
                 Some(picked)
             }
         };
-        let Some(picked) = picked else {
-            return self.run_until(seq, why);
-        };
-        let mut ran = Vec::new();
-        let mut skipped = 0;
-        for (s, node) in picked {
-            match node.upgrade() {
-                Some(n) => {
-                    if n.run() {
-                        ran.push(s);
-                    }
-                }
-                None => skipped += 1,
+        match picked {
+            Some(picked) => {
+                let mut picked = picked.into_iter();
+                self.run_nodes(|| picked.next(), why);
             }
+            None => self.run_until(seq, why),
         }
-        self.count(ran, skipped, why);
     }
 
     /// Notes nodes that ran and were skipped for `why`.

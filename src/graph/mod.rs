@@ -837,6 +837,39 @@ impl Graph {
         Ok(order)
     }
 
+    /// A topological order of `nodes` (every live node) that, among ready nodes, takes the one
+    /// with the smallest `(key, index)`: the list scheduler the scheduling passes share.
+    pub fn list_schedule<K: Ord>(
+        &self,
+        nodes: &[NodeId],
+        key: impl Fn(NodeId) -> K,
+    ) -> Vec<NodeId> {
+        let mut indeg = vec![0u32; self.g.node_bound()];
+        for &id in nodes {
+            indeg[id.index()] = self.predecessors(id).len() as u32;
+        }
+        let prio = |id: NodeId| Reverse((key(id), id.index() as u32));
+        let mut heap = BinaryHeap::new();
+        for &id in nodes {
+            if indeg[id.index()] == 0 {
+                heap.push(prio(id));
+            }
+        }
+        let mut order = Vec::with_capacity(nodes.len());
+        while let Some(Reverse((_, idx))) = heap.pop() {
+            let id = NodeIndex::new(idx as usize);
+            order.push(id);
+            for s in self.successors(id) {
+                let d = &mut indeg[s.index()];
+                *d -= 1;
+                if *d == 0 {
+                    heap.push(prio(s));
+                }
+            }
+        }
+        order
+    }
+
     /// Sets the schedule keys so that [`Graph::topo_order`] returns `order` (which must be a
     /// topological order of every live node).
     pub fn set_schedule(&mut self, order: &[NodeId]) {

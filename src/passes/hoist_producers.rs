@@ -47,9 +47,6 @@
 //! %6 = compute "linear_x_backward" kind=matmul flops=1024 (%2, %1) : f32[8,16]
 //! ```
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
 use hashbrown::HashSet;
 
 use super::{Pass, PassError};
@@ -187,30 +184,7 @@ fn merge(graph: &Graph, before: &[NodeId], compute: &[NodeId]) -> Vec<NodeId> {
         Op::Sync => 2,
         _ => 0,
     };
-    let mut indeg = vec![0u32; bound];
-    for &id in before {
-        indeg[id.index()] = graph.predecessors(id).len() as u32;
-    }
-    let prio = |id: NodeId| Reverse((class(id), key[id.index()], id.index() as u32));
-    let mut heap = BinaryHeap::new();
-    for &id in before {
-        if indeg[id.index()] == 0 {
-            heap.push(prio(id));
-        }
-    }
-    let mut order = Vec::with_capacity(before.len());
-    while let Some(Reverse((_, _, idx))) = heap.pop() {
-        let id = NodeId::new(idx as usize);
-        order.push(id);
-        for s in graph.successors(id) {
-            let d = &mut indeg[s.index()];
-            *d -= 1;
-            if *d == 0 {
-                heap.push(prio(s));
-            }
-        }
-    }
-    order
+    graph.list_schedule(before, |id| (class(id), key[id.index()]))
 }
 
 #[cfg(test)]

@@ -28,9 +28,6 @@
 //! %4 = all_reduce_done bucket=0 (%2) : f32[256]
 //! ```
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
 use hashbrown::HashMap;
 
 use super::{Pass, PassError};
@@ -81,33 +78,9 @@ fn class(op: &Op) -> u8 {
 
 /// Kahn's algorithm picking, among ready nodes, the smallest `(class, old position)`.
 fn list_schedule(graph: &Graph, before: &[NodeId]) -> Vec<NodeId> {
-    let bound = graph.node_bound();
-    let mut old_pos = vec![0u32; bound];
+    let mut old_pos = vec![0u32; graph.node_bound()];
     for (i, id) in before.iter().enumerate() {
         old_pos[id.index()] = i as u32;
     }
-    let mut indeg = vec![0u32; bound];
-    for &id in before {
-        indeg[id.index()] = graph.predecessors(id).len() as u32;
-    }
-    let key = |id: NodeId| Reverse((class(graph.op(id)), old_pos[id.index()], id.index() as u32));
-    let mut heap = BinaryHeap::new();
-    for &id in before {
-        if indeg[id.index()] == 0 {
-            heap.push(key(id));
-        }
-    }
-    let mut order = Vec::with_capacity(before.len());
-    while let Some(Reverse((_, _, idx))) = heap.pop() {
-        let id = NodeId::new(idx as usize);
-        order.push(id);
-        for s in graph.successors(id) {
-            let d = &mut indeg[s.index()];
-            *d -= 1;
-            if *d == 0 {
-                heap.push(key(s));
-            }
-        }
-    }
-    order
+    graph.list_schedule(before, |id| (class(graph.op(id)), old_pos[id.index()]))
 }
