@@ -128,15 +128,8 @@ enum Command {
         /// llama_1b_tied) or the path of a profile file of the same schema.
         #[arg(long)]
         model: String,
-        /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
-        #[arg(long, value_enum)]
-        policy: Option<Policy>,
-        /// Bucket cap: bytes, or with a unit (25MiB, 512KiB). Default 25MiB.
-        #[arg(long, value_parser = parse_size)]
-        bucket_cap: Option<u64>,
-        /// Cap of the first bucket: bytes, or with a unit. Default 1MiB.
-        #[arg(long, value_parser = parse_size)]
-        first_bucket: Option<u64>,
+        #[command(flatten)]
+        bucketing: BucketArgs,
         /// Ranks in the data-parallel group (default: the link profile's).
         #[arg(long)]
         world: Option<u32>,
@@ -183,19 +176,31 @@ enum Command {
     },
 }
 
+/// The bucketing options of `run` and `plan`.
+#[derive(clap::Args, Clone, Copy, Default)]
+struct BucketArgs {
+    /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
+    #[arg(long, value_enum)]
+    policy: Option<Policy>,
+    /// Bucket cap: bytes, or with a unit (25MiB, 512KiB). Default 25MiB.
+    #[arg(long, value_parser = parse_size)]
+    bucket_cap: Option<u64>,
+    /// Cap of the first bucket: bytes, or with a unit. Default 1MiB.
+    #[arg(long, value_parser = parse_size)]
+    first_bucket: Option<u64>,
+}
+
 /// The `CF_*` compiler options with the command line's bucketing options over them.
 fn configured(
-    policy: Option<Policy>,
-    cap: Option<u64>,
-    first: Option<u64>,
+    b: BucketArgs,
     views: bool,
 ) -> Result<CompileConfig, collective_fusion::config::ConfigError> {
     let mut config = CompileConfig::from_env()?;
-    if let Some(p) = policy {
+    if let Some(p) = b.policy {
         config.bucket.policy = p.into();
     }
-    config.bucket.cap_bytes = cap.unwrap_or(config.bucket.cap_bytes);
-    config.bucket.first_bucket_bytes = first.unwrap_or(config.bucket.first_bucket_bytes);
+    config.bucket.cap_bytes = b.bucket_cap.unwrap_or(config.bucket.cap_bytes);
+    config.bucket.first_bucket_bytes = b.first_bucket.unwrap_or(config.bucket.first_bucket_bytes);
     config.gradient_as_bucket_view |= views;
     Ok(config)
 }
@@ -275,9 +280,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         }
         Command::Plan {
             model,
-            policy,
-            bucket_cap,
-            first_bucket,
+            bucketing,
             world,
             batch,
             link,
@@ -292,7 +295,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let mut out = String::new();
             let profile = ModelProfile::load(&model)?;
-            let mut config = configured(policy, bucket_cap, first_bucket, bucket_view)?;
+            let mut config = configured(bucketing, bucket_view)?;
             if let Some(l) = link {
                 config.cost = CostModel::new(SystemProfile::load(&l)?);
             }
@@ -504,7 +507,14 @@ fn profile_cmd(a: ProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
         (None, Some(p)) => StepSource::Profile(p),
         (None, None) => unreachable!("one of the two was loaded"),
     };
-    let mut config = configured(None, a.bucket_cap, a.first_bucket, false)?;
+    let mut config = configured(
+        BucketArgs {
+            bucket_cap: a.bucket_cap,
+            first_bucket: a.first_bucket,
+            ..BucketArgs::default()
+        },
+        false,
+    )?;
     if let Some(l) = a.link {
         config.cost = CostModel::new(SystemProfile::load(&l)?);
     }

@@ -8,7 +8,7 @@ use clap::ValueEnum;
 use collective_fusion::graph::print::fmt_bytes;
 
 use crate::{
-    BackendArg, DispatchDeviceArg, Policy, RunModelArg, TransportArg, configured, emit, parse_size,
+    BackendArg, BucketArgs, DispatchDeviceArg, RunModelArg, TransportArg, configured, emit,
 };
 
 #[derive(clap::Args)]
@@ -25,15 +25,8 @@ pub(crate) struct RunArgs {
     /// Samples per rank per step.
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// Bucketing policy (default: CF_BUCKET_POLICY, else ddp).
-    #[arg(long, value_enum)]
-    policy: Option<Policy>,
-    /// Bucket cap: bytes, or with a unit (25MiB). Default 25MiB.
-    #[arg(long, value_parser = parse_size)]
-    bucket_cap: Option<u64>,
-    /// Cap of the first bucket. Default 1MiB.
-    #[arg(long, value_parser = parse_size)]
-    first_bucket: Option<u64>,
+    #[command(flatten)]
+    bucketing: BucketArgs,
     /// Write every rank's spans as Chrome/Perfetto trace JSON.
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
@@ -99,7 +92,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if a.steps == 0 || a.batch == 0 {
         return Err("--steps and --batch must be at least 1".into());
     }
-    let config = configured(a.policy, a.bucket_cap, a.first_bucket, a.bucket_view)?;
+    let config = configured(a.bucketing, a.bucket_view)?;
     let backend = match a.backend {
         BackendArg::Ndarray => RunBackend::NdArray,
         BackendArg::Wgpu => RunBackend::Wgpu,
