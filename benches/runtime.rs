@@ -64,15 +64,8 @@ fn tcp_group(world: usize) -> Vec<Box<dyn Communicator>> {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
                 s.spawn(move || {
-                    let cfg = RendezvousConfig {
-                        rank,
-                        world,
-                        local_rank: rank,
-                        addr: "127.0.0.1".into(),
-                        port,
-                        timeout: Duration::from_secs(30),
-                        token: None,
-                    };
+                    let cfg =
+                        RendezvousConfig::loopback(rank, world, port, Duration::from_secs(30));
                     Box::new(TcpComm::connect(&cfg, Duration::from_secs(60)).unwrap())
                         as Box<dyn Communicator>
                 })

@@ -104,7 +104,13 @@ def trait_methods(src, trait):
 
 
 def lazy_ops():
-    return set(re.findall(r"\npub\(crate\) fn (\w+)", open(TABLE).read()))
+    """The ops `op_table.rs` has a rule for: each `pub(crate) fn` at the top level, and each
+    name listed in a `conv_rules!(N: name, ...)` line (one rule set per spatial rank)."""
+    text = open(TABLE).read()
+    names = set(re.findall(r"\npub\(crate\) fn (\w+)", text))
+    for listed in re.findall(r"\nconv_rules!\(\d+:([^)]*)\);", text):
+        names.update(n.strip() for n in listed.split(",") if n.strip())
+    return names
 
 
 def tensor_kind(t):

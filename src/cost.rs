@@ -13,6 +13,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::graph::{CycleError, Graph, Op};
+use crate::trace::SpanKind;
 
 /// The bundled system profiles.
 pub const BUNDLED_LINKS: &str = include_str!("../profiles/links.json");
@@ -232,8 +233,8 @@ pub fn simulate(graph: &Graph, model: &CostModel) -> Result<StepTimes, CycleErro
 pub struct SimSpan {
     /// `compute` or `comm`.
     pub stream: &'static str,
-    /// Category: `compute`, `pack`, `unpack`, `all-reduce` or `wait`.
-    pub cat: &'static str,
+    /// What it is.
+    pub cat: SpanKind,
     /// Label.
     pub name: String,
     /// Start, seconds from the start of the step.
@@ -318,7 +319,7 @@ fn simulate_inner(
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
-                record("compute", "compute", label(id), t_compute, t_compute + d);
+                record("compute", SpanKind::Compute, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.compute += d;
             }
@@ -327,9 +328,9 @@ fn simulate_inner(
             Op::BucketPack { .. } | Op::BucketUnpack { .. } => {
                 let d = model.copy_secs(bytes_in(id));
                 let cat = if matches!(graph.op(id), Op::BucketPack { .. }) {
-                    "pack"
+                    SpanKind::Pack
                 } else {
-                    "unpack"
+                    SpanKind::Unpack
                 };
                 record("compute", cat, label(id), t_compute, t_compute + d);
                 t_compute += d;
@@ -340,14 +341,14 @@ fn simulate_inner(
                 t_compute = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
                 record(
                     "comm",
-                    "all-reduce",
+                    SpanKind::AllReduce,
                     label(id),
                     t_compute - st.last_collective,
                     t_compute,
                 );
                 record(
                     "compute",
-                    "wait",
+                    SpanKind::Wait,
                     format!("wait {}", label(id)),
                     issued,
                     t_compute,
@@ -358,7 +359,7 @@ fn simulate_inner(
                 finish[id.index()] = end;
                 record(
                     "comm",
-                    "all-reduce",
+                    SpanKind::AllReduce,
                     label(id),
                     end - st.last_collective,
                     end,
@@ -374,7 +375,7 @@ fn simulate_inner(
                 } else {
                     format!("wait {}", label(id))
                 };
-                record("compute", "wait", what, before, t_compute);
+                record("compute", SpanKind::Wait, what, before, t_compute);
             }
             Op::Parameter { .. } | Op::Input { .. } | Op::Gradient { .. } => {}
         }

@@ -315,7 +315,7 @@ pub fn simulated_trace(
             .map(|s: SimSpan| TraceSpan {
                 rank: 0,
                 stream: s.stream.to_string(),
-                cat: s.cat.to_string(),
+                cat: s.cat,
                 name: s.name,
                 start_us: s.start * 1e6,
                 dur_us: (s.end - s.start) * 1e6,

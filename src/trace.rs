@@ -6,6 +6,59 @@ use std::fmt::Write;
 
 use serde_json::json;
 
+/// What a span is: its category in a trace and its colour in a timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SpanKind {
+    /// A compute op (forward, backward, an optimizer step).
+    Compute,
+    /// Packing gradients into a bucket.
+    Pack,
+    /// A collective.
+    AllReduce,
+    /// Copying a reduced bucket back into gradients.
+    Unpack,
+    /// Waiting for a collective.
+    Wait,
+}
+
+impl SpanKind {
+    /// Every kind, in legend order.
+    pub const ALL: [SpanKind; 5] = [
+        SpanKind::Compute,
+        SpanKind::Pack,
+        SpanKind::AllReduce,
+        SpanKind::Unpack,
+        SpanKind::Wait,
+    ];
+
+    /// The category's name in traces: `compute`, `pack`, `all-reduce`, `unpack`, `wait`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SpanKind::Compute => "compute",
+            SpanKind::Pack => "pack",
+            SpanKind::AllReduce => "all-reduce",
+            SpanKind::Unpack => "unpack",
+            SpanKind::Wait => "wait",
+        }
+    }
+
+    fn colour(self) -> &'static str {
+        match self {
+            SpanKind::Compute => "#4c78a8",
+            SpanKind::Pack => "#f58518",
+            SpanKind::Unpack => "#e45756",
+            SpanKind::AllReduce => "#54a24b",
+            SpanKind::Wait => "#bab0ac",
+        }
+    }
+}
+
+impl std::fmt::Display for SpanKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One span on one track.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TraceSpan {
@@ -13,8 +66,8 @@ pub struct TraceSpan {
     pub rank: usize,
     /// Stream: `compute` or `comm`.
     pub stream: String,
-    /// Category: `compute`, `pack`, `all-reduce`, `unpack`, `wait`.
-    pub cat: String,
+    /// What it is.
+    pub cat: SpanKind,
     /// Label.
     pub name: String,
     /// Start, microseconds from the start of the trace.
@@ -62,7 +115,7 @@ pub fn chrome_json(title: &str, spans: &[TraceSpan]) -> String {
     });
     for s in sorted {
         events.push(json!({
-            "ph": "X", "name": s.name, "cat": s.cat, "pid": s.rank, "tid": tid(s.rank, &s.stream),
+            "ph": "X", "name": s.name, "cat": s.cat.name(), "pid": s.rank, "tid": tid(s.rank, &s.stream),
             "ts": round3(s.start_us), "dur": round3(s.dur_us),
         }));
     }
@@ -76,17 +129,6 @@ pub fn chrome_json(title: &str, spans: &[TraceSpan]) -> String {
 
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
-}
-
-fn colour(cat: &str) -> &'static str {
-    match cat {
-        "compute" => "#4c78a8",
-        "pack" => "#f58518",
-        "unpack" => "#e45756",
-        "all-reduce" => "#54a24b",
-        "wait" => "#bab0ac",
-        _ => "#9d755d",
-    }
 }
 
 fn escape(s: &str) -> String {
@@ -173,9 +215,9 @@ fn svg_spans(title: &str, spans: &[TraceSpan]) -> String {
                 x(s.start_us),
                 y + 3.0,
                 row - 6.0,
-                colour(&s.cat),
+                s.cat.colour(),
                 escape(&s.name),
-                escape(&s.cat),
+                s.cat.name(),
                 s.dur_us,
                 s.start_us
             );
@@ -193,12 +235,12 @@ fn svg_spans(title: &str, spans: &[TraceSpan]) -> String {
         );
     }
     let mut lx = left;
-    for cat in ["compute", "pack", "all-reduce", "unpack", "wait"] {
+    for cat in SpanKind::ALL {
         let _ = writeln!(
             out,
             r#"<rect x="{lx}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{cat}</text>"#,
             axis_y + 15.0,
-            colour(cat),
+            cat.colour(),
             lx + 16.0,
             axis_y + 25.0
         );

@@ -338,3 +338,24 @@ fn an_unpack_as_views_round_trips_and_may_not_cast() {
         "{cast}"
     );
 }
+
+#[test]
+fn a_dtype_is_serialized_as_its_text_form_name() {
+    use collective_fusion::graph::DType;
+    for d in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I64,
+        DType::I32,
+        DType::Bool,
+    ] {
+        let json = serde_json::to_string(&d).unwrap();
+        assert_eq!(json, format!("\"{}\"", d.name()));
+        assert_eq!(serde_json::from_str::<DType>(&json).unwrap(), d);
+        assert_eq!(DType::from_name(d.name()), Some(d));
+    }
+    let e = serde_json::from_str::<DType>("\"f8\"").unwrap_err();
+    assert!(e.to_string().contains("f8"), "{e}");
+}

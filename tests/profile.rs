@@ -9,7 +9,7 @@ use collective_fusion::cost::{CostModel, SystemProfile};
 use collective_fusion::graph::ReduceOp;
 use collective_fusion::model::ModelProfile;
 use collective_fusion::profile::{ProfileOptions, compare, compiled_graph, simulated_trace};
-use collective_fusion::trace::{chrome_json, svg};
+use collective_fusion::trace::{SpanKind, chrome_json, svg};
 
 fn options(link: &str) -> ProfileOptions {
     let cost = CostModel::new(SystemProfile::load(link).unwrap());
@@ -66,9 +66,9 @@ fn trace_structure_names_tracks_and_order() {
     let g = compiled_graph(&profile, &opts, BucketPolicy::Ddp).unwrap();
     let (times, spans) = simulated_trace(&g, &opts.config.cost).unwrap();
     // Early buckets' all-reduces overlap later backward compute.
-    let first_ar = spans.iter().find(|s| s.cat == "all-reduce").unwrap();
+    let first_ar = spans.iter().find(|s| s.cat == SpanKind::AllReduce).unwrap();
     assert!(
-        spans.iter().any(|s| s.cat == "compute"
+        spans.iter().any(|s| s.cat == SpanKind::Compute
             && s.start_us < first_ar.start_us + first_ar.dur_us
             && s.start_us + s.dur_us > first_ar.start_us),
         "the first all-reduce overlaps compute"

@@ -15,15 +15,7 @@ use collective_fusion::runtime::{HostBuffer, InProcessGroup};
 use common::free_port;
 
 fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
-    RendezvousConfig {
-        rank,
-        world,
-        local_rank: rank,
-        addr: "127.0.0.1".into(),
-        port,
-        timeout: Duration::from_secs(20),
-        token: None,
-    }
+    RendezvousConfig::loopback(rank, world, port, Duration::from_secs(20))
 }
 
 fn desc(collective: u32, op: ReduceOp, dtype: DType, count: usize) -> CollectiveDesc {

@@ -27,7 +27,7 @@ use crate::runtime::HostBuffer;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::CollectiveDesc;
 use crate::runtime::exec::Workspace;
-use crate::trace::TraceSpan;
+use crate::trace::{SpanKind, TraceSpan};
 
 /// How many gradient syncs (one per rank per step) completed in this process so far.
 pub fn gradient_syncs_total() -> u64 {
@@ -204,7 +204,10 @@ pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
 pub fn executed_step_order<I: Backend>(rank: usize) -> Option<Vec<usize>> {
     let s = session::<I>("executed_step_order");
     let st = s.state(rank, "executed_step_order");
-    st.last_step.as_ref().map(|_| st.last_ran.clone())
+    st.last_step.as_ref()?;
+    let (ran, recorded) = &st.last_ran;
+    let at: HashMap<u64, usize> = recorded.iter().enumerate().map(|(i, s)| (*s, i)).collect();
+    Some(ran.iter().filter_map(|s| at.get(s).copied()).collect())
 }
 
 /// This process's communicators for `devices`, as `options.transport` says; a start-up failure
@@ -267,7 +270,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
                         expected: None,
                         expected_segment: None,
                         last_step: None,
-                        last_ran: Vec::new(),
+                        last_ran: (Vec::new(), Vec::new()),
                         live: None,
                         cache: PlanCache::new(),
                         workspace: Workspace::default(),
@@ -397,7 +400,7 @@ pub fn recorded_collectives<I: Backend>(rank: usize) -> Option<Vec<CollectiveDes
 pub fn trace_span<I: Backend>(rank: usize, name: &str, start: Instant, end: Instant) {
     let s = session::<I>("trace_span");
     if s.options.trace {
-        let span = s.span(rank, "compute", "compute", name.to_string(), start, end);
+        let span = s.span(rank, "compute", SpanKind::Compute, name.to_string(), start, end);
         lock(&s.trace).push(span);
     }
 }

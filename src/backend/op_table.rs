@@ -490,211 +490,103 @@ pub(crate) fn linear_bias_backward(output_grad: Meta) -> Rule {
     Rule::reduction(shape, output_grad.dtype, &output_grad)
 }
 
-// Convolutions: the forward pass and the gradients of input, weight and bias.
+// Convolutions: the forward pass and the gradients of input, weight and bias, the same rules
+// for 1, 2 and 3 spatial dimensions. The generator reads the names in each `conv_rules!` line
+// as rules of this table, as it reads every `pub(crate) fn` above.
 
-pub(crate) fn conv1d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<1>) -> Rule {
-    let shape = rules::conv(x.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+macro_rules! conv_rules {
+    ($n:literal: $conv:ident, $conv_x:ident, $conv_w:ident, $conv_b:ident,
+     $tr:ident, $tr_x:ident, $tr_w:ident, $tr_b:ident) => {
+        pub(crate) fn $conv(
+            x: Meta,
+            weight: Meta,
+            _bias: Option<Meta>,
+            options: &ConvOptions<$n>,
+        ) -> Rule {
+            let shape = rules::conv(x.shape, weight.shape.clone(), options);
+            let flops = rules::conv_flops(&shape, &weight.shape);
+            Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $conv_x(
+            x: Meta,
+            weight: Meta,
+            output_grad: Meta,
+            _options: &ConvOptions<$n>,
+        ) -> Rule {
+            let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+            Rule::like(&x).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $conv_w(
+            _x: Meta,
+            weight: Meta,
+            output_grad: Meta,
+            _options: &ConvOptions<$n>,
+        ) -> Rule {
+            let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
+            Rule::like(&weight).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $conv_b(x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+            conv_bias_backward(x, bias, output_grad)
+        }
+
+        pub(crate) fn $tr(
+            x: Meta,
+            weight: Meta,
+            _bias: Option<Meta>,
+            options: &ConvTransposeOptions<$n>,
+        ) -> Rule {
+            let flops = rules::conv_flops(&x.shape, &weight.shape);
+            let shape = rules::conv_transpose(x.shape, weight.shape, options);
+            Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $tr_x(
+            weight: Meta,
+            output_grad: Meta,
+            options: &ConvTransposeOptions<$n>,
+        ) -> Rule {
+            let shape =
+                rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
+            let flops = rules::conv_flops(&shape, &weight.shape);
+            Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $tr_w(
+            x: Meta,
+            weight: Meta,
+            _output_grad: Meta,
+            _options: &ConvTransposeOptions<$n>,
+        ) -> Rule {
+            let flops = rules::conv_flops(&x.shape, &weight.shape);
+            Rule::like(&weight).costing(ComputeKind::Conv, flops)
+        }
+
+        pub(crate) fn $tr_b(x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+            conv_bias_backward(x, bias, output_grad)
+        }
+    };
 }
 
-pub(crate) fn conv1d_x_backward(
-    x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<1>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&x).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv1d_weight_backward(
-    _x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<1>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv1d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
+/// The bias gradient of every convolution: the output gradient summed to the bias's shape.
+fn conv_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
     Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
 }
 
-pub(crate) fn conv_transpose1d(
-    x: Meta,
-    weight: Meta,
-    _bias: Option<Meta>,
-    options: &ConvTransposeOptions<1>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::elementwise(
-        rules::conv_transpose(x.shape, weight.shape, options),
-        x.dtype,
-    )
-    .costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose1d_x_backward(
-    weight: Meta,
-    output_grad: Meta,
-    options: &ConvTransposeOptions<1>,
-) -> Rule {
-    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose1d_weight_backward(
-    x: Meta,
-    weight: Meta,
-    _output_grad: Meta,
-    _options: &ConvTransposeOptions<1>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose1d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
-    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
-}
-
-pub(crate) fn conv2d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<2>) -> Rule {
-    let shape = rules::conv(x.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv2d_x_backward(
-    x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<2>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&x).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv2d_weight_backward(
-    _x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<2>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv2d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
-    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
-}
-
-pub(crate) fn conv_transpose2d(
-    x: Meta,
-    weight: Meta,
-    _bias: Option<Meta>,
-    options: &ConvTransposeOptions<2>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::elementwise(
-        rules::conv_transpose(x.shape, weight.shape, options),
-        x.dtype,
-    )
-    .costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose2d_x_backward(
-    weight: Meta,
-    output_grad: Meta,
-    options: &ConvTransposeOptions<2>,
-) -> Rule {
-    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose2d_weight_backward(
-    x: Meta,
-    weight: Meta,
-    _output_grad: Meta,
-    _options: &ConvTransposeOptions<2>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose2d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
-    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
-}
-
-pub(crate) fn conv3d(x: Meta, weight: Meta, _bias: Option<Meta>, options: &ConvOptions<3>) -> Rule {
-    let shape = rules::conv(x.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, x.dtype).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv3d_x_backward(
-    x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<3>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&x).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv3d_weight_backward(
-    _x: Meta,
-    weight: Meta,
-    output_grad: Meta,
-    _options: &ConvOptions<3>,
-) -> Rule {
-    let flops = rules::conv_flops(&output_grad.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv3d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
-    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
-}
-
-pub(crate) fn conv_transpose3d(
-    x: Meta,
-    weight: Meta,
-    _bias: Option<Meta>,
-    options: &ConvTransposeOptions<3>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::elementwise(
-        rules::conv_transpose(x.shape, weight.shape, options),
-        x.dtype,
-    )
-    .costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose3d_x_backward(
-    weight: Meta,
-    output_grad: Meta,
-    options: &ConvTransposeOptions<3>,
-) -> Rule {
-    let shape = rules::conv_transpose_input(output_grad.shape, weight.shape.clone(), options);
-    let flops = rules::conv_flops(&shape, &weight.shape);
-    Rule::elementwise(shape, output_grad.dtype).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose3d_weight_backward(
-    x: Meta,
-    weight: Meta,
-    _output_grad: Meta,
-    _options: &ConvTransposeOptions<3>,
-) -> Rule {
-    let flops = rules::conv_flops(&x.shape, &weight.shape);
-    Rule::like(&weight).costing(ComputeKind::Conv, flops)
-}
-
-pub(crate) fn conv_transpose3d_bias_backward(_x: Meta, bias: Meta, output_grad: Meta) -> Rule {
-    Rule::reduction(bias.shape.clone(), bias.dtype, &output_grad)
-}
+#[rustfmt::skip]
+conv_rules!(1: conv1d, conv1d_x_backward, conv1d_weight_backward, conv1d_bias_backward,
+    conv_transpose1d, conv_transpose1d_x_backward, conv_transpose1d_weight_backward,
+    conv_transpose1d_bias_backward);
+#[rustfmt::skip]
+conv_rules!(2: conv2d, conv2d_x_backward, conv2d_weight_backward, conv2d_bias_backward,
+    conv_transpose2d, conv_transpose2d_x_backward, conv_transpose2d_weight_backward,
+    conv_transpose2d_bias_backward);
+#[rustfmt::skip]
+conv_rules!(3: conv3d, conv3d_x_backward, conv3d_weight_backward, conv3d_bias_backward,
+    conv_transpose3d, conv_transpose3d_x_backward, conv_transpose3d_weight_backward,
+    conv_transpose3d_bias_backward);
 
 // Normalization and activations: one node calling the inner backend's own kernel.
 

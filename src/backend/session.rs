@@ -37,7 +37,7 @@ use crate::runtime::comm::Communicator;
 use crate::runtime::exec::ExecReport;
 use crate::runtime::exec::{ExecOptions, Execution, NoHooks, Workspace, execute_in};
 use crate::runtime::{Grad, HostBuffer};
-use crate::trace::TraceSpan;
+use crate::trace::{SpanKind, TraceSpan};
 
 /// Gradient syncs completed in this process, all backends and ranks together.
 pub(super) static SYNCS_TOTAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -82,9 +82,11 @@ pub(super) struct RankState<I: Backend> {
     pub(super) expected_segment: Option<Graph>,
     /// The graph of the last synced step: every recorded op, the gradients, their syncs.
     pub(super) last_step: Option<Graph>,
-    /// The ops of the last synced step that ran by its sync point, in the order they ran, as
-    /// positions in its record order.
-    pub(super) last_ran: Vec<usize>,
+    /// The ops of the last synced step that ran by its sync point, in the order they ran
+    /// (record sequence numbers), and every op it recorded (sequence numbers in record order):
+    /// kept as they come, mapped to positions only when someone asks
+    /// ([`executed_step_order`](super::executed_step_order)), so a step pays no map for them.
+    pub(super) last_ran: (Vec<u64>, Vec<u64>),
     pub(super) live: Option<Live>,
     pub(super) cache: PlanCache,
     pub(super) workspace: Workspace,
@@ -253,14 +255,7 @@ impl<I: Backend> Session<I> {
         }
         let mut t = lock(&self.trace);
         for s in &report.spans {
-            let cat = match s.name.split(' ').next().unwrap_or("") {
-                "pack" => "pack",
-                "unpack" => "unpack",
-                "all_reduce" => "all-reduce",
-                "wait" => "wait",
-                _ => "compute",
-            };
-            t.push(self.span(rank, s.stream, cat, s.name.clone(), s.start, s.end));
+            t.push(self.span(rank, s.stream, s.kind, s.name.clone(), s.start, s.end));
         }
     }
 
@@ -268,7 +263,7 @@ impl<I: Backend> Session<I> {
         &self,
         rank: usize,
         stream: &str,
-        cat: &str,
+        cat: SpanKind,
         name: String,
         start: Instant,
         end: Instant,
@@ -277,7 +272,7 @@ impl<I: Backend> Session<I> {
         TraceSpan {
             rank,
             stream: stream.to_string(),
-            cat: cat.to_string(),
+            cat,
             name,
             start_us: us(start),
             dur_us: (us(end) - us(start)).max(0.0),
@@ -652,13 +647,7 @@ impl<I: Backend> Session<I> {
                 seq: x.seq,
             })
             .collect();
-        let at: HashMap<u64, usize> = log
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.seq, i))
-            .collect();
-        st.last_ran = log.ran.iter().filter_map(|s| at.get(s).copied()).collect();
+        st.last_ran = (log.ran, log.entries.iter().map(|e| e.seq).collect());
         st.last_step = Some(step_graph(
             self.world as u32,
             self.reduce,

@@ -17,10 +17,18 @@ use crate::runtime::{Grad, HostBuffer};
 /// What a rank tells the others at a zero-fill sync.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Manifest {
-    /// Gradients the expected plan does not know: name, dtype, dimensions.
-    extras: Vec<(String, String, Vec<u64>)>,
+    /// Gradients the expected plan does not know.
+    extras: Vec<Extra>,
     /// Parameters of the expected plan this rank zero-filled.
     zero: Vec<String>,
+}
+
+/// A gradient the expected plan does not know: its parameter and type.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Extra {
+    name: String,
+    dtype: DType,
+    dims: Vec<u64>,
 }
 
 impl<I: Backend> Session<I> {
@@ -89,11 +97,11 @@ impl<I: Backend> Session<I> {
                 .iter()
                 .map(|i| {
                     let s = &st.submitted[*i];
-                    (
-                        s.name.clone(),
-                        s.ty.dtype.name().to_string(),
-                        s.ty.shape.to_vec(),
-                    )
+                    Extra {
+                        name: s.name.clone(),
+                        dtype: s.ty.dtype,
+                        dims: s.ty.shape.to_vec(),
+                    }
                 })
                 .collect(),
             zero: zero.clone(),
@@ -117,13 +125,7 @@ impl<I: Backend> Session<I> {
             for name in zeroed {
                 *zero_count.entry(name).or_default() += 1;
             }
-            for (name, dtype, dims) in extras {
-                let Some(dtype) = DType::from_name(&dtype) else {
-                    self.fail(
-                        rank,
-                        format!("rank {r} sent the gradient of {name} with dtype {dtype}"),
-                    );
-                };
+            for Extra { name, dtype, dims } in extras {
                 let ty = TensorType::new(dtype, &dims);
                 match owner.get(&name) {
                     Some((r0, t0)) if *t0 != ty => self.fail(

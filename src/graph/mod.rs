@@ -37,8 +37,11 @@ use smallvec::SmallVec;
 /// Identifies a node of a [`Graph`]. Stable across removals of other nodes; never printed.
 pub type NodeId = NodeIndex<u32>;
 
-/// Element type of a tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Element type of a tensor. Serialized as its text-form name (`f32`, `bf16`, ...).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     /// 32-bit IEEE float.
     F32,
@@ -112,7 +115,7 @@ impl DType {
         })
     }
 
-    /// Parses the text-form spelling.
+    /// Parses the text-form spelling (the serialized form too).
     pub fn from_name(s: &str) -> Option<DType> {
         Some(match s {
             "f32" => DType::F32,
@@ -258,7 +261,7 @@ impl ComputeKind {
         }
     }
 
-    /// Parses the text-form spelling.
+    /// Parses the text-form spelling (the serialized form too).
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
             "elementwise" => ComputeKind::Elementwise,
@@ -375,6 +378,18 @@ pub enum Op {
 }
 
 impl Op {
+    /// An [`Op::AllReduce`]'s reduction, group and bucket; `None` for any other op.
+    pub fn as_all_reduce(&self) -> Option<(ReduceOp, GroupId, Option<u32>)> {
+        match *self {
+            Op::AllReduce {
+                reduce,
+                group,
+                bucket,
+            } => Some((reduce, group, bucket)),
+            _ => None,
+        }
+    }
+
     /// Whether the node only computes its results (no communication, no effect on the step):
     /// dead-code removal drops such a node when nobody reads it, and the verifier does not count
     /// a read by a dead one.

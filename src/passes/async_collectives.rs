@@ -51,12 +51,7 @@ impl Pass for AsyncCollectives {
 }
 
 fn split(graph: &mut Graph, id: NodeId, pairs: &mut Vec<(Value, Value)>) {
-    let Op::AllReduce {
-        reduce,
-        group,
-        bucket,
-    } = *graph.op(id)
-    else {
+    let Some((reduce, group, bucket)) = graph.op(id).as_all_reduce() else {
         unreachable!("targets are all_reduce nodes");
     };
     let operands = graph.operands(id);

@@ -134,12 +134,7 @@ fn fuse_one(
     next_bucket: &mut u32,
     pairs: &mut Vec<(Value, Value)>,
 ) -> Result<(), PassError> {
-    let Op::AllReduce {
-        reduce,
-        group,
-        bucket,
-    } = *graph.op(id)
-    else {
+    let Some((reduce, group, bucket)) = graph.op(id).as_all_reduce() else {
         unreachable!("targets are all_reduce nodes");
     };
     let operands = graph.operands(id);

@@ -307,14 +307,14 @@ pub(crate) enum Contribution {
 }
 
 impl Contribution {
-    fn dtype(&self) -> DType {
+    pub(crate) fn dtype(&self) -> DType {
         match self {
             Contribution::Host(b) => b.dtype(),
             Contribution::Device(b) => b.dtype(),
         }
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Contribution::Host(b) => b.len(),
             Contribution::Device(b) => b.len(),
@@ -348,42 +348,6 @@ pub(crate) struct Job {
     pub what: CollectiveDesc,
     /// Where the outcome goes.
     pub reply: mpsc::Sender<CommResult>,
-}
-
-/// Checks that `contribution` is what `what` says (dtype, count), queues it on `stream` and
-/// returns the pending collective; a closed stream (`None`, or its thread gone) is
-/// [`CommError::Closed`].
-pub(crate) fn enqueue<J: From<Job>>(
-    rank: usize,
-    stream: Option<&mpsc::Sender<J>>,
-    contribution: Contribution,
-    what: CollectiveDesc,
-) -> Result<PendingReduce, CommError> {
-    if contribution.dtype() != what.dtype || contribution.len() as u64 != what.count {
-        let kind = match contribution {
-            Contribution::Host(_) => "buffer",
-            Contribution::Device(_) => "bucket",
-        };
-        return Err(CommError::Unsupported {
-            rank,
-            what,
-            why: format!(
-                "the {kind} is {}[{}]",
-                contribution.dtype(),
-                contribution.len()
-            ),
-        });
-    }
-    let (reply, rx) = mpsc::channel();
-    let job = Job {
-        contribution,
-        what: what.clone(),
-        reply,
-    };
-    match stream {
-        Some(tx) if tx.send(job.into()).is_ok() => Ok(PendingReduce::new(rank, what, rx)),
-        _ => Err(CommError::Closed { rank, what }),
-    }
 }
 
 /// One rank's end of a communication group.

@@ -16,6 +16,7 @@ use super::grad::{DeviceBucket, DeviceGrad, Grad, Packed, WholeGrad};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::graph::DType;
+use crate::trace::SpanKind;
 
 mod check;
 use check::{check_grads, check_plan, check_slot};
@@ -102,6 +103,8 @@ impl StepHooks for NoHooks {}
 pub struct Span {
     /// `compute` or `comm`.
     pub stream: &'static str,
+    /// What it is.
+    pub kind: SpanKind,
     /// What ran (`pack b3`, `all_reduce #3`, `wait done#3`, a compute label).
     pub name: String,
     /// Start.
@@ -466,9 +469,10 @@ impl Execution {
         let kerr = |source| ExecError::Kernel { rank, source };
         let t = Instant::now();
         let report = &mut self.report;
-        let span = |report: &mut ExecReport, stream, name: String| {
+        let span = |report: &mut ExecReport, kind, name: String| {
             report.spans.push(Span {
-                stream,
+                stream: "compute",
+                kind,
                 name,
                 start: t,
                 end: Instant::now(),
@@ -477,6 +481,7 @@ impl Execution {
         let comm_span = |report: &mut ExecReport, name: String, s: CommSpan| {
             report.spans.push(Span {
                 stream: "comm",
+                kind: SpanKind::AllReduce,
                 name,
                 start: s.start,
                 end: s.end,
@@ -485,7 +490,7 @@ impl Execution {
         match step {
             Step::Compute { name, flops, .. } => {
                 hooks.compute(name, *flops);
-                span(report, "compute", name.clone());
+                span(report, SpanKind::Compute, name.clone());
             }
             Step::Gradient { slot } => {
                 let s = *slot as usize;
@@ -530,7 +535,7 @@ impl Execution {
                     }
                 };
                 self.packed[c.id as usize] = Some(packed);
-                span(report, "compute", format!("pack {}", bucket_name(c)));
+                span(report, SpanKind::Pack, format!("pack {}", bucket_name(c)));
             }
             Step::Record(Event::Ready(cid)) => {
                 let c = &plan.collectives[*cid as usize];
@@ -625,7 +630,7 @@ impl Execution {
                         wait_end,
                     });
                 }
-                span(report, "compute", format!("wait {}", bucket_name(c)));
+                span(report, SpanKind::Wait, format!("wait {}", bucket_name(c)));
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
@@ -661,7 +666,7 @@ impl Execution {
                     host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
                     ws.buffers[c.id as usize] = buf;
                 }
-                span(report, "compute", format!("unpack {}", bucket_name(c)));
+                span(report, SpanKind::Unpack, format!("unpack {}", bucket_name(c)));
             }
             Step::Sync { .. } => {}
             Step::Record(Event::Done(_)) | Step::Wait(Event::Ready(_)) | Step::AllReduce { .. } => {

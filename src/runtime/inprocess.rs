@@ -16,16 +16,13 @@
 //! is memory arithmetic on buffers the ranks hold.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::{Element, HostBuffer};
-use super::comm::{
-    CollectiveDesc, CommError, CommSpan, Communicator, Contribution, Job, PendingReduce,
-};
-use super::grad::DeviceBucket;
+use super::comm::{CollectiveDesc, CommError, CommSpan, Job};
+use super::comm_thread::{CommThread, GroupState, QueuedComm};
 use crate::graph::ReduceOp;
 
 /// Default bound on a rank's wait for the others.
@@ -62,7 +59,8 @@ struct State {
     aborted: Option<String>,
 }
 
-struct Shared {
+/// What the ranks of an in-process group share: the rendezvous of each collective.
+pub struct InProcessShared {
     world: usize,
     timeout: Duration,
     state: Mutex<State>,
@@ -72,7 +70,7 @@ struct Shared {
     next_chunk: AtomicUsize,
 }
 
-impl Shared {
+impl InProcessShared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the state half-updated in a way that
         // matters more than the abort it causes; keep going with the data.
@@ -412,7 +410,7 @@ pub struct InProcessGroup;
 impl InProcessGroup {
     /// `world` communicators, one per rank, each waiting at most `timeout` for the others.
     pub fn ranks(world: usize, timeout: Duration) -> Vec<InProcessComm> {
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(InProcessShared {
             world,
             timeout,
             state: Mutex::new(State {
@@ -428,105 +426,48 @@ impl InProcessGroup {
         });
         (0..world)
             .map(|rank| {
-                let (tx, rx) = mpsc::channel::<Job>();
                 let sh = Arc::clone(&shared);
-                let worker = thread::Builder::new()
-                    .name(format!("cf-comm-r{rank}"))
-                    .spawn(move || {
-                        for (seq, job) in rx.into_iter().enumerate() {
-                            let Job {
-                                contribution,
-                                what,
-                                reply,
-                            } = job;
-                            let out = match contribution.into_host(rank, &what) {
-                                Ok(mut buffer) => {
-                                    sh.run(rank, seq as u64, &mut buffer, &what).map(|start| {
-                                        let end = Instant::now();
-                                        (buffer, CommSpan { start, end })
-                                    })
-                                }
-                                Err(e) => {
-                                    // This rank will not arrive: the others stop waiting.
-                                    sh.abort(e.to_string());
-                                    Err(e)
-                                }
-                            };
-                            let _ = reply.send(out);
-                        }
-                    })
-                    .expect("spawning a communication thread");
-                InProcessComm {
-                    rank,
-                    world,
-                    shared: Arc::clone(&shared),
-                    tx: Some(tx),
-                    worker: Some(worker),
-                }
+                let thread = CommThread::spawn(rank, format!("cf-comm-r{rank}"), move |rx| {
+                    for (seq, job) in rx.into_iter().enumerate() {
+                        let Job {
+                            contribution,
+                            what,
+                            reply,
+                        } = job;
+                        let out = match contribution.into_host(rank, &what) {
+                            Ok(mut buffer) => {
+                                sh.run(rank, seq as u64, &mut buffer, &what).map(|start| {
+                                    let end = Instant::now();
+                                    (buffer, CommSpan { start, end })
+                                })
+                            }
+                            Err(e) => {
+                                // This rank will not arrive: the others stop waiting.
+                                sh.abort(e.to_string());
+                                Err(e)
+                            }
+                        };
+                        let _ = reply.send(out);
+                    }
+                })
+                .expect("spawning a communication thread");
+                QueuedComm::new(rank, world, Arc::clone(&shared), thread)
             })
             .collect()
     }
 }
 
 /// One rank of an in-process group.
-pub struct InProcessComm {
-    rank: usize,
-    world: usize,
-    shared: Arc<Shared>,
-    tx: Option<mpsc::Sender<Job>>,
-    worker: Option<thread::JoinHandle<()>>,
-}
+pub type InProcessComm = QueuedComm<InProcessShared>;
 
-impl Communicator for InProcessComm {
-    fn rank(&self) -> usize {
-        self.rank
+impl GroupState for InProcessShared {
+    fn abort(&self, reason: String) {
+        InProcessShared::abort(self, reason);
     }
 
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce(
-        &self,
-        buffer: HostBuffer,
-        what: CollectiveDesc,
-    ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(
-            self.rank,
-            self.tx.as_ref(),
-            Contribution::Host(buffer),
-            what,
-        )
-    }
-
-    fn all_reduce_read(
-        &self,
-        bucket: Box<dyn DeviceBucket>,
-        what: CollectiveDesc,
-    ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(
-            self.rank,
-            self.tx.as_ref(),
-            Contribution::Device(bucket),
-            what,
-        )
-    }
-
-    fn abort(&self, reason: &str) {
-        self.shared
-            .abort(format!("rank {} aborted the group: {reason}", self.rank));
-    }
-}
-
-impl Drop for InProcessComm {
-    fn drop(&mut self) {
+    fn closing(&self, rank: usize) {
         // Whatever the other ranks still wait for from this rank will not come.
-        self.shared
-            .abort(format!("rank {} closed its communicator", self.rank));
-        self.tx.take();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        InProcessShared::abort(self, format!("rank {rank} closed its communicator"));
     }
 }
 

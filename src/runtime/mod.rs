@@ -5,6 +5,8 @@
 //! - [`buffer`]: typed host tensors and the element arithmetic every host path shares.
 //! - [`host`]: host pack/unpack (for host-memory tensors, and the reference for the kernels).
 //! - [`comm`]: the [`Communicator`] trait, collective descriptors, errors, pending handles.
+//! - [`comm_thread`]: the shell communicators run in (a thread and its queue); the host
+//!   communicators as one type over their group state.
 //! - [`inprocess`]: N ranks as threads of one process; deterministic rank-order reduction.
 //! - [`recording`]: a communicator wrapper that records every call, for tests.
 //! - [`grad`]: a gradient slot in host memory or in a device buffer ([`DeviceGrad`]).
@@ -19,6 +21,7 @@ pub mod agree;
 pub mod buffer;
 pub mod cache;
 pub mod comm;
+pub mod comm_thread;
 pub mod cube;
 pub mod exec;
 pub mod grad;

@@ -48,6 +48,7 @@ use super::comm::{
     CollectiveDesc, CommError, CommResult, CommSpan, Communicator, Contribution, DeviceLaunch, Job,
     PendingReduce,
 };
+use super::comm_thread::CommThread;
 use super::grad::{CudaMemory, DeviceBucket};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::DType;
@@ -309,8 +310,10 @@ pub struct NcclComm {
     ctx: Arc<CudaContext>,
     /// Whether the "bucket on another GPU" warning was given.
     warned: AtomicBool,
-    jobs: Mutex<Option<mpsc::Sender<NcclJob>>>,
     control: Arc<Control>,
+    /// The comm thread: closing it (on drop) ends the thread, which aborts the NCCL
+    /// communicator once the queued calls are done.
+    thread: CommThread<NcclJob>,
 }
 
 impl NcclComm {
@@ -341,72 +344,72 @@ impl NcclComm {
             aborted: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
         });
-        let (jobs, rx) = mpsc::channel::<NcclJob>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), NcclInitError>>();
         let ctl = control.clone();
-        std::thread::Builder::new()
-            .name(format!("cf-nccl-rank{rank}"))
-            .spawn(move || {
-                let cuda = |what: &'static str| {
-                    move |e: cudarc::driver::DriverError| NcclInitError::Cuda {
-                        rank,
-                        what,
-                        why: format!("{e:?}"),
-                    }
-                };
-                let setup = CudaContext::new(device)
-                    .map_err(cuda("creating the CUDA context"))
-                    .and_then(|ctx| ctx.new_stream().map_err(cuda("creating the comm stream")))
-                    .and_then(|stream| {
-                        RawComm::init(rank, world, internal)
-                            .map(|comm| (stream, comm))
-                            .map_err(|why| NcclInitError::Cuda {
-                                rank,
-                                what: "ncclCommInitRank",
-                                why,
-                            })
-                    });
-                let (stream, comm) = match setup {
-                    Ok(s) => {
-                        let _ = ready_tx.send(Ok(()));
-                        s
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                serve(rank, stream, comm, rx, &ctl, timeout);
-            })
-            .map_err(|e| NcclInitError::Cuda {
+        let thread = CommThread::spawn(rank, format!("cf-nccl-rank{rank}"), move |rx| {
+            let cuda = |what: &'static str| {
+                move |e: cudarc::driver::DriverError| NcclInitError::Cuda {
+                    rank,
+                    what,
+                    why: format!("{e:?}"),
+                }
+            };
+            let setup = CudaContext::new(device)
+                .map_err(cuda("creating the CUDA context"))
+                .and_then(|ctx| ctx.new_stream().map_err(cuda("creating the comm stream")))
+                .and_then(|stream| {
+                    RawComm::init(rank, world, internal)
+                        .map(|comm| (stream, comm))
+                        .map_err(|why| NcclInitError::Cuda {
+                            rank,
+                            what: "ncclCommInitRank",
+                            why,
+                        })
+                });
+            let (stream, comm) = match setup {
+                Ok(s) => {
+                    let _ = ready_tx.send(Ok(()));
+                    s
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            serve(rank, stream, comm, rx, &ctl, timeout);
+        })
+        .map_err(|e| NcclInitError::Cuda {
+            rank,
+            what: "starting the comm thread",
+            why: e.to_string(),
+        })?;
+        let t0 = Instant::now();
+        let failed = match ready_rx.recv_timeout(timeout) {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(_) => Some(NcclInitError::InitTimeout {
                 rank,
-                what: "starting the comm thread",
-                why: e.to_string(),
-            })?;
+                waited: t0.elapsed(),
+            }),
+        };
+        if let Some(e) = failed {
+            // `ncclCommInitRank` may still wait for a peer that never comes: do not wait on it.
+            thread.detach();
+            return Err(e);
+        }
         let ctx = CudaContext::new(device).map_err(|e| NcclInitError::Cuda {
             rank,
             what: "creating the CUDA context",
             why: format!("{e:?}"),
         })?;
-        let t0 = Instant::now();
-        match ready_rx.recv_timeout(timeout) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
-                return Err(NcclInitError::InitTimeout {
-                    rank,
-                    waited: t0.elapsed(),
-                });
-            }
-        }
         Ok(NcclComm {
             rank,
             world,
             device,
             ctx,
             warned: AtomicBool::new(false),
-            jobs: Mutex::new(Some(jobs)),
             control,
+            thread,
         })
     }
 
@@ -492,30 +495,8 @@ impl Communicator for NcclComm {
         self.world
     }
 
-    fn all_reduce(
-        &self,
-        buffer: HostBuffer,
-        what: CollectiveDesc,
-    ) -> Result<PendingReduce, CommError> {
-        self.enqueue(Contribution::Host(buffer), what)
-    }
-
     fn reduces_device_memory(&self) -> bool {
         true
-    }
-
-    fn group(&self, open: bool) {
-        let marker = if open {
-            NcclJob::GroupStart
-        } else {
-            NcclJob::GroupEnd
-        };
-        // A closed queue fails the calls themselves, with a typed error.
-        if let Ok(jobs) = self.jobs.lock()
-            && let Some(tx) = jobs.as_ref()
-        {
-            let _ = tx.send(marker);
-        }
     }
 
     fn all_reduce_device(
@@ -525,6 +506,26 @@ impl Communicator for NcclComm {
     ) -> Result<DeviceLaunch, CommError> {
         self.launch_device(bucket, what)
             .map_err(|e| self.refused(e))
+    }
+
+    fn group(&self, open: bool) {
+        let marker = if open {
+            NcclJob::GroupStart
+        } else {
+            NcclJob::GroupEnd
+        };
+        // A closed queue fails the calls themselves, with a typed error.
+        self.thread.send(marker);
+    }
+
+    // A host buffer, and a device bucket this rank does not reduce in place: staged on the
+    // comm thread, in queue order.
+    fn all_reduce(
+        &self,
+        buffer: HostBuffer,
+        what: CollectiveDesc,
+    ) -> Result<PendingReduce, CommError> {
+        self.enqueue(Contribution::Host(buffer), what)
     }
 
     fn all_reduce_read(
@@ -547,14 +548,9 @@ impl NcclComm {
         contribution: Contribution,
         what: CollectiveDesc,
     ) -> Result<PendingReduce, CommError> {
-        match self.jobs.lock() {
-            Ok(jobs) => super::comm::enqueue(self.rank, jobs.as_ref(), contribution, what)
-                .map_err(|e| self.refused(e)),
-            Err(_) => Err(CommError::Closed {
-                rank: self.rank,
-                what,
-            }),
-        }
+        self.thread
+            .queue(contribution, what)
+            .map_err(|e| self.refused(e))
     }
 
     /// A collective this rank could not queue aborts the rank (later calls fail with
@@ -636,25 +632,10 @@ impl NcclComm {
             what: what.clone(),
             reply,
         };
-        let sent = self
-            .jobs
-            .lock()
-            .ok()
-            .and_then(|jobs| jobs.as_ref().map(|tx| tx.send(job).is_ok()))
-            .unwrap_or(false);
-        if sent {
+        if self.thread.send(job) {
             Ok(DeviceLaunch::Launched(PendingReduce::new(rank, what, rx)))
         } else {
             Err(CommError::Closed { rank, what })
-        }
-    }
-}
-
-impl Drop for NcclComm {
-    fn drop(&mut self) {
-        // Closing the queue ends the comm thread, which drops (aborts) the NCCL communicator.
-        if let Ok(mut j) = self.jobs.lock() {
-            j.take();
         }
     }
 }

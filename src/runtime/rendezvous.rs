@@ -150,6 +150,20 @@ fn env_num<T: std::str::FromStr>(var: &'static str) -> Result<T, RendezvousError
 }
 
 impl RendezvousConfig {
+    /// Rank `rank` of a `world`-rank group on this machine (rank 0 on `127.0.0.1:port`, the
+    /// local rank the rank, no token), each start-up step bounded by `timeout`.
+    pub fn loopback(rank: usize, world: usize, port: u16, timeout: Duration) -> Self {
+        RendezvousConfig {
+            rank,
+            world,
+            local_rank: rank,
+            addr: "127.0.0.1".into(),
+            port,
+            timeout,
+            token: None,
+        }
+    }
+
     /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `LOCAL_RANK` (default: the
     /// rank); the timeout is `CF_RENDEZVOUS_TIMEOUT_MS` or `default_timeout`; the token
     /// `CF_RENDEZVOUS_TOKEN` (unset or empty: none).
@@ -487,15 +501,7 @@ mod tests {
     }
 
     fn cfg(rank: usize, world: usize, port: u16, ms: u64) -> RendezvousConfig {
-        RendezvousConfig {
-            rank,
-            world,
-            local_rank: rank,
-            addr: "127.0.0.1".into(),
-            port,
-            timeout: Duration::from_millis(ms),
-            token: None,
-        }
+        RendezvousConfig::loopback(rank, world, port, Duration::from_millis(ms))
     }
 
     #[test]

@@ -35,15 +35,12 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::{Arc, Mutex, mpsc};
-use std::thread;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{
-    CollectiveDesc, CommError, CommSpan, Communicator, Contribution, Job, PendingReduce,
-};
-use super::grad::DeviceBucket;
+use super::comm::{CollectiveDesc, CommError, CommSpan, Job};
+use super::comm_thread::{CommThread, GroupState, QueuedComm};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::{DType, ReduceOp};
 
@@ -132,7 +129,8 @@ fn write_by(s: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Re
     Ok(())
 }
 
-struct Shared {
+/// What a TCP rank's handle and its thread share: the first failure, and the connections.
+pub struct TcpShared {
     rank: usize,
     /// The first failure; every later collective fails with it.
     aborted: Mutex<Option<String>>,
@@ -140,7 +138,7 @@ struct Shared {
     streams: Vec<TcpStream>,
 }
 
-impl Shared {
+impl TcpShared {
     fn abort(&self, reason: String) {
         let mut a = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
         if a.is_none() {
@@ -168,20 +166,14 @@ enum Links {
 }
 
 /// One rank of a TCP group (one per process).
-pub struct TcpComm {
-    rank: usize,
-    world: usize,
-    shared: Arc<Shared>,
-    tx: Option<mpsc::Sender<Job>>,
-    worker: Option<thread::JoinHandle<()>>,
-}
+pub type TcpComm = QueuedComm<TcpShared>;
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError {
     let what = what.into();
     move |source| RendezvousError::Io { what, source }
 }
 
-impl TcpComm {
+impl QueuedComm<TcpShared> {
     /// Joins the group `cfg` describes (the rendezvous, then the data connections), each step
     /// bounded by `cfg.timeout`; `timeout` then bounds every collective.
     pub fn connect(cfg: &RendezvousConfig, timeout: Duration) -> Result<Self, RendezvousError> {
@@ -218,42 +210,47 @@ impl TcpComm {
             Links::Peer(s) => s.try_clone().map(|s| vec![s]),
         }
         .map_err(io("cloning a connection"))?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(TcpShared {
             rank: cfg.rank,
             aborted: Mutex::new(None),
             streams,
         });
-        let (tx, rx) = mpsc::channel::<Job>();
         let sh = Arc::clone(&shared);
         let (rank, world) = (cfg.rank, cfg.world);
-        let worker = thread::Builder::new()
-            .name(format!("cf-tcp-r{rank}"))
-            .spawn(move || {
-                let mut links = links;
-                for job in rx {
-                    let Job {
-                        contribution,
-                        what,
-                        reply,
-                    } = job;
-                    let out = contribution.into_host(rank, &what).and_then(|mut buffer| {
-                        run(&sh, &mut links, world, timeout, &mut buffer, &what)
-                            .map(|span| (buffer, span))
-                    });
-                    if let Err(e) = &out {
-                        sh.abort(e.to_string());
-                    }
-                    let _ = reply.send(out);
+        let thread = CommThread::spawn(rank, format!("cf-tcp-r{rank}"), move |rx| {
+            let mut links = links;
+            for job in rx {
+                let Job {
+                    contribution,
+                    what,
+                    reply,
+                } = job;
+                let out = contribution.into_host(rank, &what).and_then(|mut buffer| {
+                    run(&sh, &mut links, world, timeout, &mut buffer, &what)
+                        .map(|span| (buffer, span))
+                });
+                if let Err(e) = &out {
+                    sh.abort(e.to_string());
                 }
-            })
-            .map_err(io("spawning the communication thread"))?;
-        Ok(TcpComm {
-            rank,
-            world,
-            shared,
-            tx: Some(tx),
-            worker: Some(worker),
+                let _ = reply.send(out);
+            }
         })
+        .map_err(io("spawning the communication thread"))?;
+        Ok(QueuedComm::new(rank, world, shared, thread))
+    }
+}
+
+impl GroupState for TcpShared {
+    fn abort(&self, reason: String) {
+        TcpShared::abort(self, reason);
+    }
+
+    fn closed(&self, _rank: usize) {
+        // The collectives already queued ran to their end (or their timeout); now the
+        // connections close, and a peer still waiting on this rank sees it at once.
+        for s in &self.streams {
+            let _ = s.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -365,7 +362,7 @@ fn connect_root(
     Ok(s)
 }
 
-fn failure(shared: &Shared, what: &CollectiveDesc, e: std::io::Error, peer: usize) -> CommError {
+fn failure(shared: &TcpShared, what: &CollectiveDesc, e: std::io::Error, peer: usize) -> CommError {
     CommError::Aborted {
         rank: shared.rank,
         what: what.clone(),
@@ -377,7 +374,7 @@ fn failure(shared: &Shared, what: &CollectiveDesc, e: std::io::Error, peer: usiz
 
 /// Runs one collective on this rank.
 fn run(
-    shared: &Shared,
+    shared: &TcpShared,
     links: &mut Links,
     world: usize,
     timeout: Duration,
@@ -421,7 +418,7 @@ fn tell_failure(peers: &mut [TcpStream], e: &CommError) {
 /// rank returns a result that another rank did not get. What is left is rank 0 dying between
 /// two one-byte commit writes.
 fn run_root(
-    shared: &Shared,
+    shared: &TcpShared,
     peers: &mut [TcpStream],
     world: usize,
     timeout: Duration,
@@ -560,7 +557,7 @@ fn failure_status(s: &mut TcpStream, wait: Duration) -> Option<String> {
 /// A peer's side: send, receive the result (staged: the caller gets it only after the
 /// commit), acknowledge, wait for the commit. On any error the caller gets no buffer.
 fn run_peer(
-    shared: &Shared,
+    shared: &TcpShared,
     s: &mut TcpStream,
     timeout: Duration,
     buf: &mut HostBuffer,
@@ -624,75 +621,14 @@ fn run_peer(
     })
 }
 
-impl Communicator for TcpComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce(
-        &self,
-        buffer: HostBuffer,
-        what: CollectiveDesc,
-    ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(
-            self.rank,
-            self.tx.as_ref(),
-            Contribution::Host(buffer),
-            what,
-        )
-    }
-
-    fn all_reduce_read(
-        &self,
-        bucket: Box<dyn DeviceBucket>,
-        what: CollectiveDesc,
-    ) -> Result<PendingReduce, CommError> {
-        super::comm::enqueue(
-            self.rank,
-            self.tx.as_ref(),
-            Contribution::Device(bucket),
-            what,
-        )
-    }
-
-    fn abort(&self, reason: &str) {
-        self.shared
-            .abort(format!("rank {} aborted the group: {reason}", self.rank));
-    }
-}
-
-impl Drop for TcpComm {
-    fn drop(&mut self) {
-        self.tx.take();
-        // Collectives already enqueued run to their end (or their timeout); then the
-        // connections close, and a peer still waiting on this rank sees it at once.
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-        for s in &self.shared.streams {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::Communicator;
+    use std::thread;
 
     fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
-        RendezvousConfig {
-            rank,
-            world,
-            local_rank: rank,
-            addr: "127.0.0.1".into(),
-            port,
-            timeout: Duration::from_secs(20),
-            token: None,
-        }
+        RendezvousConfig::loopback(rank, world, port, Duration::from_secs(20))
     }
 
     fn desc(count: usize) -> CollectiveDesc {

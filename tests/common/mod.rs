@@ -57,15 +57,12 @@ pub fn free_port() -> u16 {
 
 /// The rendezvous of a group of one (rank 0, device 0) on a free loopback port.
 pub fn world_of_one() -> collective_fusion::runtime::rendezvous::RendezvousConfig {
-    collective_fusion::runtime::rendezvous::RendezvousConfig {
-        rank: 0,
-        world: 1,
-        local_rank: 0,
-        addr: "127.0.0.1".into(),
-        port: free_port(),
-        timeout: std::time::Duration::from_secs(30),
-        token: None,
-    }
+    collective_fusion::runtime::rendezvous::RendezvousConfig::loopback(
+        0,
+        1,
+        free_port(),
+        std::time::Duration::from_secs(30),
+    )
 }
 
 /// Bucketing options.
