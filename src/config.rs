@@ -1,5 +1,9 @@
 //! The compiler's configuration: one struct, settable in code, and the one place that reads
-//! environment variables.
+//! the compiler's environment variables (below). The process group's variables (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as a launcher such as `torchrun`
+//! sets them, and `CF_RENDEZVOUS_TIMEOUT_MS`, `CF_RENDEZVOUS_TOKEN`) are read in one place too:
+//! [`RendezvousConfig::from_env`](crate::runtime::rendezvous::RendezvousConfig::from_env), with a
+//! malformed value an error naming the variable, as here.
 //!
 //! | variable | meaning | default |
 //! |---|---|---|

@@ -319,7 +319,13 @@ fn simulate_inner(
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
-                record("compute", SpanKind::Compute, label(id), t_compute, t_compute + d);
+                record(
+                    "compute",
+                    SpanKind::Compute,
+                    label(id),
+                    t_compute,
+                    t_compute + d,
+                );
                 t_compute += d;
                 st.compute += d;
             }

@@ -30,7 +30,7 @@ use smallvec::SmallVec;
 use super::rules::Meta;
 use crate::graph::ComputeKind;
 
-/// Ranks with a recorder (the device id keeps 8 bits of rank).
+/// Ranks whose recorder sits in a fixed table; a higher rank's is in a map ([`recorder`]).
 const RANKS: usize = 256;
 
 /// Pending nodes a rank keeps before recording forces the older half to run.
@@ -339,10 +339,18 @@ impl Recorder {
     }
 }
 
-/// The recorder of `rank`.
+/// The recorder of `rank`: ranks below [`RANKS`] from a fixed table (one atomic load), any
+/// other from a map of recorders that live as long as the process (a rank of a large job that
+/// runs one rank per process), so two ranks never share one.
 pub(crate) fn recorder(rank: u32) -> &'static Recorder {
     static RECORDERS: [OnceLock<Recorder>; RANKS] = [const { OnceLock::new() }; RANKS];
-    RECORDERS[rank as usize % RANKS].get_or_init(Recorder::new)
+    static HIGH: OnceLock<Mutex<hashbrown::HashMap<u32, &'static Recorder>>> = OnceLock::new();
+    if let Some(r) = RECORDERS.get(rank as usize) {
+        return r.get_or_init(Recorder::new);
+    }
+    let mut high = lock(HIGH.get_or_init(Default::default));
+    high.entry(rank)
+        .or_insert_with(|| Box::leak(Box::new(Recorder::new())))
 }
 
 /// The ops `rank` recorded since the last call, oldest first, and the order they ran in (at
@@ -713,5 +721,19 @@ impl<P: QTensorPrimitive + TensorMetadata + Clone + Send + 'static> QTensorPrimi
     }
     fn default_scheme() -> burn_backend::quantization::QuantScheme {
         P::default_scheme()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recorder;
+
+    #[test]
+    fn every_rank_has_a_recorder_of_its_own() {
+        let low = recorder(3) as *const _;
+        let high = recorder(3 + super::RANKS as u32) as *const _;
+        assert_ne!(low, high, "ranks 256 apart share a recorder");
+        assert_eq!(high, recorder(3 + super::RANKS as u32) as *const _);
+        assert_ne!(high, recorder(4 + super::RANKS as u32) as *const _);
     }
 }

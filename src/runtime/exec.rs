@@ -666,7 +666,11 @@ impl Execution {
                     host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
                     ws.buffers[c.id as usize] = buf;
                 }
-                span(report, SpanKind::Unpack, format!("unpack {}", bucket_name(c)));
+                span(
+                    report,
+                    SpanKind::Unpack,
+                    format!("unpack {}", bucket_name(c)),
+                );
             }
             Step::Sync { .. } => {}
             Step::Record(Event::Done(_)) | Step::Wait(Event::Ready(_)) | Step::AllReduce { .. } => {
