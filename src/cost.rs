@@ -190,7 +190,14 @@ pub struct StepTimes {
     pub copies: f64,
     /// Busy time of the communication stream.
     pub comm: f64,
-    /// Time the compute stream waited for communication: `total - compute - copies`.
+    /// Host work after the last collective ([`StepFacts::handback`]).
+    pub host: f64,
+    /// The compute stream finished its last compute op: the sync point, where a step that
+    /// waits on communication starts to wait.
+    pub compute_end: f64,
+    /// Packs and unpacks after [`StepTimes::compute_end`].
+    pub tail_copies: f64,
+    /// Time the compute stream waited for communication: `total - compute - copies - host`.
     pub waits: f64,
     /// Number of collectives launched.
     pub collectives: usize,
@@ -204,6 +211,13 @@ impl StepTimes {
     /// the quantity the lower bound bounds, so the two compare directly.
     pub fn exposed(&self) -> f64 {
         (self.total - self.compute).max(0.0)
+    }
+
+    /// What the step spends at its sync point, after [`StepTimes::compute_end`]: the waits for
+    /// collectives that were not done, the last packs and unpacks, the hand-back. What a
+    /// measured step's `exposed_us` is.
+    pub fn at_sync(&self) -> f64 {
+        (self.total - self.compute_end).max(0.0)
     }
 
     /// Share of communication time hidden behind compute, in percent (100 when there is none):
@@ -225,7 +239,31 @@ impl StepTimes {
 /// until it finishes; a `grad_sync` is treated as Burn's default per-parameter sync: launched when
 /// the gradient is ready, waited for at the sync point.
 pub fn simulate(graph: &Graph, model: &CostModel) -> Result<StepTimes, CycleError> {
-    simulate_inner(graph, model, None)
+    simulate_inner(graph, model, None, &StepFacts::default())
+}
+
+/// What a simulation of a measured step knows beyond its graph and its system: facts of that
+/// step the cost model does not derive. [`simulate`] assumes none (every rank in step with
+/// this one, nothing after the last collective).
+#[derive(Clone, Debug, Default)]
+pub struct StepFacts {
+    /// When the last rank had each gradient, seconds from the start of the simulated step, by
+    /// parameter. A collective needs every rank: none of its members' collective starts before
+    /// this, however early this rank launched it (ranks that share cores, or a straggler, make
+    /// the others wait).
+    pub peer_ready: hashbrown::HashMap<String, f64>,
+    /// Host work after the last collective, seconds: handing the reduced gradients back to the
+    /// tensors they came from. Exposed: nothing runs beside it.
+    pub handback: f64,
+}
+
+/// [`simulate`] with the facts of a measured step.
+pub fn simulate_measured(
+    graph: &Graph,
+    model: &CostModel,
+    facts: &StepFacts,
+) -> Result<StepTimes, CycleError> {
+    simulate_inner(graph, model, None, facts)
 }
 
 /// A span of simulated time on one stream.
@@ -249,7 +287,7 @@ pub fn simulate_spans(
     model: &CostModel,
 ) -> Result<(StepTimes, Vec<SimSpan>), CycleError> {
     let mut spans = Vec::new();
-    let st = simulate_inner(graph, model, Some(&mut spans))?;
+    let st = simulate_inner(graph, model, Some(&mut spans), &StepFacts::default())?;
     Ok((st, spans))
 }
 
@@ -257,6 +295,7 @@ fn simulate_inner(
     graph: &Graph,
     model: &CostModel,
     mut spans: Option<&mut Vec<SimSpan>>,
+    facts: &StepFacts,
 ) -> Result<StepTimes, CycleError> {
     let mut record = |stream, cat, name: String, start: f64, end: f64| {
         if let Some(s) = spans.as_deref_mut()
@@ -306,9 +345,12 @@ fn simulate_inner(
             .map(|v| graph.ty(*v).bytes())
             .sum()
     };
-    let mut launch = |bytes: u64, n: u32, t_compute: f64, st: &mut StepTimes| -> f64 {
+    // When every rank has a node's inputs: a gradient when the last rank had it, anything
+    // else when all its operands were.
+    let mut everyone = vec![0.0f64; graph.node_bound()];
+    let mut launch = |bytes: u64, n: u32, t_compute: f64, at: f64, st: &mut StepTimes| -> f64 {
         let d = model.all_reduce_secs(bytes, n);
-        let start = t_compute.max(t_comm);
+        let start = t_compute.max(t_comm).max(at);
         t_comm = start + d;
         st.comm += d;
         st.collectives += 1;
@@ -316,6 +358,15 @@ fn simulate_inner(
         t_comm
     };
     for &id in &order {
+        let at = match graph.op(id) {
+            Op::Gradient { param } => facts.peer_ready.get(param).copied().unwrap_or(0.0),
+            _ => graph
+                .operands(id)
+                .iter()
+                .map(|v| everyone[v.node.index()])
+                .fold(0.0, f64::max),
+        };
+        everyone[id.index()] = at;
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
@@ -328,6 +379,8 @@ fn simulate_inner(
                 );
                 t_compute += d;
                 st.compute += d;
+                st.compute_end = t_compute;
+                st.tail_copies = 0.0;
             }
             // Views of the reduced bucket: nothing is copied.
             Op::BucketUnpack { views: true, .. } => {}
@@ -341,10 +394,11 @@ fn simulate_inner(
                 record("compute", cat, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.copies += d;
+                st.tail_copies += d;
             }
             Op::AllReduce { group, .. } => {
                 let issued = t_compute;
-                t_compute = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+                t_compute = launch(bytes_in(id), ranks(*group), t_compute, at, &mut st);
                 record(
                     "comm",
                     SpanKind::AllReduce,
@@ -361,7 +415,7 @@ fn simulate_inner(
                 );
             }
             Op::GradSync { group, .. } | Op::AllReduceStart { group, .. } => {
-                let end = launch(bytes_in(id), ranks(*group), t_compute, &mut st);
+                let end = launch(bytes_in(id), ranks(*group), t_compute, at, &mut st);
                 finish[id.index()] = end;
                 record(
                     "comm",
@@ -392,7 +446,19 @@ fn simulate_inner(
             finish[id.index()] = t_compute;
         }
     }
+    if facts.handback > 0.0 {
+        let end = t_compute + facts.handback;
+        record(
+            "compute",
+            SpanKind::Compute,
+            "hand-back".to_string(),
+            t_compute,
+            end,
+        );
+        t_compute = end;
+        st.host = facts.handback;
+    }
     st.total = t_compute;
-    st.waits = (st.total - st.compute - st.copies).max(0.0);
+    st.waits = (st.total - st.compute - st.copies - st.host).max(0.0);
     Ok(st)
 }

@@ -57,17 +57,39 @@ impl MeasuredCollective {
     }
 }
 
+/// One pack or unpack of a measured step: host (or device) copy work for communication.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredCopy {
+    /// The bucket's bytes.
+    pub bytes: u64,
+    /// An unpack (else a pack).
+    pub unpack: bool,
+    /// When it ended, µs from the start of the step.
+    pub end_us: f64,
+    /// How long it took, µs.
+    pub us: f64,
+}
+
 /// One synced step as a rank measured it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MeasuredStep {
     /// Ranks in the group.
     pub world: u32,
+    /// When the step started, µs from an epoch every rank of this process shares (the
+    /// process's first measured step): the ranks of one process line their steps up by it.
+    pub start_us: f64,
     /// Gradients in the order they were submitted (ready order).
     pub gradients: Vec<MeasuredGradient>,
     /// Collectives in the order this rank finished waiting for them.
     pub collectives: Vec<MeasuredCollective>,
+    /// The packs and unpacks it ran, in the order they ended.
+    pub copies: Vec<MeasuredCopy>,
     /// The backward pass reached the sync point.
     pub sync_us: f64,
+    /// The hand-back at the end of the sync: from the moment every collective was done to the
+    /// sync's return, writing the reduced gradients back into the tensors they came from
+    /// (host work the step spends per gradient, whatever the plan).
+    pub handback_us: f64,
     /// The sync returned: every gradient reduced and written back.
     pub end_us: f64,
 }
@@ -220,6 +242,10 @@ impl LinkSamples {
     /// two sizes or a bandwidth that does not come out positive (every size as fast). A group
     /// of one rank has no link: `None`.
     pub fn fit(&self) -> Option<LinkFit> {
+        self.fit_by(|w| w.iter().copied().fold(f64::INFINITY, f64::min))
+    }
+
+    fn fit_by(&self, estimate: impl Fn(&VecDeque<f64>) -> f64) -> Option<LinkFit> {
         if self.world < 2 {
             return None;
         }
@@ -229,7 +255,7 @@ impl LinkSamples {
             .by_size
             .iter()
             .filter_map(|(b, w)| {
-                let t = w.iter().copied().fold(f64::INFINITY, f64::min);
+                let t = estimate(w);
                 t.is_finite().then_some((*b as f64 * wire, t))
             })
             .collect();
@@ -536,6 +562,7 @@ mod tests {
             collectives: vec![c(110.0, 20.0), c(120.0, 15.0), c(135.0, 5.0)],
             sync_us: 100.0,
             end_us: 150.0,
+            ..MeasuredStep::default()
         };
         assert_eq!(step.exposed_us(), 50.0);
         assert_eq!(step.waited_at_sync_us(), 25.0);

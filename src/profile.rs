@@ -10,7 +10,9 @@
 use std::fmt;
 
 use crate::config::{BucketPolicy, CompileConfig};
-use crate::cost::{CostModel, SimSpan, StepTimes, simulate, simulate_spans};
+use crate::cost::{
+    CostModel, SimSpan, StepFacts, StepTimes, simulate, simulate_measured, simulate_spans,
+};
 use crate::graph::builder::{BuildOptions, build_step_graph};
 use crate::graph::print::fmt_bytes;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType};
@@ -268,20 +270,43 @@ pub fn compare_step(
 }
 
 /// What the simulator predicts for a step a rank measured, under `policy`: the measured
-/// backward from its first gradient (the time before each gradient and after the last one, as
-/// compute: [`MeasuredProfile::segment_until`]) compiled with `config` under the measured link
-/// (`link`; `config`'s system without one) and simulated. Its `total` is the predicted time from
-/// the first gradient to the end of the sync, its `exposed()` the predicted communication the
-/// step waited for; compare them with [`MeasuredStep`]'s. Gradient types are taken as `f32` of
-/// the measured bytes (what the cost model reads of them is their size).
+/// backward from its first gradient compiled with `config` under the measured link (`link`,
+/// the run's; `config`'s system's without one) and simulated with the step's facts. Its `total` is the
+/// predicted time from the first gradient to the end of the sync, its `at_sync()` the time the
+/// step spends at its sync point; compare them with [`MeasuredStep`]'s. Gradient types are
+/// taken as `f32` of the measured bytes (what the cost model reads of them is their size).
+///
+/// What goes in, all measured in that step (`peers`: the same step on the other ranks this
+/// process holds, when it holds several, lined up by `start_us`):
+/// - the compute: the time before each gradient and after the last one
+///   ([`MeasuredProfile::segment_until`]), less the packs the rank ran in it (the compiled
+///   plan's own packs are simulated);
+/// - the copy bandwidth of the step's packs and unpacks (else `config`'s system's);
+/// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
+///   for every rank, and ranks that share cores are not in step;
+/// - the hand-back after the last collective ([`StepFacts::handback`]).
 pub fn predict_measured(
     step: &MeasuredStep,
+    peers: &[MeasuredStep],
     link: Option<LinkFit>,
     reduce: ReduceOp,
     config: &CompileConfig,
     policy: BucketPolicy,
 ) -> Result<StepTimes, ProfileError> {
-    let profile = MeasuredProfile::from_step(step, link);
+    let first = step.gradients.first().map_or(step.sync_us, |g| g.ready_us);
+    // The compute before each gradient, without the packs that ran in it.
+    let packed_before = |t: f64| -> f64 {
+        step.copies
+            .iter()
+            .filter(|c| !c.unpack && c.end_us <= t)
+            .map(|c| c.us)
+            .sum()
+    };
+    let mut compute = step.clone();
+    for g in &mut compute.gradients {
+        g.ready_us -= packed_before(g.ready_us);
+    }
+    let profile = MeasuredProfile::from_step(&compute, link);
     let entries: Vec<(String, TensorType)> = step
         .gradients
         .iter()
@@ -293,12 +318,33 @@ pub fn predict_measured(
         })
         .collect();
     let last = step.gradients.last().map_or(step.sync_us, |g| g.ready_us);
-    let mut g = profile.segment_until(step.world, reduce, &entries, (step.sync_us - last).max(0.0));
+    let tail = (step.sync_us - packed_before(step.sync_us)) - (last - packed_before(last));
+    let mut g = profile.segment_until(step.world, reduce, &entries, tail.max(0.0));
     let mut cfg = config.clone();
     cfg.bucket.policy = policy;
-    cfg.cost = CostModel::new(profile.system_profile(step.world, &config.cost.system));
+    let mut system = profile.system_profile(step.world, &config.cost.system);
+    let (bytes, us) = step
+        .copies
+        .iter()
+        .fold((0u64, 0.0f64), |(b, t), c| (b + c.bytes, t + c.us));
+    if bytes > 0 && us > 0.0 {
+        // A copy reads and writes its bytes (`CostModel::copy_secs`).
+        system.mem_gbs = 2.0 * bytes as f64 / us / 1e3;
+    }
+    cfg.cost = CostModel::new(system);
     compile(&mut g, &cfg)?;
-    Ok(simulate(&g, &cfg.cost)?)
+    let mut facts = StepFacts {
+        handback: step.handback_us / 1e6,
+        ..StepFacts::default()
+    };
+    for p in peers {
+        for pg in &p.gradients {
+            let t = ((p.start_us + pg.ready_us - step.start_us - first) / 1e6).max(0.0);
+            let e = facts.peer_ready.entry(pg.param.clone()).or_insert(0.0);
+            *e = e.max(t);
+        }
+    }
+    Ok(simulate_measured(&g, &cfg.cost, &facts)?)
 }
 
 /// The simulated step of `graph` as trace spans of rank 0 (every rank runs the same schedule in

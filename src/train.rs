@@ -170,6 +170,8 @@ pub struct RunReport {
     pub measured: Option<MeasuredStep>,
     /// What the first local rank measured of each synced step, in order.
     pub measured_steps: Vec<MeasuredStep>,
+    /// The same for each other local rank (in `local_ranks` order).
+    pub peer_measured_steps: Vec<Vec<MeasuredStep>>,
     /// The link the first local rank fitted (a group of more than one rank).
     pub link: Option<LinkFit>,
 }
@@ -481,12 +483,12 @@ fn run_model<I: Backend, M: Net<I>>(
                             loss: lv.first().copied().unwrap_or(f32::NAN),
                         });
                         tracing::info!(rank, step = step + 1, "step done");
+                        if let Some(m) = measured_step::<I>(rank)
+                            && measured.last() != Some(&m)
+                        {
+                            measured.push(m);
+                        }
                         if rank == first as usize {
-                            if let Some(m) = measured_step::<I>(rank)
-                                && measured.last() != Some(&m)
-                            {
-                                measured.push(m);
-                            }
                             progress(step + 1);
                         }
                     }
@@ -516,11 +518,9 @@ fn run_model<I: Backend, M: Net<I>>(
     let results = results.into_iter().collect::<Result<Vec<_>, String>>()?;
     let ranks_agree = results.iter().all(|(_, w, _)| *w == results[0].1);
     let weights_digest = weights_digest(&results[0].1);
-    let (steps, measured_steps) = results
-        .into_iter()
-        .next()
-        .map(|r| (r.0, r.2))
-        .unwrap_or_default();
+    let mut ranks = results.into_iter();
+    let (steps, measured_steps) = ranks.next().map(|r| (r.0, r.2)).unwrap_or_default();
+    let peer_measured_steps = ranks.map(|r| r.2).collect();
     Ok(RunReport {
         world,
         local_ranks: local,
@@ -535,6 +535,7 @@ fn run_model<I: Backend, M: Net<I>>(
         ranks_agree,
         measured,
         measured_steps,
+        peer_measured_steps,
         link,
     })
 }
@@ -621,11 +622,13 @@ pub struct PolicyRun {
     pub step_ms: (f64, f64),
     /// From the first gradient to the end of the sync: the part the simulator models.
     pub backward_ms: (f64, f64),
-    /// Communication the step waited for at its sync point.
+    /// What the step spent at its sync point (the exposed communication).
     pub exposed_ms: (f64, f64),
-    /// The measured exposed time split: waiting for collectives, and host work at the sync
-    /// point (packs, unpacks, write-back), which the simulator does not model.
-    pub exposed_split_ms: (f64, f64),
+    /// Of that, waiting for collectives.
+    pub wait_ms: (f64, f64),
+    /// Of that, host work: the last packs and unpacks, and the hand-back of the reduced
+    /// gradients.
+    pub host_ms: (f64, f64),
     /// The run's link fit.
     pub link: Option<LinkFit>,
     /// Plans compiled from measured steps, and re-plans.
@@ -691,10 +694,12 @@ pub fn compare_policies(
             .steps
             .len()
             .saturating_sub(report.measured_steps.len());
-        let pairs: Vec<(&StepRecord, &MeasuredStep)> = report.steps[skip..]
+        let pairs: Vec<(usize, &StepRecord, &MeasuredStep)> = report.steps[skip..]
             .iter()
             .zip(&report.measured_steps)
+            .enumerate()
             .skip(warmup.saturating_sub(skip))
+            .map(|(i, (r, m))| (i, r, m))
             .collect();
         if pairs.is_empty() {
             return Err(format!(
@@ -702,10 +707,17 @@ pub fn compare_policies(
                 policy.name()
             ));
         }
-        let mut cols: [Vec<f64>; 10] = Default::default();
-        for (rec, m) in &pairs {
+        let mut cols: [Vec<f64>; 12] = Default::default();
+        for (i, rec, m) in &pairs {
+            // The same step on the other ranks of this process.
+            let peers: Vec<MeasuredStep> = report
+                .peer_measured_steps
+                .iter()
+                .filter_map(|steps| steps.get(*i).cloned())
+                .collect();
             let p = crate::profile::predict_measured(
                 m,
+                &peers,
                 report.link,
                 ReduceOp::Mean,
                 &o.collective.config,
@@ -722,17 +734,19 @@ pub fn compare_policies(
                 backward,
                 predicted,
                 m.exposed_us() / 1e3,
-                p.exposed() * 1e3,
+                p.at_sync() * 1e3,
                 m.collectives.len() as f64,
                 p.collectives as f64,
                 m.waited_at_sync_us() / 1e3,
+                (p.at_sync() - p.tail_copies - p.host).max(0.0) * 1e3,
                 (m.exposed_us() - m.waited_at_sync_us()) / 1e3,
+                (p.tail_copies + p.host) * 1e3,
             ];
             for (c, v) in cols.iter_mut().zip(values) {
                 c.push(v);
             }
         }
-        let [s, sp, b, bp, e, ep, c, cp, w, h] = cols.map(median);
+        let [s, sp, b, bp, e, ep, c, cp, w, wp, h, hp] = cols.map(median);
         let st = report.stats[0];
         rows.push(PolicyRun {
             policy,
@@ -741,7 +755,8 @@ pub fn compare_policies(
             step_ms: (s, sp),
             backward_ms: (b, bp),
             exposed_ms: (e, ep),
-            exposed_split_ms: (w, h),
+            wait_ms: (w, wp),
+            host_ms: (h, hp),
             link: report.link,
             measured_plans: (st.measured_plans, st.replans),
             weights_digest: report.weights_digest,

@@ -288,16 +288,21 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
     assert!(ddp < 38.0, "{text}");
     for name in ["per-param", "ddp", "cost"] {
         let r = row(name);
-        // measured, predicted, error of step, backward, exposed.
-        for i in [3, 4, 6, 7, 9, 10, 12, 13] {
+        // measured and predicted step, backward, exposed, wait and host work.
+        for i in [3, 4, 6, 7, 9, 10, 12, 13, 14, 15] {
             let v: f64 = r[i].parse().unwrap_or_else(|_| panic!("{name}: {text}"));
             assert!(v.is_finite() && v >= 0.0, "{text}");
         }
-        // The waits and the host work are each a part of the measured exposed time.
-        let exposed: f64 = r[9].parse().unwrap();
-        for i in [12, 13] {
-            assert!(r[i].parse::<f64>().unwrap() <= exposed + 0.01, "{text}");
+        // The waits and the host work are each a part of the exposed time, measured and
+        // predicted.
+        for (exposed, parts) in [(9, [12, 14]), (10, [13, 15])] {
+            let exposed: f64 = r[exposed].parse().unwrap();
+            for i in parts {
+                assert!(r[i].parse::<f64>().unwrap() <= exposed + 0.01, "{text}");
+            }
         }
+        // The hand-back of 38 gradients is host work the simulator now sees.
+        assert!(r[15].parse::<f64>().unwrap() > 0.0, "{name}: {text}");
     }
     assert!(
         text.contains("cost: 1 plan(s) from measured steps"),
@@ -469,4 +474,117 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
         );
         assert!(err.starts_with("error:"), "{args:?} {env:?}: {err}");
     }
+}
+
+/// The facts of a measured step the simulator takes beyond the graph: a collective waits for
+/// the last rank to have its gradient, and the hand-back after the last collective is time at
+/// the sync point.
+#[test]
+fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
+    use collective_fusion::cost::{StepFacts, simulate_measured};
+    use collective_fusion::graph::{DType, TensorType};
+    use collective_fusion::measure::{LinkFit, MeasuredProfile};
+    use collective_fusion::passes::compile;
+    let link = LinkFit {
+        alpha_us: 50.0,
+        busbw_gbs: 1.0,
+        sizes: 2,
+        samples: 2,
+    };
+    // Two gradients of 4 KiB, ready at 0 and 1000 us, then 2000 us of compute to the sync
+    // point: alone, both all-reduces (about 54 us each) are hidden.
+    let profile = MeasuredProfile {
+        ready_us: vec![0.0, 1000.0],
+        link: Some(link),
+    };
+    let ty = TensorType::new(DType::F32, &[1024]);
+    let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
+    let mut g = profile.segment_until(2, ReduceOp::Mean, &entries, 2000.0);
+    let mut cfg = CompileConfig::default();
+    cfg.bucket.policy = BucketPolicy::PerParam;
+    cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
+    compile(&mut g, &cfg).unwrap();
+    let alone = simulate_measured(&g, &cfg.cost, &StepFacts::default()).unwrap();
+    assert!((alone.compute_end - 3000e-6).abs() < 1e-9, "{alone:?}");
+    assert!(alone.at_sync() < 1e-9, "{alone:?}");
+    // The other rank has `b` only at 4000 us: its all-reduce ends about 54 us after that.
+    let mut facts = StepFacts::default();
+    facts.peer_ready.insert("b".into(), 4000e-6);
+    let late = simulate_measured(&g, &cfg.cost, &facts).unwrap();
+    let ar = 50e-6 + 4096.0 / 1e9;
+    assert!((late.at_sync() - (1000e-6 + ar)).abs() < 1e-7, "{late:?}");
+    assert!((late.waits - late.at_sync()).abs() < 1e-9, "{late:?}");
+    // The hand-back comes after the last collective, all of it at the sync point.
+    facts.handback = 300e-6;
+    let handed = simulate_measured(&g, &cfg.cost, &facts).unwrap();
+    assert!(
+        (handed.at_sync() - late.at_sync() - 300e-6).abs() < 1e-9,
+        "{handed:?}"
+    );
+    assert_eq!(handed.host, 300e-6);
+    assert!((handed.waits - late.waits).abs() < 1e-12);
+}
+
+/// `predict_measured` lines the ranks' steps up by their start: a peer that had the last
+/// gradient later than this rank makes this rank wait for it at the sync point, and the
+/// measured hand-back follows.
+#[test]
+fn a_measured_step_is_predicted_with_its_peers_lined_up_by_their_start() {
+    use collective_fusion::measure::{LinkFit, MeasuredGradient, MeasuredStep};
+    use collective_fusion::profile::predict_measured;
+    let grad = |param: &str, ready_us: f64| MeasuredGradient {
+        param: param.into(),
+        bytes: 4096,
+        ready_us,
+    };
+    let mine = MeasuredStep {
+        world: 2,
+        start_us: 1000.0,
+        gradients: vec![grad("a", 100.0), grad("b", 200.0)],
+        sync_us: 300.0,
+        handback_us: 50.0,
+        end_us: 1000.0,
+        ..MeasuredStep::default()
+    };
+    // The peer started 500 us later and had `b` 200 us later in its own step: 700 us after
+    // this rank, 800 us after this rank's first gradient.
+    let peer = MeasuredStep {
+        start_us: 1500.0,
+        gradients: vec![grad("a", 100.0), grad("b", 400.0)],
+        ..mine.clone()
+    };
+    let link = LinkFit {
+        alpha_us: 50.0,
+        busbw_gbs: 1.0,
+        sizes: 2,
+        samples: 2,
+    };
+    let cfg = CompileConfig::default();
+    let predict = |peers: &[MeasuredStep]| {
+        predict_measured(
+            &mine,
+            peers,
+            Some(link),
+            ReduceOp::Mean,
+            &cfg,
+            BucketPolicy::PerParam,
+        )
+        .unwrap()
+    };
+    let ar: f64 = 50.0 + 4096.0 / 1e3;
+    let alone = predict(&[]);
+    assert!((alone.compute_end * 1e6 - 200.0).abs() < 1e-6, "{alone:?}");
+    // Alone: `b`'s all-reduce (launched at 100 us) ends before the sync point at 200 us; the
+    // hand-back is all there is at the sync point.
+    let own_end = (100.0 + ar).max(200.0);
+    assert!(
+        (alone.at_sync() * 1e6 - (own_end - 200.0 + 50.0)).abs() < 1e-3,
+        "{alone:?}"
+    );
+    let late = predict(std::slice::from_ref(&peer));
+    assert!(
+        (late.at_sync() * 1e6 - (800.0 + ar - 200.0 + 50.0)).abs() < 1e-3,
+        "{late:?}"
+    );
+    assert_eq!(late.host, 50e-6);
 }

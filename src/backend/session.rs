@@ -239,7 +239,9 @@ impl<I: Backend> Session<I> {
     /// tracing.
     pub(super) fn record(&self, rank: usize, report: &ExecReport) {
         if let Some(c) = self.clocks.get(rank) {
-            lock(c).collectives(&report.timings);
+            let mut c = lock(c);
+            c.collectives(&report.timings);
+            c.copies(&report.spans);
         }
         if let Some(d) = self.device.get(rank) {
             for (c, n) in [
@@ -608,6 +610,7 @@ impl<I: Backend> Session<I> {
         };
         // Write back in place, through the pointers Burn gave us; only now, so a failed step
         // leaves every gradient as it was.
+        self.clock(rank).handback();
         for (sub, g) in st.submitted.iter().zip(reduced) {
             let Some(g) = g else { continue };
             // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else

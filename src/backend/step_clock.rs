@@ -4,8 +4,11 @@
 
 use std::time::Instant;
 
-use crate::measure::{LinkSamples, MeasuredCollective, MeasuredGradient, MeasuredStep};
-use crate::runtime::exec::CollectiveTiming;
+use crate::measure::{
+    LinkSamples, MeasuredCollective, MeasuredCopy, MeasuredGradient, MeasuredStep,
+};
+use crate::runtime::exec::{CollectiveTiming, Span};
+use crate::trace::SpanKind;
 
 /// One rank's measurements.
 #[derive(Debug, Default)]
@@ -14,7 +17,10 @@ pub(super) struct StepClock {
     start: Option<Instant>,
     gradients: Vec<(String, u64, Instant)>,
     collectives: Vec<CollectiveTiming>,
+    /// Packs and unpacks: bytes, whether an unpack, start, end.
+    copies: Vec<(u64, bool, Instant, Instant)>,
     sync: Option<Instant>,
+    handback: Option<Instant>,
     /// The last synced step.
     pub(super) last: Option<MeasuredStep>,
     /// The collectives of recent steps.
@@ -41,6 +47,21 @@ impl StepClock {
         self.collectives.extend_from_slice(timings);
     }
 
+    /// The packs and unpacks among an execution's spans.
+    pub(super) fn copies(&mut self, spans: &[Span]) {
+        self.copies.extend(
+            spans
+                .iter()
+                .filter(|s| matches!(s.kind, SpanKind::Pack | SpanKind::Unpack) && s.bytes > 0)
+                .map(|s| (s.bytes, s.kind == SpanKind::Unpack, s.start, s.end)),
+        );
+    }
+
+    /// Every collective of the step is done: the reduced gradients are handed back now.
+    pub(super) fn handback(&mut self) {
+        self.handback = Some(Instant::now());
+    }
+
     /// The backward pass reached the sync point.
     pub(super) fn sync_point(&mut self) {
         self.sync = Some(Instant::now());
@@ -50,7 +71,9 @@ impl StepClock {
     pub(super) fn discard(&mut self) {
         self.gradients.clear();
         self.collectives.clear();
+        self.copies.clear();
         self.sync = None;
+        self.handback = None;
     }
 
     /// The sync returned: the step's measurements become [`StepClock::last`], its collectives
@@ -89,8 +112,16 @@ impl StepClock {
                 }
             })
             .collect();
+        // One epoch for every rank of the process, so ranks' steps can be laid side by side.
+        static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        let epoch = *EPOCH.get_or_init(|| start);
         let step = MeasuredStep {
             world: world as u32,
+            start_us: if start >= epoch {
+                start.duration_since(epoch).as_secs_f64() * 1e6
+            } else {
+                -(epoch.duration_since(start).as_secs_f64() * 1e6)
+            },
             gradients: std::mem::take(&mut self.gradients)
                 .into_iter()
                 .map(|(param, bytes, t)| MeasuredGradient {
@@ -100,7 +131,19 @@ impl StepClock {
                 })
                 .collect(),
             collectives,
+            copies: std::mem::take(&mut self.copies)
+                .into_iter()
+                .map(|(bytes, unpack, a, b)| MeasuredCopy {
+                    bytes,
+                    unpack,
+                    end_us: us(b),
+                    us: b.saturating_duration_since(a).as_secs_f64() * 1e6,
+                })
+                .collect(),
             sync_us: us(self.sync.take().unwrap_or(end)),
+            handback_us: self.handback.take().map_or(0.0, |h| {
+                end.saturating_duration_since(h).as_secs_f64() * 1e6
+            }),
             end_us: us(end),
         };
         self.link.add_step(&step);

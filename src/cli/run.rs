@@ -377,13 +377,14 @@ fn compare_policies_cmd(
     )?;
     writeln!(
         out,
-        "{:<10} {:>11} {:>26} {:>26} {:>26} {:>17}   link",
+        "{:<10} {:>11} {:>26} {:>26} {:>26} {:>17} {:>17}   link",
         "policy",
         "collectives",
         "step ms (pred, err)",
         "backward ms (pred, err)",
         "exposed ms (pred, err)",
-        "of which wait host"
+        "wait ms (pred)",
+        "host ms (pred)"
     )?;
     let cell = |p: (f64, f64)| {
         format!(
@@ -396,15 +397,17 @@ fn compare_policies_cmd(
     for r in &rows {
         writeln!(
             out,
-            "{:<10} {:>5.0} {:>5} {:>26} {:>26} {:>26} {:>8.2} {:>8.2}   {}",
+            "{:<10} {:>5.0} {:>5} {:>26} {:>26} {:>26} {:>8.2} {:>8.2} {:>8.2} {:>8.2}   {}",
             r.policy.name(),
             r.collectives.0,
             format!("({:.0})", r.collectives.1),
             cell(r.step_ms),
             cell(r.backward_ms),
             cell(r.exposed_ms),
-            r.exposed_split_ms.0,
-            r.exposed_split_ms.1,
+            r.wait_ms.0,
+            r.wait_ms.1,
+            r.host_ms.0,
+            r.host_ms.1,
             r.link.map_or("not fitted".to_string(), |l| format!(
                 "{:.0} us + {:.2} GB/s",
                 l.alpha_us, l.busbw_gbs

@@ -105,6 +105,8 @@ pub struct Span {
     pub stream: &'static str,
     /// What it is.
     pub kind: SpanKind,
+    /// Bytes it moved (a bucket's, for a pack, an unpack or a collective; 0 otherwise).
+    pub bytes: u64,
     /// What ran (`pack b3`, `all_reduce #3`, `wait done#3`, a compute label).
     pub name: String,
     /// Start.
@@ -469,19 +471,21 @@ impl Execution {
         let kerr = |source| ExecError::Kernel { rank, source };
         let t = Instant::now();
         let report = &mut self.report;
-        let span = |report: &mut ExecReport, kind, name: String| {
+        let span = |report: &mut ExecReport, kind, bytes, name: String| {
             report.spans.push(Span {
                 stream: "compute",
                 kind,
+                bytes,
                 name,
                 start: t,
                 end: Instant::now(),
             })
         };
-        let comm_span = |report: &mut ExecReport, name: String, s: CommSpan| {
+        let comm_span = |report: &mut ExecReport, bytes, name: String, s: CommSpan| {
             report.spans.push(Span {
                 stream: "comm",
                 kind: SpanKind::AllReduce,
+                bytes,
                 name,
                 start: s.start,
                 end: s.end,
@@ -490,7 +494,7 @@ impl Execution {
         match step {
             Step::Compute { name, flops, .. } => {
                 hooks.compute(name, *flops);
-                span(report, SpanKind::Compute, name.clone());
+                span(report, SpanKind::Compute, 0, name.clone());
             }
             Step::Gradient { slot } => {
                 let s = *slot as usize;
@@ -535,7 +539,12 @@ impl Execution {
                     }
                 };
                 self.packed[c.id as usize] = Some(packed);
-                span(report, SpanKind::Pack, format!("pack {}", bucket_name(c)));
+                span(
+                    report,
+                    SpanKind::Pack,
+                    c.layout.bytes,
+                    format!("pack {}", bucket_name(c)),
+                );
             }
             Step::Record(Event::Ready(cid)) => {
                 let c = &plan.collectives[*cid as usize];
@@ -577,7 +586,12 @@ impl Execution {
                 match self.flight[c.id as usize].take() {
                     Some(InFlight::Bucket(p)) => {
                         let (buf, s) = p.wait(super::comm::wait_bound(opts.timeout))?;
-                        comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                        comm_span(
+                            report,
+                            c.layout.bytes,
+                            format!("all_reduce {}", bucket_name(c)),
+                            s,
+                        );
                         whole = Some(s);
                         self.packed[c.id as usize] = Some(buf);
                     }
@@ -602,7 +616,12 @@ impl Execution {
                                     Grad::Device(bucket.into_grad())
                                 }
                             };
-                            comm_span(report, format!("all_reduce {}", bucket_name(c)), s);
+                            comm_span(
+                                report,
+                                c.layout.bytes,
+                                format!("all_reduce {}", bucket_name(c)),
+                                s,
+                            );
                             whole = Some(whole.map_or(s, |w| CommSpan {
                                 start: w.start.min(s.start),
                                 end: w.end.max(s.end),
@@ -630,7 +649,12 @@ impl Execution {
                         wait_end,
                     });
                 }
-                span(report, SpanKind::Wait, format!("wait {}", bucket_name(c)));
+                span(
+                    report,
+                    SpanKind::Wait,
+                    0,
+                    format!("wait {}", bucket_name(c)),
+                );
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
@@ -669,6 +693,7 @@ impl Execution {
                 span(
                     report,
                     SpanKind::Unpack,
+                    c.layout.bytes,
                     format!("unpack {}", bucket_name(c)),
                 );
             }
