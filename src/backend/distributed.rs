@@ -85,7 +85,7 @@ pub struct SyncStats {
     pub local_steps: u64,
     /// Plans compiled.
     pub compiled: u64,
-    /// Gradients this rank zero-filled under [`UnusedParameters::ZeroFill`] (all steps). Each
+    /// Gradients this rank zero-filled under [`UnusedParameters::ZeroFill`](super::UnusedParameters::ZeroFill) (all steps). Each
     /// is a parameter the other ranks reduced and updated while this rank, which has no
     /// gradient for it, did not.
     pub zero_filled: u64,
@@ -98,7 +98,7 @@ pub struct SyncStats {
     /// host memory.
     pub device_collectives: u64,
     /// Reduced gradients handed back as views of their device bucket instead of copies
-    /// ([`CompileConfig::gradient_as_bucket_view`]).
+    /// ([`CompileConfig::gradient_as_bucket_view`](crate::config::CompileConfig::gradient_as_bucket_view)).
     pub view_grads: u64,
     /// Plans compiled from measured steps ([`CollectiveOptions::measured_plans`]), the first
     /// included.
@@ -141,7 +141,7 @@ pub fn measured_link<I: Backend>(rank: usize) -> Option<LinkFit> {
     s.clock(rank).link.fit()
 }
 
-/// The parameters `rank` zero-filled in its last step (see [`UnusedParameters::ZeroFill`]).
+/// The parameters `rank` zero-filled in its last step (see [`UnusedParameters::ZeroFill`](super::UnusedParameters::ZeroFill)).
 pub fn last_zero_filled<I: Backend>(rank: usize) -> Vec<String> {
     let s = session::<I>("last_zero_filled");
     s.state(rank, "last_zero_filled").last_zero_filled.clone()

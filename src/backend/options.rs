@@ -23,7 +23,7 @@ pub struct CollectiveOptions {
     pub config: CompileConfig,
     /// Bound on every wait for another rank.
     pub timeout: Duration,
-    /// Keep a trace of every rank's pack, all-reduce, wait and unpack spans ([`take_trace`]).
+    /// Keep a trace of every rank's pack, all-reduce, wait and unpack spans ([`take_trace`](super::take_trace)).
     pub trace: bool,
     /// Check every gradient for NaN and infinity as it arrives; a bad one fails the step on
     /// every rank with an error naming the parameter (off by default: it reads every element).
@@ -34,7 +34,7 @@ pub struct CollectiveOptions {
     /// fusion layer) in their device buffers: a bucket is packed and unpacked by the CubeCL
     /// kernels on those buffers and crosses to the host communicator as one flat buffer. Off,
     /// or for any other inner backend, every gradient is read into host memory on arrival. A
-    /// step under [`no_sync`], or with `check_finite`, reads gradients into host memory anyway.
+    /// step under [`no_sync`](super::no_sync), or with `check_finite`, reads gradients into host memory anyway.
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,
@@ -126,7 +126,7 @@ pub enum UnusedParameters {
     /// ones this rank zero-filled): every rank then runs the same plans, which stay in the
     /// next step's plan, and a parameter zero-filled on every rank leaves it. The reduced value
     /// of a zero-filled parameter has no gradient to go to on that rank (a Burn backend cannot
-    /// create one), so its optimizer skips it there: see [`SyncStats::zero_filled`].
+    /// create one), so its optimizer skips it there: see [`SyncStats::zero_filled`](super::SyncStats::zero_filled).
     ZeroFill,
 }
 

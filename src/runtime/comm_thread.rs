@@ -1,7 +1,7 @@
 //! The shell every communicator runs its collectives in.
 //!
 //! A communicator's collectives run on one thread of its own, in the order they were queued
-//! (its "stream", as a CUDA stream orders NCCL calls): [`CommThread`] is that thread and its
+//! (its "stream", as a CUDA stream orders NCCL calls): `CommThread` is that thread and its
 //! queue. A job queued after the thread closed or died is [`CommError::Closed`]; dropping the
 //! shell closes the queue and joins the thread, so the jobs already queued finish (each bounded
 //! by its communicator's timeout) before the communicator is gone.
@@ -9,7 +9,7 @@
 //! The host communicators (in-process, TCP) differ only in how a collective crosses ranks, so
 //! they are one type, [`QueuedComm`], over the state their threads share ([`GroupState`]: how to
 //! fail the group, what to do when a rank closes). NCCL queues jobs of its own (device buckets,
-//! group markers) on the same [`CommThread`].
+//! group markers) on the same `CommThread`.
 
 use std::sync::{Arc, mpsc};
 use std::thread;

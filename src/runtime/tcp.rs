@@ -27,7 +27,7 @@
 //! peer → rank 0: acknowledgement `u8` 0 once the result is staged; rank 0 → peer, once every
 //! peer has acknowledged: commit `u8` 0 (or a failure as above). A peer hands its result to the
 //! caller only on the commit, so a peer lost before acknowledging fails the collective on every
-//! rank rather than on some (see [`run_root`]).
+//! rank rather than on some (see `run_root`).
 //!
 //! Every read and write of a collective ends by its deadline however the bytes arrive (a peer
 //! that trickles its buffer a byte at a time is a timeout naming it, not a wait of one socket
