@@ -255,6 +255,14 @@ pub struct StepFacts {
     /// Host work after the last collective, seconds: handing the reduced gradients back to the
     /// tensors they came from. Exposed: nothing runs beside it.
     pub handback: f64,
+    /// The fixed cost of one collective as the step's collectives paid it, seconds, in place
+    /// of the system's alpha: `(while compute runs, after it)`, the compute ending at
+    /// `busy_until`. Where communication shares the cores with compute (CPU ranks) a
+    /// collective costs more while the backward runs than once it has stopped. `None`: the
+    /// system's alpha throughout.
+    pub alpha: Option<(f64, f64)>,
+    /// When the compute of the step ends, seconds (with `alpha`).
+    pub busy_until: f64,
 }
 
 /// [`simulate`] with the facts of a measured step.
@@ -349,8 +357,14 @@ fn simulate_inner(
     // else when all its operands were.
     let mut everyone = vec![0.0f64; graph.node_bound()];
     let mut launch = |bytes: u64, n: u32, t_compute: f64, at: f64, st: &mut StepTimes| -> f64 {
-        let d = model.all_reduce_secs(bytes, n);
         let start = t_compute.max(t_comm).max(at);
+        let mut d = model.all_reduce_secs(bytes, n);
+        if let Some((busy, idle)) = facts.alpha
+            && n > 1
+        {
+            let alpha = if start < facts.busy_until { busy } else { idle };
+            d += alpha - model.system.alpha_us * 1e-6;
+        }
         t_comm = start + d;
         st.comm += d;
         st.collectives += 1;

@@ -137,6 +137,48 @@ impl MeasuredStep {
     }
 }
 
+impl MeasuredStep {
+    /// The fixed cost of one collective as this step's collectives paid it beyond `link`'s
+    /// bandwidth term, µs: the median over the collectives that began while the backward ran
+    /// (before the sync point), and over those that began after it; `None` for a side
+    /// without collectives. Each collective is timed from the moment every rank had launched
+    /// it (this rank and `peers`, the same step on other ranks of this process, lined up by
+    /// `start_us`; peers whose collectives do not line up are left out) and this rank's
+    /// communication stream was free, to its end, so the wait for a late rank is not in it.
+    pub fn alpha_split_us(&self, peers: &[MeasuredStep], link: &LinkFit) -> [Option<f64>; 2] {
+        let peers: Vec<&MeasuredStep> = peers
+            .iter()
+            .filter(|p| p.collectives.len() == self.collectives.len())
+            .collect();
+        let n = f64::from(self.world.max(1));
+        let wire = 2.0 * (n - 1.0) / n;
+        let mut sides: [Vec<f64>; 2] = Default::default();
+        let mut free = f64::NEG_INFINITY;
+        for (i, c) in self.collectives.iter().enumerate() {
+            let joined = peers
+                .iter()
+                .map(|p| p.start_us + p.collectives[i].launch_us - self.start_us)
+                .fold(c.launch_us, f64::max);
+            let begin = joined.max(free).min(c.end_us);
+            free = c.end_us;
+            let bandwidth_us = c.bytes as f64 * wire / (link.busbw_gbs * 1e3);
+            let side = usize::from(begin >= self.sync_us);
+            sides[side].push((c.end_us - begin - bandwidth_us).max(0.0));
+        }
+        sides.map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            let k = v.len();
+            (k > 0).then(|| {
+                if k % 2 == 1 {
+                    v[k / 2]
+                } else {
+                    (v[k / 2 - 1] + v[k / 2]) / 2.0
+                }
+            })
+        })
+    }
+}
+
 impl fmt::Display for MeasuredStep {
     /// A short human summary (what `run` prints).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -600,5 +642,62 @@ mod tests {
             s.add(b * 4096 + 1, 1.0 + b as f64);
         }
         assert!(s.by_size.len() <= LinkSamples::SIZES);
+    }
+
+    #[test]
+    fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
+        let c = |launch_us: f64, end_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 0,
+            launch_us,
+            start_us: launch_us,
+            end_us,
+            wait_us: 0.0,
+        };
+        let mine = MeasuredStep {
+            world: 2,
+            start_us: 0.0,
+            // Launched at 100 (the peer at 300) and ended at 700; then one that ended 50 us
+            // after it; then one launched at 990 and one at 1030, the sync point at 1000.
+            collectives: vec![
+                c(100.0, 700.0),
+                c(650.0, 750.0),
+                c(990.0, 1030.0),
+                c(1030.0, 1040.0),
+            ],
+            sync_us: 1000.0,
+            end_us: 1100.0,
+            ..MeasuredStep::default()
+        };
+        let peer = MeasuredStep {
+            // Started 100 us later: launched the first at 200 + 100 = 300 on this rank's clock,
+            // the second at 700 (after this rank's first ended), the rest early.
+            start_us: 100.0,
+            collectives: vec![c(200.0, 0.0), c(600.0, 0.0), c(0.0, 0.0), c(0.0, 0.0)],
+            ..mine.clone()
+        };
+        let link = LinkFit {
+            alpha_us: 1.0,
+            busbw_gbs: 1.0,
+            sizes: 2,
+            samples: 2,
+        };
+        // From the last launch (or the stream free): 700 - 300, 750 - 700, 1030 - 990 began
+        // before the sync point (median 50), 1040 - 1030 after it.
+        assert_eq!(
+            mine.alpha_split_us(std::slice::from_ref(&peer), &link),
+            [Some(50.0), Some(10.0)]
+        );
+        // Alone, the first counts from its own launch: [600, 50, 40] → 50; a peer with another
+        // number of collectives is left out.
+        let odd = MeasuredStep {
+            collectives: vec![c(0.0, 0.0)],
+            ..peer
+        };
+        assert_eq!(mine.alpha_split_us(&[odd], &link), [Some(50.0), Some(10.0)]);
+        assert_eq!(
+            MeasuredStep::default().alpha_split_us(&[], &link),
+            [None, None]
+        );
     }
 }

@@ -16,7 +16,7 @@ use crate::cost::{
 use crate::graph::builder::{BuildOptions, build_step_graph};
 use crate::graph::print::fmt_bytes;
 use crate::graph::{DType, Graph, Op, ReduceOp, TensorType};
-use crate::measure::{LinkFit, MeasuredProfile, MeasuredStep};
+use crate::measure::{LinkFit, MeasuredCopy, MeasuredProfile, MeasuredStep};
 use crate::model::ModelProfile;
 use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
@@ -281,7 +281,11 @@ pub fn compare_step(
 /// - the compute: the time before each gradient and after the last one
 ///   ([`MeasuredProfile::segment_until`]), less the packs the rank ran in it (the compiled
 ///   plan's own packs are simulated);
-/// - the copy bandwidth of the step's packs and unpacks (else `config`'s system's);
+/// - the copy bandwidth of the step's packs and unpacks after its sync point, or of all of
+///   them when none ran there (else `config`'s system's);
+/// - the fixed cost of a collective while the backward runs and after it
+///   ([`MeasuredStep::alpha_split_us`], [`StepFacts::alpha`]): on CPU ranks communication
+///   shares the cores with compute;
 /// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
 ///   for every rank, and ranks that share cores are not in step;
 /// - the hand-back after the last collective ([`StepFacts::handback`]).
@@ -323,8 +327,19 @@ pub fn predict_measured(
     let mut cfg = config.clone();
     cfg.bucket.policy = policy;
     let mut system = profile.system_profile(step.world, &config.cost.system);
-    let (bytes, us) = step
+    // The copies after the sync point, where the ones the prediction is about run (without
+    // compute beside them, faster than the packs during the backward); else all of them.
+    let after_sync: Vec<&MeasuredCopy> = step
         .copies
+        .iter()
+        .filter(|c| c.end_us > step.sync_us)
+        .collect();
+    let copies: Vec<&MeasuredCopy> = if after_sync.is_empty() {
+        step.copies.iter().collect()
+    } else {
+        after_sync
+    };
+    let (bytes, us) = copies
         .iter()
         .fold((0u64, 0.0f64), |(b, t), c| (b + c.bytes, t + c.us));
     if bytes > 0 && us > 0.0 {
@@ -337,6 +352,15 @@ pub fn predict_measured(
         handback: step.handback_us / 1e6,
         ..StepFacts::default()
     };
+    if let Some(l) = link {
+        // A side without collectives in this step pays the run's alpha.
+        let [busy, idle] = step
+            .alpha_split_us(peers, &l)
+            .map(|a| a.unwrap_or(l.alpha_us) / 1e6);
+        facts.alpha = Some((busy, idle));
+        facts.busy_until =
+            ((step.sync_us - packed_before(step.sync_us)) - (first - packed_before(first))) / 1e6;
+    }
     for p in peers {
         for pg in &p.gradients {
             let t = ((p.start_us + pg.ready_us - step.start_us - first) / 1e6).max(0.0);
