@@ -277,9 +277,7 @@ pub fn simulate_measured(
 /// A span of simulated time on one stream.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimSpan {
-    /// `compute` or `comm`.
-    pub stream: &'static str,
-    /// What it is.
+    /// What it is (and so its stream, [`SpanKind::stream`]).
     pub cat: SpanKind,
     /// Label.
     pub name: String,
@@ -305,12 +303,11 @@ fn simulate_inner(
     mut spans: Option<&mut Vec<SimSpan>>,
     facts: &StepFacts,
 ) -> Result<StepTimes, CycleError> {
-    let mut record = |stream, cat, name: String, start: f64, end: f64| {
+    let mut record = |cat, name: String, start: f64, end: f64| {
         if let Some(s) = spans.as_deref_mut()
             && end > start
         {
             s.push(SimSpan {
-                stream,
                 cat,
                 name,
                 start,
@@ -384,13 +381,7 @@ fn simulate_inner(
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
-                record(
-                    "compute",
-                    SpanKind::Compute,
-                    label(id),
-                    t_compute,
-                    t_compute + d,
-                );
+                record(SpanKind::Compute, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.compute += d;
                 st.compute_end = t_compute;
@@ -405,7 +396,7 @@ fn simulate_inner(
                 } else {
                     SpanKind::Unpack
                 };
-                record("compute", cat, label(id), t_compute, t_compute + d);
+                record(cat, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.copies += d;
                 st.tail_copies += d;
@@ -414,14 +405,12 @@ fn simulate_inner(
                 let issued = t_compute;
                 t_compute = launch(bytes_in(id), ranks(*group), t_compute, at, &mut st);
                 record(
-                    "comm",
                     SpanKind::AllReduce,
                     label(id),
                     t_compute - st.last_collective,
                     t_compute,
                 );
                 record(
-                    "compute",
                     SpanKind::Wait,
                     format!("wait {}", label(id)),
                     issued,
@@ -432,7 +421,6 @@ fn simulate_inner(
                 let end = launch(bytes_in(id), ranks(*group), t_compute, at, &mut st);
                 finish[id.index()] = end;
                 record(
-                    "comm",
                     SpanKind::AllReduce,
                     label(id),
                     end - st.last_collective,
@@ -449,7 +437,7 @@ fn simulate_inner(
                 } else {
                     format!("wait {}", label(id))
                 };
-                record("compute", SpanKind::Wait, what, before, t_compute);
+                record(SpanKind::Wait, what, before, t_compute);
             }
             Op::Parameter { .. } | Op::Input { .. } | Op::Gradient { .. } => {}
         }
@@ -462,13 +450,7 @@ fn simulate_inner(
     }
     if facts.handback > 0.0 {
         let end = t_compute + facts.handback;
-        record(
-            "compute",
-            SpanKind::Compute,
-            "hand-back".to_string(),
-            t_compute,
-            end,
-        );
+        record(SpanKind::Compute, "hand-back".to_string(), t_compute, end);
         t_compute = end;
         st.host = facts.handback;
     }

@@ -165,17 +165,18 @@ impl MeasuredStep {
             let side = usize::from(begin >= self.sync_us);
             sides[side].push((c.end_us - begin - bandwidth_us).max(0.0));
         }
-        sides.map(|mut v| {
-            v.sort_by(f64::total_cmp);
-            let k = v.len();
-            (k > 0).then(|| {
-                if k % 2 == 1 {
-                    v[k / 2]
-                } else {
-                    (v[k / 2 - 1] + v[k / 2]) / 2.0
-                }
-            })
-        })
+        sides.map(median)
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
     }
 }
 
@@ -284,10 +285,6 @@ impl LinkSamples {
     /// two sizes or a bandwidth that does not come out positive (every size as fast). A group
     /// of one rank has no link: `None`.
     pub fn fit(&self) -> Option<LinkFit> {
-        self.fit_by(|w| w.iter().copied().fold(f64::INFINITY, f64::min))
-    }
-
-    fn fit_by(&self, estimate: impl Fn(&VecDeque<f64>) -> f64) -> Option<LinkFit> {
         if self.world < 2 {
             return None;
         }
@@ -297,7 +294,7 @@ impl LinkSamples {
             .by_size
             .iter()
             .filter_map(|(b, w)| {
-                let t = estimate(w);
+                let t = w.iter().copied().fold(f64::INFINITY, f64::min);
                 t.is_finite().then_some((*b as f64 * wire, t))
             })
             .collect();

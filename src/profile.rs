@@ -306,11 +306,15 @@ pub fn predict_measured(
             .map(|c| c.us)
             .sum()
     };
-    let mut compute = step.clone();
-    for g in &mut compute.gradients {
-        g.ready_us -= packed_before(g.ready_us);
-    }
-    let profile = MeasuredProfile::from_step(&compute, link);
+    let start = first - packed_before(first);
+    let profile = MeasuredProfile {
+        ready_us: step
+            .gradients
+            .iter()
+            .map(|g| (g.ready_us - packed_before(g.ready_us) - start).max(0.0))
+            .collect(),
+        link,
+    };
     let entries: Vec<(String, TensorType)> = step
         .gradients
         .iter()
@@ -358,8 +362,7 @@ pub fn predict_measured(
             .alpha_split_us(peers, &l)
             .map(|a| a.unwrap_or(l.alpha_us) / 1e6);
         facts.alpha = Some((busy, idle));
-        facts.busy_until =
-            ((step.sync_us - packed_before(step.sync_us)) - (first - packed_before(first))) / 1e6;
+        facts.busy_until = (step.sync_us - packed_before(step.sync_us) - start) / 1e6;
     }
     for p in peers {
         for pg in &p.gradients {
@@ -384,7 +387,7 @@ pub fn simulated_trace(
             .into_iter()
             .map(|s: SimSpan| TraceSpan {
                 rank: 0,
-                stream: s.stream.to_string(),
+                stream: s.cat.stream().to_string(),
                 cat: s.cat,
                 name: s.name,
                 start_us: s.start * 1e6,

@@ -42,6 +42,15 @@ impl SpanKind {
         }
     }
 
+    /// The stream it runs on: `comm` for a collective, `compute` for everything else (packs,
+    /// unpacks and waits are the compute stream's).
+    pub fn stream(self) -> &'static str {
+        match self {
+            SpanKind::AllReduce => "comm",
+            _ => "compute",
+        }
+    }
+
     fn colour(self) -> &'static str {
         match self {
             SpanKind::Compute => "#4c78a8",

@@ -651,19 +651,6 @@ impl PolicyRun {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Trains `opts` once under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed,
 /// data and steps) and compares each run's measured steps after the first `warmup` with what
 /// the simulator predicts for them. `progress` is told the policy and the step.
@@ -746,7 +733,8 @@ pub fn compare_policies(
                 c.push(v);
             }
         }
-        let [s, sp, b, bp, e, ep, c, cp, w, wp, h, hp] = cols.map(median);
+        let [s, sp, b, bp, e, ep, c, cp, w, wp, h, hp] =
+            cols.map(|v| crate::measure::median(v).unwrap_or(0.0));
         let st = report.stats[0];
         rows.push(PolicyRun {
             policy,

@@ -400,14 +400,7 @@ pub fn recorded_collectives<I: Backend>(rank: usize) -> Option<Vec<CollectiveDes
 pub fn trace_span<I: Backend>(rank: usize, name: &str, start: Instant, end: Instant) {
     let s = session::<I>("trace_span");
     if s.options.trace {
-        let span = s.span(
-            rank,
-            "compute",
-            SpanKind::Compute,
-            name.to_string(),
-            start,
-            end,
-        );
+        let span = s.span(rank, SpanKind::Compute, name.to_string(), start, end);
         lock(&s.trace).push(span);
     }
 }

@@ -257,14 +257,13 @@ impl<I: Backend> Session<I> {
         }
         let mut t = lock(&self.trace);
         for s in &report.spans {
-            t.push(self.span(rank, s.stream, s.kind, s.name.clone(), s.start, s.end));
+            t.push(self.span(rank, s.kind, s.name.clone(), s.start, s.end));
         }
     }
 
     pub(super) fn span(
         &self,
         rank: usize,
-        stream: &str,
         cat: SpanKind,
         name: String,
         start: Instant,
@@ -273,7 +272,7 @@ impl<I: Backend> Session<I> {
         let us = |t: Instant| t.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
         TraceSpan {
             rank,
-            stream: stream.to_string(),
+            stream: cat.stream().to_string(),
             cat,
             name,
             start_us: us(start),

@@ -81,13 +81,7 @@ impl StepClock {
     pub(super) fn end_step(&mut self, world: usize) {
         let end = Instant::now();
         let start = self.start.unwrap_or(end);
-        let us = |t: Instant| {
-            if t >= start {
-                t.duration_since(start).as_secs_f64() * 1e6
-            } else {
-                -(start.duration_since(t).as_secs_f64() * 1e6)
-            }
-        };
+        let us = |t: Instant| micros_between(start, t);
         let mut timings = std::mem::take(&mut self.collectives);
         // The communication stream runs collectives in launch order: one starts when it was
         // launched and the one before it had finished.
@@ -117,11 +111,7 @@ impl StepClock {
         let epoch = *EPOCH.get_or_init(|| start);
         let step = MeasuredStep {
             world: world as u32,
-            start_us: if start >= epoch {
-                start.duration_since(epoch).as_secs_f64() * 1e6
-            } else {
-                -(epoch.duration_since(start).as_secs_f64() * 1e6)
-            },
+            start_us: micros_between(epoch, start),
             gradients: std::mem::take(&mut self.gradients)
                 .into_iter()
                 .map(|(param, bytes, t)| MeasuredGradient {
@@ -149,5 +139,14 @@ impl StepClock {
         self.link.add_step(&step);
         self.last = Some(step);
         self.start = Some(end);
+    }
+}
+
+/// `t - from` in microseconds, negative when `t` is earlier.
+fn micros_between(from: Instant, t: Instant) -> f64 {
+    if t >= from {
+        t.duration_since(from).as_secs_f64() * 1e6
+    } else {
+        -(from.duration_since(t).as_secs_f64() * 1e6)
     }
 }

@@ -123,7 +123,7 @@ pub struct QueuedComm<G: GroupState> {
     rank: usize,
     world: usize,
     group: Arc<G>,
-    // Declared last: it is dropped (closed and joined) in `Drop`, after `closing`.
+    /// Taken (closed and joined) in `Drop`, between `closing` and `closed`.
     thread: Option<CommThread<Job>>,
 }
 

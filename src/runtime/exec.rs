@@ -101,9 +101,7 @@ impl StepHooks for NoHooks {}
 /// A timed span on a stream, for traces.
 #[derive(Clone, Debug)]
 pub struct Span {
-    /// `compute` or `comm`.
-    pub stream: &'static str,
-    /// What it is.
+    /// What it is (and so its stream, [`SpanKind::stream`]).
     pub kind: SpanKind,
     /// Bytes it moved (a bucket's, for a pack, an unpack or a collective; 0 otherwise).
     pub bytes: u64,
@@ -473,7 +471,6 @@ impl Execution {
         let report = &mut self.report;
         let span = |report: &mut ExecReport, kind, bytes, name: String| {
             report.spans.push(Span {
-                stream: "compute",
                 kind,
                 bytes,
                 name,
@@ -483,7 +480,6 @@ impl Execution {
         };
         let comm_span = |report: &mut ExecReport, bytes, name: String, s: CommSpan| {
             report.spans.push(Span {
-                stream: "comm",
                 kind: SpanKind::AllReduce,
                 bytes,
                 name,
