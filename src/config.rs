@@ -202,6 +202,7 @@ impl std::hash::Hash for CompileConfig {
             description,
             world,
             alpha_us,
+            alpha_busy_us,
             busbw_gbs,
             compute_tflops,
             mem_gbs,
@@ -211,6 +212,7 @@ impl std::hash::Hash for CompileConfig {
         for x in [alpha_us, busbw_gbs, compute_tflops, mem_gbs] {
             x.to_bits().hash(h);
         }
+        alpha_busy_us.map(f64::to_bits).hash(h);
         verify.hash(h);
         print_after.hash(h);
         disabled_passes.hash(h);

@@ -29,6 +29,13 @@ pub struct SystemProfile {
     pub world: u32,
     /// Fixed cost of one all-reduce, microseconds.
     pub alpha_us: f64,
+    /// Fixed cost of one all-reduce that starts while the step's compute still runs, where it
+    /// differs from `alpha_us`, microseconds. Where communication shares the cores with
+    /// compute (CPU ranks) a collective costs more during the backward pass than after it; a
+    /// measured profile says how much ([`crate::measure::MeasuredStep::alpha_split_us`]).
+    /// Absent: `alpha_us` throughout.
+    #[serde(default)]
+    pub alpha_busy_us: Option<f64>,
     /// All-reduce bus bandwidth at large sizes, GB/s (10^9 bytes per second).
     pub busbw_gbs: f64,
     /// Sustained compute throughput of one device, TFLOP/s.
@@ -85,7 +92,10 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
             ("compute_tflops", p.compute_tflops, 1e-9, 1e6, "TFLOP/s"),
             ("mem_gbs", p.mem_gbs, 1e-6, 1e6, "GB/s"),
         ];
-        for (field, v, lo, hi, unit) in checks {
+        let busy = p
+            .alpha_busy_us
+            .map(|a| ("alpha_busy_us", a, 0.0, 1e7, "µs"));
+        for (field, v, lo, hi, unit) in checks.into_iter().chain(busy) {
             if !(v.is_finite() && v >= lo && v <= hi) {
                 return Err(LinkError::Invalid {
                     name: name.to_string(),
@@ -158,14 +168,25 @@ impl CostModel {
         CostModel { system }
     }
 
-    /// Seconds for one ring all-reduce of `bytes` over `ranks` ranks (0 for a single rank).
+    /// Seconds for one ring all-reduce of `bytes` over `ranks` ranks (0 for a single rank),
+    /// started once the step's compute is over.
     pub fn all_reduce_secs(&self, bytes: u64, ranks: u32) -> f64 {
+        self.all_reduce_secs_at(bytes, ranks, false)
+    }
+
+    /// [`CostModel::all_reduce_secs`] for an all-reduce that starts while the step's compute
+    /// still runs (`busy`) or after it: the fixed cost is the system's `alpha_busy_us` for
+    /// the first where it has one.
+    pub fn all_reduce_secs_at(&self, bytes: u64, ranks: u32, busy: bool) -> f64 {
         if ranks <= 1 {
             return 0.0;
         }
         let n = f64::from(ranks);
-        self.system.alpha_us * 1e-6
-            + bytes as f64 * 2.0 * (n - 1.0) / n / (self.system.busbw_gbs * 1e9)
+        let alpha = match self.system.alpha_busy_us {
+            Some(a) if busy => a,
+            _ => self.system.alpha_us,
+        };
+        alpha * 1e-6 + bytes as f64 * 2.0 * (n - 1.0) / n / (self.system.busbw_gbs * 1e9)
     }
 
     /// Seconds for `flops` of compute.
@@ -255,14 +276,6 @@ pub struct StepFacts {
     /// Host work after the last collective, seconds: handing the reduced gradients back to the
     /// tensors they came from. Exposed: nothing runs beside it.
     pub handback: f64,
-    /// The fixed cost of one collective as the step's collectives paid it, seconds, in place
-    /// of the system's alpha: `(while compute runs, after it)`, the compute ending at
-    /// `busy_until`. Where communication shares the cores with compute (CPU ranks) a
-    /// collective costs more while the backward runs than once it has stopped. `None`: the
-    /// system's alpha throughout.
-    pub alpha: Option<(f64, f64)>,
-    /// When the compute of the step ends, seconds (with `alpha`).
-    pub busy_until: f64,
 }
 
 /// [`simulate`] with the facts of a measured step.
@@ -295,6 +308,18 @@ pub fn simulate_spans(
     let mut spans = Vec::new();
     let st = simulate_inner(graph, model, Some(&mut spans), &StepFacts::default())?;
     Ok((st, spans))
+}
+
+/// When the compute of `graph`'s step is over, seconds from its start: the time of its compute
+/// nodes, packs and unpacks left out (what [`CostModel::all_reduce_secs_at`] calls busy).
+pub fn busy_until(graph: &Graph, model: &CostModel) -> f64 {
+    graph
+        .node_ids()
+        .filter_map(|id| match graph.op(id) {
+            Op::Compute { flops, .. } => Some(model.compute_secs(*flops)),
+            _ => None,
+        })
+        .sum()
 }
 
 fn simulate_inner(
@@ -353,15 +378,12 @@ fn simulate_inner(
     // When every rank has a node's inputs: a gradient when the last rank had it, anything
     // else when all its operands were.
     let mut everyone = vec![0.0f64; graph.node_bound()];
+    // A collective that starts before the compute of the step is over pays the system's busy
+    // alpha (see `SystemProfile::alpha_busy_us`).
+    let busy_until = busy_until(graph, model);
     let mut launch = |bytes: u64, n: u32, t_compute: f64, at: f64, st: &mut StepTimes| -> f64 {
         let start = t_compute.max(t_comm).max(at);
-        let mut d = model.all_reduce_secs(bytes, n);
-        if let Some((busy, idle)) = facts.alpha
-            && n > 1
-        {
-            let alpha = if start < facts.busy_until { busy } else { idle };
-            d += alpha - model.system.alpha_us * 1e-6;
-        }
+        let d = model.all_reduce_secs_at(bytes, n, start < busy_until);
         t_comm = start + d;
         st.comm += d;
         st.collectives += 1;

@@ -327,14 +327,22 @@ impl LinkSamples {
 }
 
 /// What a plan is compiled from once a step has been measured: the gradients' ready times (µs
-/// from the first, in ready order) and the fitted link, as one rank (rank 0)
-/// measured them. Every rank compiles from the same one, so every rank gets the same plan.
+/// from the first, in ready order), the fitted link and the fixed cost of a collective as the
+/// step's collectives paid it, as one rank (rank 0) measured them. Every rank compiles from the
+/// same one, so every rank gets the same plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MeasuredProfile {
     /// Ready time of each gradient, in ready order.
     pub ready_us: Vec<f64>,
     /// The link, when there was one to fit.
     pub link: Option<LinkFit>,
+    /// The fixed cost of one collective, µs, as the step paid it `[while the backward ran,
+    /// after it]` ([`MeasuredStep::alpha_split_us`]); `None` for a side without collectives
+    /// (the link's alpha stands in). The link's own alpha is its best case (the fit takes the
+    /// fastest run of each size); where communication shares the cores with compute, a
+    /// collective under the backward pays far more, and a plan made for the best case launches
+    /// too many.
+    pub alpha_split_us: [Option<f64>; 2],
 }
 
 /// Compute nodes of a measured segment count nanoseconds as their `flops`, at this rate
@@ -343,9 +351,10 @@ pub const MEASURED_TFLOPS: f64 = 1e-3;
 
 impl MeasuredProfile {
     /// A step's ready times, from its first gradient (what comes before, the forward pass and
-    /// the optimizer, cannot overlap a collective of the step and is no part of a plan), and
-    /// the link fit.
-    pub fn from_step(step: &MeasuredStep, link: Option<LinkFit>) -> Self {
+    /// the optimizer, cannot overlap a collective of the step and is no part of a plan), the
+    /// link fit and, with a link, the step's alpha split (`peers`: the same step on other ranks
+    /// of this process, see [`MeasuredStep::alpha_split_us`]).
+    pub fn from_step(step: &MeasuredStep, peers: &[MeasuredStep], link: Option<LinkFit>) -> Self {
         let first = step.gradients.first().map_or(0.0, |g| g.ready_us);
         MeasuredProfile {
             ready_us: step
@@ -354,21 +363,25 @@ impl MeasuredProfile {
                 .map(|g| (g.ready_us - first).max(0.0))
                 .collect(),
             link,
+            alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
         }
     }
 
-    /// As numbers (ready times, then alpha and bus bandwidth; zeros for no link), to share.
+    /// As numbers (ready times, then alpha and bus bandwidth, zeros for no link, then the
+    /// alpha split, -1 for a side without), to share.
     pub fn encode(&self) -> Vec<f64> {
         let mut v = self.ready_us.clone();
         let l = self.link.map_or((0.0, 0.0), |l| (l.alpha_us, l.busbw_gbs));
         v.extend([l.0, l.1]);
+        v.extend(self.alpha_split_us.map(|a| a.unwrap_or(-1.0)));
         v
     }
 
     /// What [`MeasuredProfile::encode`] wrote, `None` when the length does not match.
     pub fn decode(v: &[f64]) -> Option<Self> {
-        let n = v.len().checked_sub(2)?;
+        let n = v.len().checked_sub(4)?;
         let (alpha_us, busbw_gbs) = (v[n], v[n + 1]);
+        let side = |a: f64| (a.is_finite() && a >= 0.0).then_some(a);
         Some(MeasuredProfile {
             ready_us: v[..n].to_vec(),
             link: (busbw_gbs > 0.0 && busbw_gbs.is_finite() && alpha_us >= 0.0).then_some(
@@ -379,33 +392,55 @@ impl MeasuredProfile {
                     samples: 0,
                 },
             ),
+            alpha_split_us: [side(v[n + 2]), side(v[n + 3])],
         })
     }
 
-    /// The link's predicted cost of one all-reduce of `bytes` over `world` ranks, µs.
-    fn link_us(link: &LinkFit, bytes: u64, world: u32) -> f64 {
+    /// Sides of the alpha split this profile lacks taken from `base` (a plan's earlier
+    /// profile): a side that had no collectives this time did not change.
+    pub fn keep_missing(&mut self, base: &MeasuredProfile) {
+        if self.link.is_none() {
+            self.link = base.link;
+        }
+        for (a, b) in self.alpha_split_us.iter_mut().zip(base.alpha_split_us) {
+            *a = a.or(b);
+        }
+    }
+
+    /// The predicted cost of one all-reduce of `bytes` over `world` ranks, µs, `[during the
+    /// backward, after it]`; `None` without a link.
+    fn link_us(&self, bytes: u64, world: u32) -> Option<[f64; 2]> {
+        let link = self.link?;
         let n = f64::from(world.max(2));
-        link.alpha_us + bytes as f64 * 2.0 * (n - 1.0) / n / (link.busbw_gbs * 1e3)
+        let wire = bytes as f64 * 2.0 * (n - 1.0) / n / (link.busbw_gbs * 1e3);
+        Some(
+            self.alpha_split_us
+                .map(|a| a.unwrap_or(link.alpha_us) + wire),
+        )
     }
 
     /// How far this profile moved from `base`, as a fraction of the longer of base's backward
     /// pass (its last ready time) and base's link cost of one all-reduce of `bytes` (all the
-    /// gradients): the largest change of a gradient's ready time, or the change of that link
-    /// cost. Both move the step's timeline, so both are weighed against the same length: a link
-    /// whose small all-reduce got twice as slow does not re-plan a step whose backward pass is a
-    /// hundred times longer (the plan could win back at most that change), while a
-    /// communication-bound step re-plans when its link moves. Infinite when the two do not
-    /// describe the same gradients, or only one has a link.
+    /// gradients): the largest change of a gradient's ready time, or of that link cost (during
+    /// the backward or after it). Both move the step's timeline, so both are weighed against
+    /// the same length: a link whose small all-reduce got twice as slow does not re-plan a
+    /// step whose backward pass is a hundred times longer (the plan could win back at most
+    /// that change), while a communication-bound step re-plans when its link moves. Infinite
+    /// when the two do not describe the same gradients, only one has a link, or this one has a
+    /// side of the alpha split that `base` lacked (what a collective costs under the backward
+    /// is news to a plan made without it).
     pub fn drift(&self, base: &MeasuredProfile, bytes: u64, world: u32) -> f64 {
-        if self.ready_us.len() != base.ready_us.len() {
+        let news = self
+            .alpha_split_us
+            .iter()
+            .zip(&base.alpha_split_us)
+            .any(|(a, b)| a.is_some() && b.is_none());
+        if self.ready_us.len() != base.ready_us.len() || news {
             return f64::INFINITY;
         }
-        let link = match (&self.link, &base.link) {
+        let link = match (self.link_us(bytes, world), base.link_us(bytes, world)) {
             (None, None) => None,
-            (Some(a), Some(b)) => Some((
-                Self::link_us(a, bytes, world),
-                Self::link_us(b, bytes, world),
-            )),
+            (Some(a), Some(b)) => Some((a, b)),
             _ => return f64::INFINITY,
         };
         let span = base
@@ -413,7 +448,7 @@ impl MeasuredProfile {
             .last()
             .copied()
             .unwrap_or(0.0)
-            .max(link.map_or(0.0, |(_, b)| b))
+            .max(link.map_or(0.0, |(_, b)| b[0].max(b[1])))
             .max(1.0);
         let ready = self
             .ready_us
@@ -421,12 +456,13 @@ impl MeasuredProfile {
             .zip(&base.ready_us)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
-        let link = link.map_or(0.0, |(a, b)| (a - b).abs());
+        let link = link.map_or(0.0, |(a, b)| (a[0] - b[0]).abs().max((a[1] - b[1]).abs()));
         ready.max(link) / span
     }
 
     /// The system profile of this measurement: the fitted link (`fallback`'s without one),
-    /// compute at [`MEASURED_TFLOPS`] (a measured segment's compute nodes carry nanoseconds),
+    /// its alpha as the step paid it during the backward and after it where measured, compute
+    /// at [`MEASURED_TFLOPS`] (a measured segment's compute nodes carry nanoseconds),
     /// `fallback`'s copy bandwidth.
     pub fn system_profile(&self, world: u32, fallback: &SystemProfile) -> SystemProfile {
         let (alpha_us, busbw_gbs) = self
@@ -434,11 +470,17 @@ impl MeasuredProfile {
             .map_or((fallback.alpha_us, fallback.busbw_gbs), |l| {
                 (l.alpha_us, l.busbw_gbs)
             });
+        let [busy, idle] = match self.link {
+            Some(_) => self.alpha_split_us,
+            None => [None; 2],
+        };
+        let alpha_us = idle.unwrap_or(alpha_us);
         SystemProfile {
             name: "measured".into(),
             description: "the link and the step as this job measured them".into(),
             world,
             alpha_us,
+            alpha_busy_us: busy,
             busbw_gbs,
             compute_tflops: MEASURED_TFLOPS,
             mem_gbs: fallback.mem_gbs,
@@ -549,6 +591,7 @@ mod tests {
                 sizes: 3,
                 samples: 6,
             }),
+            alpha_split_us: [None; 2],
         }
     }
 
@@ -580,6 +623,45 @@ mod tests {
         };
         assert_eq!(no_link.drift(&base, small, 2), f64::INFINITY);
         assert_eq!(no_link.drift(&no_link, small, 2), 0.0);
+        // A collective under the backward that got 2 ms dearer moves a 10 ms step by a fifth.
+        let split = |busy: f64| MeasuredProfile {
+            alpha_split_us: [Some(busy), Some(20.0)],
+            ..base.clone()
+        };
+        let d = split(3_000.0).drift(&split(1_000.0), small, 2);
+        assert!((d - 0.2).abs() < 1e-9, "{d}");
+        // A side measured for the first time always re-plans.
+        assert_eq!(split(1_000.0).drift(&base, small, 2), f64::INFINITY);
+        assert!(base.drift(&split(1_000.0), small, 2).is_finite());
+    }
+
+    /// The alpha a step's collectives paid during its backward and after it travels with the
+    /// profile (a missing side as such) and becomes the system the plan is compiled under.
+    #[test]
+    fn the_alpha_split_is_shared_and_planned_with() {
+        let mut p = profile(&[0.0, 10.0], 2.0, 1.5);
+        p.alpha_split_us = [Some(900.0), None];
+        let back = MeasuredProfile::decode(&p.encode()).expect("decodes");
+        assert_eq!(back.ready_us, p.ready_us);
+        assert_eq!(back.alpha_split_us, p.alpha_split_us);
+        assert_eq!(
+            back.link.map(|l| (l.alpha_us, l.busbw_gbs)),
+            Some((2.0, 1.5))
+        );
+        let fallback = crate::cost::SystemProfile::load("h200-nvlink").unwrap();
+        let sys = back.system_profile(2, &fallback);
+        // The idle side was not measured: the fit's alpha.
+        assert_eq!((sys.alpha_us, sys.alpha_busy_us), (2.0, Some(900.0)));
+        // A later profile without a busy side keeps the base's.
+        let mut later = profile(&[0.0, 10.0], 2.0, 1.5);
+        later.alpha_split_us = [None, Some(30.0)];
+        later.keep_missing(&back);
+        assert_eq!(later.alpha_split_us, [Some(900.0), Some(30.0)]);
+        let sys = later.system_profile(2, &fallback);
+        assert_eq!((sys.alpha_us, sys.alpha_busy_us), (30.0, Some(900.0)));
+        let model = crate::cost::CostModel::new(sys);
+        assert!(model.all_reduce_secs_at(8, 2, true) > 0.9e-3);
+        assert!(model.all_reduce_secs_at(8, 2, false) < 0.1e-3);
     }
 
     /// The waits inside the sync point, overlaps counted once; the rest of the exposed time

@@ -284,8 +284,10 @@ pub fn compare_step(
 /// - the copy bandwidth of the step's packs and unpacks after its sync point, or of all of
 ///   them when none ran there (else `config`'s system's);
 /// - the fixed cost of a collective while the backward runs and after it
-///   ([`MeasuredStep::alpha_split_us`], [`StepFacts::alpha`]): on CPU ranks communication
-///   shares the cores with compute;
+///   ([`MeasuredStep::alpha_split_us`], the system's `alpha_busy_us` and `alpha_us`, a side
+///   without collectives in this step paying the link's alpha): on CPU ranks communication
+///   shares the cores with compute. The plan is compiled under it too, as the backend's
+///   measured plans are;
 /// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
 ///   for every rank, and ranks that share cores are not in step;
 /// - the hand-back after the last collective ([`StepFacts::handback`]).
@@ -314,6 +316,7 @@ pub fn predict_measured(
             .map(|g| (g.ready_us - packed_before(g.ready_us) - start).max(0.0))
             .collect(),
         link,
+        alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
     };
     let entries: Vec<(String, TensorType)> = step
         .gradients
@@ -356,14 +359,6 @@ pub fn predict_measured(
         handback: step.handback_us / 1e6,
         ..StepFacts::default()
     };
-    if let Some(l) = link {
-        // A side without collectives in this step pays the run's alpha.
-        let [busy, idle] = step
-            .alpha_split_us(peers, &l)
-            .map(|a| a.unwrap_or(l.alpha_us) / 1e6);
-        facts.alpha = Some((busy, idle));
-        facts.busy_until = (step.sync_us - packed_before(step.sync_us) - start) / 1e6;
-    }
     for p in peers {
         for pg in &p.gradients {
             let t = ((p.start_us + pg.ready_us - step.start_us - first) / 1e6).max(0.0);

@@ -66,10 +66,12 @@ pub struct CollectiveOptions {
 
 /// How the `cost` policy's plans follow what the steps measured.
 ///
-/// After the first synced step, and then every [`MeasuredPlans::every_steps`] synced steps (a
-/// check step: the same steps on every rank), the ranks share rank 0's measured profile (its
-/// gradients' ready times and its link fit, [`MeasuredProfile`](crate::measure::MeasuredProfile))
-/// in one small all-reduce. The first check compiles the plan from it: the sync segment with the
+/// After the first and the second synced step, and then every [`MeasuredPlans::every_steps`]
+/// synced steps (a check step: the same steps on every rank), the ranks share rank 0's measured
+/// profile (its gradients' ready times, its link fit and what its collectives paid during the
+/// backward and after it, [`MeasuredProfile`](crate::measure::MeasuredProfile)) in one small
+/// all-reduce. (The first step runs before any plan, every collective at its sync point; the
+/// second is the first to run collectives under the backward.) The first check compiles the plan from it: the sync segment with the
 /// measured time before each gradient, under the measured link. A later check compiles again
 /// (a re-plan, counted in [`SyncStats::replans`](super::SyncStats)) only when the profile drifted
 /// from the one the plan came from by more than [`MeasuredPlans::drift`], or when some rank's

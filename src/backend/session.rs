@@ -31,7 +31,7 @@ use crate::config::BucketPolicy;
 use crate::cost::CostModel;
 use crate::graph::builder::add_gradient_sync;
 use crate::graph::{Graph, Op, ReduceOp, TensorType};
-use crate::measure::MeasuredProfile;
+use crate::measure::{MeasuredProfile, MeasuredStep};
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::Communicator;
 use crate::runtime::exec::ExecReport;
@@ -796,7 +796,10 @@ impl<I: Backend> Session<I> {
         }
         st.planner.synced += 1;
         let n = st.planner.synced;
-        if n != 1 && !n.is_multiple_of(every.every_steps.max(1)) {
+        // The first synced step runs before any plan is known (its collectives all start at
+        // the sync point), so it cannot say what a collective costs under the backward; the
+        // second, the first to run a measured plan, can.
+        if n > 2 && !n.is_multiple_of(every.every_steps.max(1)) {
             return;
         }
         let entries: Vec<(String, TensorType)> = st
@@ -805,12 +808,19 @@ impl<I: Backend> Session<I> {
             .map(|s| (s.name.clone(), s.ty.clone()))
             .collect();
         let mine = {
+            // The same step on the other ranks of this process (or their step before, which
+            // the alpha split leaves out), to time each collective from the last launch.
+            let peers: Vec<MeasuredStep> = (0..self.clocks.len())
+                .filter(|r| *r != rank)
+                .filter_map(|r| self.clock(r).last.clone())
+                .collect();
             let c = self.clock(rank);
             let mut p = match &c.last {
-                Some(m) => MeasuredProfile::from_step(m, c.link.fit()),
+                Some(m) => MeasuredProfile::from_step(m, &peers, c.link.fit()),
                 None => MeasuredProfile {
                     ready_us: Vec::new(),
                     link: None,
+                    alpha_split_us: [None; 2],
                 },
             };
             let last = p.ready_us.last().copied().unwrap_or(0.0);
@@ -831,10 +841,11 @@ impl<I: Backend> Session<I> {
             return;
         };
         // A link that could not be fitted this time (sizes too close to tell α from β, noise
-        // that made larger all-reduces look faster) keeps the last fitted one: a fit that comes
-        // and goes is no drift. One that appears for the first time re-plans.
-        if profile.link.is_none() {
-            profile.link = st.planner.base.as_ref().and_then(|b| b.link);
+        // that made larger all-reduces look faster), or a side of the alpha split without
+        // collectives this time, keeps the last one: a fit that comes and goes is no drift.
+        // One that appears for the first time re-plans.
+        if let Some(b) = &st.planner.base {
+            profile.keep_missing(b);
         }
         let bytes: u64 = entries.iter().map(|(_, t)| t.bytes()).sum();
         let drifted = st
@@ -846,6 +857,14 @@ impl<I: Backend> Session<I> {
             return;
         }
         let config = self.measured_config(&profile);
+        tracing::debug!(
+            rank,
+            drifted,
+            link = ?profile.link,
+            alpha_split_us = ?profile.alpha_split_us,
+            backward_us = profile.ready_us.last().copied().unwrap_or(0.0),
+            "compiling the next steps' plan from the measured step"
+        );
         let g = profile.segment(self.world as u32, self.reduce, &entries);
         let plan = match st.cache.get_or_compile(&g, &config) {
             Ok(p) => p,

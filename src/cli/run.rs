@@ -256,7 +256,25 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if report.world > 1 {
         match &report.link {
-            Some(l) => writeln!(out, "link (rank {r0}, fitted): {l}")?,
+            Some(l) => {
+                writeln!(out, "link (rank {r0}, fitted): {l}")?;
+                if let Some(m) = &report.measured {
+                    let peers: Vec<_> = report
+                        .peer_measured_steps
+                        .iter()
+                        .filter_map(|s| s.last().cloned())
+                        .collect();
+                    let side =
+                        |a: Option<f64>| a.map_or("none ran".into(), |a| format!("{a:.0} us"));
+                    let [busy, idle] = m.alpha_split_us(&peers, l);
+                    writeln!(
+                        out,
+                        "fixed cost of a collective (rank {r0}, last step, what measured plans use): {} while the backward ran, {} after it",
+                        side(busy),
+                        side(idle)
+                    )?;
+                }
+            }
             None => writeln!(
                 out,
                 "link (rank {r0}): not fitted (collectives of fewer than two sizes)"

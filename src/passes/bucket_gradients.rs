@@ -22,7 +22,9 @@
 //!   ready time comes from the compute before it; a bucket of several tensors is packed on the
 //!   compute stream when its last member is ready (delaying what follows) and unpacked at the
 //!   sync point, a single tensor is reduced in place; the communication stream is serial:
-//!   `f(j) = min_s max(ready(j) + packs so far, f(s-1)) + allreduce(bytes(s..=j))`. The program
+//!   `f(j) = min_s max(ready(j) + packs so far, f(s-1)) + allreduce(bytes(s..=j))`, an
+//!   all-reduce that starts before the segment's compute is over paying the system's busy
+//!   alpha where it has one ([`crate::cost::SystemProfile::alpha_busy_us`]). The program
 //!   runs twice (judging a prefix by when the step would end, and by when its last all-reduce
 //!   finishes), and the policy keeps the best, by the predicted end of the step ([`step_end`]),
 //!   of those two, DDP's partition and one bucket per tensor (ties go to fewer buckets), so it is
@@ -155,6 +157,8 @@ pub fn plan_buckets(
     if keys.is_empty() {
         return Ok(Vec::new());
     }
+    // The compute is over: an all-reduce that starts before pays the busy alpha.
+    let busy_until = t;
     keys.sort();
     let mut all: Vec<(usize, BucketKey, Vec<NodeId>)> = Vec::new();
     for key in keys {
@@ -193,7 +197,7 @@ pub fn plan_buckets(
                     &lo,
                     config.first_bucket_bytes,
                     config.cap_bytes,
-                    |b| cost.all_reduce_secs(b, ranks),
+                    |b, start| cost.all_reduce_secs_at(b, ranks, start < busy_until),
                     |b| cost.copy_secs(b),
                 )
             }
@@ -266,8 +270,8 @@ pub fn ddp_partition(sizes: &[u64], lo: &[usize], first: u64, cap: u64) -> Vec<R
 /// The cost policy (see the module doc): the best, under [`step_end`], of its dynamic program
 /// judged two ways (by when the step would end; by when the last all-reduce finishes), DDP's
 /// partition with limits `first` and `cap`, and one bucket per tensor. `ready[i]` is when tensor
-/// `i` is ready if no pack ran before it, `allreduce(bytes)` the predicted time of one
-/// all-reduce, `copy(bytes)` that of a pack or an unpack.
+/// `i` is ready if no pack ran before it, `allreduce(bytes, start)` the predicted time of one
+/// all-reduce of `bytes` that starts at `start`, `copy(bytes)` that of a pack or an unpack.
 #[allow(clippy::too_many_arguments)]
 pub fn cost_partition(
     sizes: &[u64],
@@ -275,7 +279,7 @@ pub fn cost_partition(
     lo: &[usize],
     first: u64,
     cap: u64,
-    allreduce: impl Fn(u64) -> f64,
+    allreduce: impl Fn(u64, f64) -> f64,
     copy: impl Fn(u64) -> f64,
 ) -> Vec<Range<usize>> {
     let candidates = [
@@ -309,7 +313,7 @@ pub fn step_end(
     sizes: &[u64],
     ready: &[f64],
     parts: &[Range<usize>],
-    allreduce: impl Fn(u64) -> f64,
+    allreduce: impl Fn(u64, f64) -> f64,
     copy: impl Fn(u64) -> f64,
 ) -> f64 {
     let mut delay = 0.0;
@@ -322,7 +326,8 @@ pub fn step_end(
         let bytes: u64 = sizes[r.clone()].iter().sum();
         let unpack = if r.len() > 1 { copy(bytes) } else { 0.0 };
         delay += unpack;
-        link = (ready[j] + delay).max(link) + allreduce(bytes);
+        let start = (ready[j] + delay).max(link);
+        link = start + allreduce(bytes, start);
         done.push((link, unpack));
     }
     let mut t = ready.last().copied().unwrap_or(0.0) + delay;
@@ -339,7 +344,7 @@ fn dp_partition(
     ready: &[f64],
     lo: &[usize],
     cap: u64,
-    allreduce: impl Fn(u64) -> f64,
+    allreduce: impl Fn(u64, f64) -> f64,
     copy: impl Fn(u64) -> f64,
     by_end: bool,
 ) -> Vec<Range<usize>> {
@@ -384,7 +389,8 @@ fn dp_partition(
             let copy_secs = if packed { copy(bytes) } else { 0.0 };
             let delay = prev.delay + copy_secs;
             let unpacks = prev.unpacks + copy_secs;
-            let finish = (ready[j] + delay).max(prev.finish) + allreduce(bytes);
+            let start = (ready[j] + delay).max(prev.finish);
+            let finish = start + allreduce(bytes, start);
             let end = (finish + copy_secs).max(ready[j] + delay + unpacks);
             let c = Best {
                 finish,
@@ -503,7 +509,7 @@ mod tests {
             &[0; 3],
             100,
             100,
-            |b| 1.0 + b as f64 * 1e-3,
+            |b, _| 1.0 + b as f64 * 1e-3,
             |_| 0.0,
         );
         assert_eq!(r, vec![0..3]);
@@ -518,10 +524,23 @@ mod tests {
             &[0; 2],
             1000,
             1000,
-            |b| 0.1 + b as f64 * 0.05,
+            |b, _| 0.1 + b as f64 * 0.05,
             |_| 0.0,
         );
         assert_eq!(r, vec![0..1, 1..2]);
+    }
+
+    #[test]
+    fn a_collective_dearer_during_the_backward_waits_for_its_end() {
+        // Tensor 0 ready at 0, tensor 1 at 10, the backward over at 10. At one alpha
+        // throughout, reducing tensor 0 alone under the backward wins (ends at 16 against 21);
+        // when a collective costs 20 more while the backward runs, one bucket after it does.
+        let run = |busy: f64| {
+            let ar = move |b: u64, start: f64| if start < 10.0 { busy } else { 1.0 } + b as f64;
+            cost_partition(&[5, 5], &[0.0, 10.0], &[0; 2], 100, 100, ar, |_| 0.0)
+        };
+        assert_eq!(run(1.0), vec![0..1, 1..2]);
+        assert_eq!(run(20.0), vec![0..2]);
     }
 
     #[test]
@@ -544,7 +563,7 @@ mod tests {
                 })
                 .collect();
             let lo = vec![0; n];
-            let ar = |b: u64| 0.02 + b as f64 * 2e-5;
+            let ar = |b: u64, _| 0.02 + b as f64 * 2e-5;
             let cp = |b: u64| b as f64 * 4e-6;
             let cost = cost_partition(&sizes, &ready, &lo, 2000, 8000, ar, cp);
             let end = step_end(&sizes, &ready, &cost, ar, cp);
@@ -564,7 +583,7 @@ mod tests {
     #[test]
     fn step_end_counts_packs_unpacks_and_the_serial_link() {
         // Two tensors ready at 0 and 1; all-reduce 1 + bytes; copy = bytes / 10.
-        let ar = |b: u64| 1.0 + b as f64;
+        let ar = |b: u64, _| 1.0 + b as f64;
         let cp = |b: u64| b as f64 / 10.0;
         // Separately: launch at 0 (done 3), at 1 (done max(1, 3) + 3 = 6); no copies.
         assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], ar, cp), 6.0);
@@ -575,7 +594,7 @@ mod tests {
 
     #[test]
     fn cost_respects_cap_and_floors() {
-        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, 6, |_| 1.0, |_| 0.0);
+        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, 6, |_, _| 1.0, |_| 0.0);
         assert!(r.iter().all(|x| x.start >= 1 || x.end <= 1), "{r:?}");
     }
 }
