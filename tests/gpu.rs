@@ -233,6 +233,37 @@ mod nccl {
         }
     }
 
+    /// An NCCL collective's span is the device's: timed events around its call, anchored at
+    /// the moment the comm thread saw the stream pass it, so it lies inside the host's view
+    /// (from the call to the reply, which also holds the copy back to the host), and a 64 MiB
+    /// all-reduce takes a measurable time on it.
+    #[test]
+    fn an_nccl_collective_is_timed_by_the_device() {
+        if !gpu_or_skip("nccl device timing", 1, true) {
+            return;
+        }
+        let comm = single_rank();
+        let buf = HostBuffer::from_f64(DType::F32, &vec![1.0; 16 << 20]).unwrap();
+        for round in 0..3 {
+            let d = desc(ReduceOp::Sum, DType::F32, buf.len() as u64);
+            let called = Instant::now();
+            let (_, span) = comm
+                .all_reduce(buf.clone(), d)
+                .unwrap()
+                .wait(Duration::from_secs(30))
+                .unwrap();
+            let replied = Instant::now();
+            assert!(span.start >= called && span.end <= replied, "round {round}");
+            let device = span.end - span.start;
+            assert!(device > Duration::ZERO, "round {round}");
+            eprintln!(
+                "device timing round {round}: 64 MiB host-buffer all-reduce: {:.3} ms on the device (copy in and NCCL), {:.3} ms from the call to the reply",
+                device.as_secs_f64() * 1e3,
+                (replied - called).as_secs_f64() * 1e3
+            );
+        }
+    }
+
     fn gpt2_plan() -> Plan {
         let profile = ModelProfile::load("gpt2").unwrap();
         let mut g = build_step_graph(

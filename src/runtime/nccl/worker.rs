@@ -1,8 +1,20 @@
 //! The NCCL communicator's comm thread: runs the jobs in the order they were enqueued, issues
 //! each NCCL call (a group's together), waits for the stream against the timeout while polling
 //! NCCL and the device for errors, aborts on a failure, and replies.
+//!
+//! Each collective's [`CommSpan`] is what the device reports: timed CUDA events before the
+//! calls, after each call (after the group's for grouped calls) and at the end, their elapsed
+//! times anchored at the moment the thread saw the last one complete. So a collective is timed
+//! from when the stream reached its call to when the stream passed it, without the host's
+//! polling interval or the wait for a pack kernel in it; where the events cannot be timed the
+//! host's view stands in (from the batch's start to the reply).
+
+use cudarc::driver::{CudaEvent, sys::CUevent_flags};
 
 use super::*;
+
+/// Events that can be timed (CUDA's default flags; cudarc's default disables timing).
+const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
 
 /// The comm thread: runs the jobs in order until the handle drops; the jobs between a
 /// `GroupStart` and a `GroupEnd` launch together (`ncclGroupStart`/`ncclGroupEnd`).
@@ -43,6 +55,9 @@ struct Issued {
     /// A host buffer's device copy, reduced in place (none for a device bucket, an empty
     /// buffer, or a call that was not issued).
     dev: Option<DevBuf>,
+    /// A timed event the stream passes right after this job's call (none inside a group, whose
+    /// calls launch together at its end).
+    ended: Option<CudaEvent>,
 }
 
 /// A host buffer's device copy.
@@ -67,6 +82,8 @@ fn run_jobs(
     timeout: Duration,
 ) {
     let start = Instant::now();
+    // The device's times of the issued calls, in job order, once the stream passed them.
+    let mut spans: Vec<Option<CommSpan>> = Vec::new();
     if control.aborted.load(Ordering::SeqCst) {
         *comm = None;
     }
@@ -93,10 +110,18 @@ fn run_jobs(
             } else {
                 Ok(())
             };
+            // Before the calls (inside an open group too: its kernels launch at its end).
+            let began = stream.record_event(TIMED).ok();
             let mut issued: Vec<(Issued, Result<(), Failure>)> = ready
                 .into_iter()
                 .map(|(i, r)| match (&opened, r) {
-                    (Ok(()), Ok(())) => issue(stream, c, i),
+                    (Ok(()), Ok(())) => {
+                        let (mut i, r) = issue(stream, c, i);
+                        if !grouped && r.is_ok() {
+                            i.ended = stream.record_event(TIMED).ok();
+                        }
+                        (i, r)
+                    }
                     (_, Err(e)) => (i, Err(e)),
                     (Err(e), _) => (i, Err(e.clone())),
                 })
@@ -111,7 +136,11 @@ fn run_jobs(
                 }
             }
             let waited = if issued.iter().any(|(_, r)| r.is_ok()) {
-                await_stream(stream, c, control, timeout)
+                await_stream(stream, c, control, timeout).map(|done| {
+                    let ends: Vec<Option<&CudaEvent>> =
+                        issued.iter().map(|(i, _)| i.ended.as_ref()).collect();
+                    spans = device_spans(began.as_ref(), &ends, &done);
+                })
             } else {
                 Ok(())
             };
@@ -121,7 +150,12 @@ fn run_jobs(
                 .collect()
         }
     };
-    for (Issued { job, dev }, done) in issued {
+    let mut spans = spans.into_iter();
+    for (Issued { job, dev, .. }, done) in issued {
+        let span = spans.next().flatten().unwrap_or(CommSpan {
+            start,
+            end: Instant::now(),
+        });
         match job {
             NcclJob::Host {
                 mut buffer,
@@ -129,14 +163,14 @@ fn run_jobs(
                 reply,
             } => {
                 let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut buffer)));
-                let _ = reply.send(outcome(rank, comm, done, buffer, what, start, control));
+                let _ = reply.send(outcome(rank, comm, done, buffer, what, span, control));
             }
             NcclJob::Read { what, reply, .. } => {
                 // Still unread: its read failed, or the rank was aborted before it.
                 let unread = || Failure::Local("the declined bucket was not read".into());
                 let done = done.map(|r| r.and(Err(unread())));
                 let none = HostBuffer::F32(Vec::new());
-                let _ = reply.send(outcome(rank, comm, done, none, what, start, control));
+                let _ = reply.send(outcome(rank, comm, done, none, what, span, control));
             }
             NcclJob::Device {
                 bucket,
@@ -146,7 +180,7 @@ fn run_jobs(
             } => {
                 // The memory stays held until NCCL is done with it (or aborted above).
                 drop(memory);
-                let _ = reply.send(outcome(rank, comm, done, bucket, what, start, control));
+                let _ = reply.send(outcome(rank, comm, done, bucket, what, span, control));
             }
             NcclJob::GroupStart | NcclJob::GroupEnd => {}
         }
@@ -189,7 +223,11 @@ fn prepare(mut i: Issued) -> (Issued, Result<(), Failure>) {
 fn unissued(job: NcclJob) -> Option<Issued> {
     match job {
         NcclJob::GroupStart | NcclJob::GroupEnd => None,
-        job => Some(Issued { job, dev: None }),
+        job => Some(Issued {
+            job,
+            dev: None,
+            ended: None,
+        }),
     }
 }
 
@@ -242,7 +280,7 @@ fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result
         NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
     };
     match issued {
-        Ok(dev) => (Issued { job: i.job, dev }, Ok(())),
+        Ok(dev) => (Issued { dev, ..i }, Ok(())),
         Err(e) => (i, Err(e)),
     }
 }
@@ -282,7 +320,7 @@ fn outcome<T>(
     done: Option<Result<(), Failure>>,
     value: T,
     what: CollectiveDesc,
-    start: Instant,
+    span: CommSpan,
     control: &Control,
 ) -> CommResult<T> {
     let reason = || control.reason.lock().map(|r| r.clone()).unwrap_or_default();
@@ -296,13 +334,7 @@ fn outcome<T>(
             what,
             reason: reason(),
         }),
-        Some(Ok(())) => Ok((
-            value,
-            CommSpan {
-                start,
-                end: Instant::now(),
-            },
-        )),
+        Some(Ok(())) => Ok((value, span)),
         Some(Err(Failure::Local(why))) => {
             abort(comm, format!("rank {rank}: {what}: {why}"));
             Err(CommError::Unsupported { rank, what, why })
@@ -316,7 +348,7 @@ fn outcome<T>(
             Err(CommError::Timeout {
                 rank,
                 what,
-                waited: start.elapsed(),
+                waited: span.start.elapsed(),
                 missing: Vec::new(),
             })
         }
@@ -352,19 +384,20 @@ fn device_failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Fail
 
 /// Waits (bounded, abortable) for everything queued on `stream` so far, and fails early on a
 /// device error of the stream or an error NCCL met asynchronously (such as a failed peer).
+/// Returns the (timed) event it waited for and when this thread saw it complete.
 fn await_stream(
     stream: &Arc<CudaStream>,
     comm: &RawComm,
     control: &Control,
     timeout: Duration,
-) -> Result<(), Failure> {
+) -> Result<(CudaEvent, Instant), Failure> {
     let done = stream
-        .record_event(None)
+        .record_event(TIMED)
         .map_err(device_failed("recording the completion event"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match done.try_is_complete() {
-            Ok(true) => return Ok(()),
+            Ok(true) => return Ok((done, Instant::now())),
             Ok(false) => {}
             Err(e) => return Err(Failure::Failed(format!("the comm stream failed: {e:?}"))),
         }
@@ -379,6 +412,38 @@ fn await_stream(
         }
         std::thread::sleep(Duration::from_micros(50));
     }
+}
+
+/// Each issued call's span as the device timed it: from the event before it (the previous
+/// call's, or `began` for the first) to the event after it (`done` for calls without one, as in
+/// a group), anchored at `done`'s host time: the end is `seen - elapsed(after, done)`. `None`
+/// for a call the events cannot time.
+fn device_spans(
+    began: Option<&CudaEvent>,
+    ends: &[Option<&CudaEvent>],
+    (done, seen): &(CudaEvent, Instant),
+) -> Vec<Option<CommSpan>> {
+    let secs = |a: &CudaEvent, b: &CudaEvent| {
+        a.elapsed_ms(b)
+            .ok()
+            .filter(|ms| ms.is_finite() && *ms >= 0.0)
+            .map(|ms| Duration::from_secs_f64(f64::from(ms) / 1e3))
+    };
+    let mut before = began;
+    ends.iter()
+        .map(|e| {
+            let after = e.unwrap_or(done);
+            let span = before.and_then(|b| {
+                let end = seen.checked_sub(secs(after, done)?)?;
+                let start = end.checked_sub(secs(b, after)?)?;
+                Some(CommSpan { start, end })
+            });
+            if e.is_some() {
+                before = Some(after);
+            }
+            span
+        })
+        .collect()
 }
 
 /// Host → device and `ncclAllReduce` in place on the copy, queued on the stream.
