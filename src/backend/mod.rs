@@ -30,6 +30,7 @@ mod op_table;
 mod ops;
 mod options;
 mod params;
+mod planner;
 mod record;
 mod replicas;
 mod rules;
