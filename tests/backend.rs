@@ -1249,7 +1249,7 @@ fn every_rank_measures_its_steps_and_fits_the_link() {
 /// Under the `cost` policy the plan follows the measured step: compiled from the first step's
 /// measurement, perhaps again after the second (the first whose collectives can run under the
 /// backward: a re-plan when they did, since what they paid there is news), and again exactly
-/// once when the backward pass grows (a batch 16 times larger from the third step), on every
+/// once when the backward pass grows (a batch 64 times larger from the third step), on every
 /// rank at the same step; every rank runs the same plan at every step.
 #[test]
 fn a_drifting_step_replans_once_on_every_rank_together() {
@@ -1261,7 +1261,7 @@ fn a_drifting_step_replans_once_on_every_rank_together() {
             config: small_buckets(BucketPolicy::Cost),
             // Checks after steps 1, 2, 4 and 8: the first plans, the second sees the cost of a
             // collective under the backward, the third the larger batch (a backward pass
-            // about 13 times longer here), the fourth run-to-run noise.
+            // about 50 times longer here), the fourth run-to-run noise.
             measured_plans: Some(MeasuredPlans {
                 every_steps: 4,
                 drift: 2.5,
@@ -1283,7 +1283,7 @@ fn a_drifting_step_replans_once_on_every_rank_together() {
         let r = d.rank as usize;
         let mut seen = Vec::new();
         for step in 0..STEPS_HERE {
-            let rows = if step < 2 { 1 } else { 16 };
+            let rows = if step < 2 { 1 } else { 64 };
             let (x, y) = batch(step, r * rows, (r + 1) * rows, d);
             let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
