@@ -3,9 +3,9 @@
 # what scripts/gpu-pack.sh packed beside it, finds libcuda, libnccl and libnvrtc, and runs
 # with skips turned into failures (CF_REQUIRE_GPU=1): the GPU tests (kernels against the host
 # path, NCCL through the rendezvous, CUDA gradients reduced in place, fused and unfused
-# `Collective<Cuda>` training; the pack-bandwidth and overlap benches print their tables), a
-# two-process rendezvous sharing a real NCCL id, and `Collective<Cuda>` training through the
-# CLI over NCCL. Logs go to $OUT (default: out/ beside this script); the last lines are one
+# `Collective<Cuda>` training; the pack-bandwidth, overlap and lazy-layer overhead benches print
+# their tables), a two-process rendezvous sharing a real NCCL id, and `Collective<Cuda>`
+# training through the CLI over NCCL. Logs go to $OUT (default: out/ beside this script); the last lines are one
 # summary.
 # Usage: bash .gpu/run.sh   (under 5 minutes on one H200)
 set -uo pipefail
@@ -40,7 +40,7 @@ timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>
 rc=$?
 grep -E "^test |test result|SKIPPED|panicked" "$OUT/gpu-tests.log" | tail -40
 record "GPU tests" "exit $rc, $(grep -c ' \.\.\. ok$' "$OUT/gpu-tests.log") passed, $(grep -c ' \.\.\. FAILED$' "$OUT/gpu-tests.log") failed"
-grep -A30 "pack bandwidth\|overlap" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
+grep -A30 "pack bandwidth\|overlap\|overhead" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
 
 bin=bin/collective-fusion
 port=$((29500 + RANDOM % 1000))
