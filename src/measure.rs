@@ -338,7 +338,7 @@ pub struct MeasuredProfile {
     pub link: Option<LinkFit>,
     /// The fixed cost of one collective, µs, as the step paid it `[while the backward ran,
     /// after it]` ([`MeasuredStep::alpha_split_us`]); `None` for a side without collectives
-    /// (the link's alpha stands in). The link's own alpha is its best case (the fit takes the
+    /// (see [`MeasuredProfile::alphas_us`]). The link's own alpha is its best case (the fit takes the
     /// fastest run of each size); where communication shares the cores with compute, a
     /// collective under the backward pays far more, and a plan made for the best case launches
     /// too many.
@@ -407,16 +407,25 @@ impl MeasuredProfile {
         }
     }
 
+    /// The fixed cost of one collective, µs, `[during the backward, after it]`, as planned: each
+    /// side as measured, a side without collectives taking the other side's, and the link's
+    /// alpha where neither was measured (the split is timed from the last rank's launch; the
+    /// fit's smallest sizes, seen in few collectives, may hold a wait for a late rank). `None`
+    /// without a link.
+    pub fn alphas_us(&self) -> Option<[f64; 2]> {
+        let link = self.link?;
+        let [busy, idle] = self.alpha_split_us;
+        let or_other = |a: Option<f64>, b: Option<f64>| a.or(b).unwrap_or(link.alpha_us);
+        Some([or_other(busy, idle), or_other(idle, busy)])
+    }
+
     /// The predicted cost of one all-reduce of `bytes` over `world` ranks, µs, `[during the
     /// backward, after it]`; `None` without a link.
     fn link_us(&self, bytes: u64, world: u32) -> Option<[f64; 2]> {
         let link = self.link?;
         let n = f64::from(world.max(2));
         let wire = bytes as f64 * 2.0 * (n - 1.0) / n / (link.busbw_gbs * 1e3);
-        Some(
-            self.alpha_split_us
-                .map(|a| a.unwrap_or(link.alpha_us) + wire),
-        )
+        Some(self.alphas_us()?.map(|a| a + wire))
     }
 
     /// How far this profile moved from `base`, as a fraction of the longer of base's backward
@@ -460,21 +469,16 @@ impl MeasuredProfile {
         ready.max(link) / span
     }
 
-    /// The system profile of this measurement: the fitted link (`fallback`'s without one),
-    /// its alpha as the step paid it during the backward and after it where measured, compute
-    /// at [`MEASURED_TFLOPS`] (a measured segment's compute nodes carry nanoseconds),
-    /// `fallback`'s copy bandwidth.
+    /// The system profile of this measurement: the fitted link's bandwidth (`fallback`'s link
+    /// without one), the fixed cost of a collective during the backward and after it as
+    /// [`MeasuredProfile::alphas_us`] plans it, compute at [`MEASURED_TFLOPS`] (a measured
+    /// segment's compute nodes carry nanoseconds), `fallback`'s copy bandwidth.
     pub fn system_profile(&self, world: u32, fallback: &SystemProfile) -> SystemProfile {
-        let (alpha_us, busbw_gbs) = self
-            .link
-            .map_or((fallback.alpha_us, fallback.busbw_gbs), |l| {
-                (l.alpha_us, l.busbw_gbs)
-            });
-        let [busy, idle] = match self.link {
-            Some(_) => self.alpha_split_us,
-            None => [None; 2],
+        let busbw_gbs = self.link.map_or(fallback.busbw_gbs, |l| l.busbw_gbs);
+        let (busy, alpha_us) = match self.alphas_us() {
+            Some([busy, idle]) => (Some(busy), idle),
+            None => (None, fallback.alpha_us),
         };
-        let alpha_us = idle.unwrap_or(alpha_us);
         SystemProfile {
             name: "measured".into(),
             description: "the link and the step as this job measured them".into(),
@@ -650,8 +654,11 @@ mod tests {
         );
         let fallback = crate::cost::SystemProfile::load("h200-nvlink").unwrap();
         let sys = back.system_profile(2, &fallback);
-        // The idle side was not measured: the fit's alpha.
-        assert_eq!((sys.alpha_us, sys.alpha_busy_us), (2.0, Some(900.0)));
+        // The idle side was not measured: the busy side's, rather than the fit's.
+        assert_eq!((sys.alpha_us, sys.alpha_busy_us), (900.0, Some(900.0)));
+        // Neither side measured: the fit's alpha.
+        let fit = profile(&[0.0, 10.0], 2.0, 1.5).system_profile(2, &fallback);
+        assert_eq!((fit.alpha_us, fit.alpha_busy_us), (2.0, Some(2.0)));
         // A later profile without a busy side keeps the base's.
         let mut later = profile(&[0.0, 10.0], 2.0, 1.5);
         later.alpha_split_us = [None, Some(30.0)];

@@ -284,9 +284,9 @@ pub fn compare_step(
 /// - the copy bandwidth of the step's packs and unpacks after its sync point, or of all of
 ///   them when none ran there (else `config`'s system's);
 /// - the fixed cost of a collective while the backward runs and after it
-///   ([`MeasuredStep::alpha_split_us`], the system's `alpha_busy_us` and `alpha_us`, a side
-///   without collectives in this step paying the link's alpha): on CPU ranks communication
-///   shares the cores with compute. The plan is compiled under it too, as the backend's
+///   ([`MeasuredStep::alpha_split_us`] as [`MeasuredProfile::alphas_us`] plans it: a side
+///   without collectives in this step takes the other's; the system's `alpha_busy_us` and
+///   `alpha_us`): on CPU ranks communication shares the cores with compute. The plan is compiled under it too, as the backend's
 ///   measured plans are;
 /// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
 ///   for every rank, and ranks that share cores are not in step;
