@@ -17,7 +17,7 @@ pub(super) struct Planner {
     /// Synced steps so far.
     pub(super) synced: u64,
     /// The profile the current plan was compiled from.
-    pub(super) base: Option<crate::measure::MeasuredProfile>,
+    pub(super) base: Option<MeasuredProfile>,
     /// This rank compiled a plan of its own since (a step left the measured plan).
     pub(super) stale: bool,
     /// Plans compiled from measured steps, and those of them a drift caused.
