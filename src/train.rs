@@ -613,7 +613,7 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
 pub struct PolicyRun {
     /// The policy.
     pub policy: crate::config::BucketPolicy,
-    /// Steps compared (the ones after the warm-up).
+    /// Steps compared (the ones after the warm-up, of every round).
     pub steps: usize,
     /// Collectives per step, measured and predicted.
     pub collectives: (f64, f64),
@@ -651,12 +651,15 @@ impl PolicyRun {
     }
 }
 
-/// Trains `opts` once under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed,
-/// data and steps) and compares each run's measured steps after the first `warmup` with what
-/// the simulator predicts for them. `progress` is told the policy and the step.
+/// Trains `opts` under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed, data
+/// and steps), `rounds` times in turn (per-param, ddp, cost, per-param, ...: a machine whose
+/// speed drifts during the comparison slows every policy alike), and compares the measured
+/// steps after the first `warmup` of every run with what the simulator predicts for them:
+/// medians over all rounds. `progress` is told the policy and the step.
 pub fn compare_policies(
     opts: &RunOptions,
     warmup: usize,
+    rounds: usize,
     progress: &(dyn Fn(&str, usize) + Sync),
 ) -> Result<Vec<PolicyRun>, String> {
     use crate::config::BucketPolicy;
@@ -667,12 +670,16 @@ pub fn compare_policies(
             opts.steps
         ));
     }
-    let mut rows = Vec::new();
-    for policy in [
+    const POLICIES: [BucketPolicy; 3] = [
         BucketPolicy::PerParam,
         BucketPolicy::Ddp,
         BucketPolicy::Cost,
-    ] {
+    ];
+    // By policy: the columns of every compared step, and the last run's report.
+    let mut cols: [[Vec<f64>; 12]; 3] = Default::default();
+    let mut last: [Option<RunReport>; 3] = Default::default();
+    let mut agree = [true; 3];
+    for (k, policy) in (0..rounds.max(1)).flat_map(|_| POLICIES.into_iter().enumerate()) {
         let mut o = opts.clone();
         o.collective.config.bucket.policy = policy;
         let report = run(&o, &|s| progress(policy.name(), s))?;
@@ -694,7 +701,6 @@ pub fn compare_policies(
                 policy.name()
             ));
         }
-        let mut cols: [Vec<f64>; 12] = Default::default();
         for (i, rec, m) in &pairs {
             // The same step on the other ranks of this process.
             let peers: Vec<MeasuredStep> = report
@@ -729,16 +735,27 @@ pub fn compare_policies(
                 (m.exposed_us() - m.waited_at_sync_us()) / 1e3,
                 (p.tail_copies + p.host) * 1e3,
             ];
-            for (c, v) in cols.iter_mut().zip(values) {
+            for (c, v) in cols[k].iter_mut().zip(values) {
                 c.push(v);
             }
         }
+        agree[k] &= report.ranks_agree;
+        last[k] = Some(report);
+    }
+    let mut rows = Vec::new();
+    for ((policy, cols), (report, agree)) in POLICIES
+        .into_iter()
+        .zip(cols)
+        .zip(last.into_iter().zip(agree))
+    {
+        let report = report.expect("every policy ran at least once");
+        let steps = cols[0].len();
         let [s, sp, b, bp, e, ep, c, cp, w, wp, h, hp] =
             cols.map(|v| crate::measure::median(v).unwrap_or(0.0));
         let st = report.stats[0];
         rows.push(PolicyRun {
             policy,
-            steps: pairs.len(),
+            steps,
             collectives: (c, cp),
             step_ms: (s, sp),
             backward_ms: (b, bp),
@@ -748,7 +765,7 @@ pub fn compare_policies(
             link: report.link,
             measured_plans: (st.measured_plans, st.replans),
             weights_digest: report.weights_digest,
-            ranks_agree: report.ranks_agree,
+            ranks_agree: agree,
         });
     }
     Ok(rows)

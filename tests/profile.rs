@@ -249,8 +249,9 @@ fn run_command_trains_on_cpu_ranks_and_traces_overlap() {
 }
 
 /// `run --compare-policies`: the same steps of the many-small-tensors model under every
-/// policy, each row's measured times beside the simulator's prediction for those steps, and the
-/// same final weights whatever the bucketing (the in-process sum is elementwise in rank order).
+/// policy (two rounds in turn), each row's measured times beside the simulator's prediction for
+/// those steps, and the same final weights whatever the bucketing (the in-process sum is
+/// elementwise in rank order).
 #[test]
 fn run_compare_policies_measures_and_predicts_every_policy() {
     let out = common::output_bounded(
@@ -267,6 +268,8 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
             "--batch",
             "2",
             "--compare-policies",
+            "--rounds",
+            "2",
         ]),
     );
     let text = success_stdout(out);
@@ -274,6 +277,7 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
         text.starts_with("compare policies: blocks on ndarray · 2 ranks"),
         "{text}"
     );
+    assert!(text.contains("steps 3–4 of 2 rounds in turn"), "{text}");
     let row = |name: &str| -> Vec<String> {
         let line = text
             .lines()
@@ -431,6 +435,8 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
         (&["run", "--model", "mlp", "--blocks", "2"], &[]),
         (&["run", "--compare-policies", "--steps", "2"], &[]),
         (&["run", "--compare-policies", "--policy", "ddp"], &[]),
+        (&["run", "--compare-policies", "--rounds", "0"], &[]),
+        (&["run", "--rounds", "2"], &[]),
         (&["plan", "--model", "gpt2", "--world", "0"], &[]),
         (&["plan", "--model", "no-such-model"], &[]),
         (&["profile", "--model", "gpt2", "--world", "0"], &[]),

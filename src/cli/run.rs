@@ -68,6 +68,11 @@ pub(crate) struct RunArgs {
     /// simulator predicts for those very steps from the measured times and link.
     #[arg(long, conflicts_with_all = ["policy", "trace", "svg", "step_graph"])]
     compare_policies: bool,
+    /// With `--compare-policies`: train every policy this many times, in turn (per-param,
+    /// ddp, cost, per-param, ...), and take the medians over all of them, so a machine whose
+    /// speed drifts slows every policy alike.
+    #[arg(long, default_value_t = 1, requires = "compare_policies", value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
     /// What marking the model does about the ranks' weights: take rank 0's, or check that
     /// they already are rank 0's.
     #[arg(long, value_enum, default_value = "broadcast")]
@@ -179,7 +184,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     if a.compare_policies {
-        return compare_policies_cmd(&opts, tty);
+        return compare_policies_cmd(&opts, a.rounds as usize, tty);
     }
     let report = run(&opts, &progress)?;
     let mut out = String::new();
@@ -368,6 +373,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
 /// `run --compare-policies`: the table of [`collective_fusion::train::compare_policies`].
 fn compare_policies_cmd(
     opts: &collective_fusion::train::RunOptions,
+    rounds: usize,
     tty: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use collective_fusion::train::{PolicyRun, compare_policies};
@@ -381,17 +387,22 @@ fn compare_policies_cmd(
             }
         }
     };
-    let rows = compare_policies(opts, WARMUP, &progress)?;
+    let rows = compare_policies(opts, WARMUP, rounds, &progress)?;
     let mut out = String::new();
     writeln!(
         out,
-        "compare policies: {} on {} · {} ranks · batch {}/rank · steps {}–{} (median, rank 0) · predicted: the simulator on each step's measured backward and the run's link",
+        "compare policies: {} on {} · {} ranks · batch {}/rank · steps {}–{}{} (median, rank 0) · predicted: the simulator on each step's measured backward and the run's link",
         opts.model.name(),
         opts.backend.name(),
         opts.world,
         opts.batch,
         WARMUP + 1,
-        steps
+        steps,
+        if rounds > 1 {
+            format!(" of {rounds} rounds in turn")
+        } else {
+            String::new()
+        }
     )?;
     writeln!(
         out,
