@@ -367,6 +367,9 @@ impl MeasuredProfile {
         }
     }
 
+    /// The numbers [`MeasuredProfile::encode`] writes after the ready times.
+    pub const TRAILER: usize = 4;
+
     /// As numbers (ready times, then alpha and bus bandwidth, zeros for no link, then the
     /// alpha split, -1 for a side without), to share.
     pub fn encode(&self) -> Vec<f64> {
@@ -379,7 +382,7 @@ impl MeasuredProfile {
 
     /// What [`MeasuredProfile::encode`] wrote, `None` when the length does not match.
     pub fn decode(v: &[f64]) -> Option<Self> {
-        let n = v.len().checked_sub(4)?;
+        let n = v.len().checked_sub(Self::TRAILER)?;
         let (alpha_us, busbw_gbs) = (v[n], v[n + 1]);
         let side = |a: f64| (a.is_finite() && a >= 0.0).then_some(a);
         Some(MeasuredProfile {

@@ -271,9 +271,9 @@ pub fn compare_step(
 
 /// What the simulator predicts for a step a rank measured, under `policy`: the measured
 /// backward from its first gradient compiled with `config` under the measured link (`link`,
-/// the run's; `config`'s system's without one) and simulated with the step's facts. Its `total` is the
-/// predicted time from the first gradient to the end of the sync, its `at_sync()` the time the
-/// step spends at its sync point; compare them with [`MeasuredStep`]'s. Gradient types are
+/// the run's; `config`'s system's without one) and simulated with the step's facts. Its
+/// `total` is the predicted time from the first gradient to the end of the sync, its
+/// `at_sync()` the time the step spends at its sync point; compare them with [`MeasuredStep`]'s. Gradient types are
 /// taken as `f32` of the measured bytes (what the cost model reads of them is their size).
 ///
 /// What goes in, all measured in that step (`peers`: the same step on the other ranks this
@@ -286,8 +286,8 @@ pub fn compare_step(
 /// - the fixed cost of a collective while the backward runs and after it
 ///   ([`MeasuredStep::alpha_split_us`] as [`MeasuredProfile::alphas_us`] plans it: a side
 ///   without collectives in this step takes the other's; the system's `alpha_busy_us` and
-///   `alpha_us`): on CPU ranks communication shares the cores with compute. The plan is compiled under it too, as the backend's
-///   measured plans are;
+///   `alpha_us`): on CPU ranks communication shares the cores with compute. The plan is
+///   compiled under it too, as the backend's measured plans are;
 /// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
 ///   for every rank, and ranks that share cores are not in step;
 /// - the hand-back after the last collective ([`StepFacts::handback`]).
@@ -315,8 +315,7 @@ pub fn predict_measured(
             .iter()
             .map(|g| (g.ready_us - packed_before(g.ready_us) - start).max(0.0))
             .collect(),
-        link,
-        alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
+        ..MeasuredProfile::from_step(step, peers, link)
     };
     let entries: Vec<(String, TensorType)> = step
         .gradients

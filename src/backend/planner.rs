@@ -70,11 +70,11 @@ impl<I: Backend> Session<I> {
             .iter()
             .map(|s| (s.name.clone(), s.ty.clone()))
             .collect();
-        let mine = {
+        // Only rank 0's profile is shared; the others send placeholders of its length.
+        let mine = if rank == 0 {
             // The same step on the other ranks of this process (or their step before, which
             // the alpha split leaves out), to time each collective from the last launch.
-            let peers: Vec<MeasuredStep> = (0..self.clocks.len())
-                .filter(|r| *r != rank)
+            let peers: Vec<MeasuredStep> = (1..self.clocks.len())
                 .filter_map(|r| self.clock(r).last.clone())
                 .collect();
             let c = self.clock(rank);
@@ -88,11 +88,13 @@ impl<I: Backend> Session<I> {
             };
             let last = p.ready_us.last().copied().unwrap_or(0.0);
             p.ready_us.resize(entries.len(), last);
-            p
+            p.encode()
+        } else {
+            vec![0.0; entries.len() + MeasuredProfile::TRAILER]
         };
         let shared = crate::runtime::agree::share_from_root(
             self.comm(rank),
-            &mine.encode(),
+            &mine,
             st.planner.stale,
             self.options.timeout,
         );
