@@ -1,91 +1,56 @@
-//! One data-parallel training step on one rank: what `Collective<B>` costs over `B` alone, where
-//! the step is forward, backward, the gradient sync and an SGD update of an MLP
-//! (784 → 1024 → 1024 → 10, batch 64), side by side in one run:
-//! - `autodiff`: `Autodiff<B>`, no sync (Burn alone; wgpu only, see below);
-//! - `collective`: `Autodiff<Collective<B>>` with no communication server (the lazy layer only);
-//! - `collective_sync`: the same with a server of one rank and the model marked distributed, so
-//!   every backward pass submits its gradients and syncs them through the plan (bucketed,
-//!   packed, all-reduced over a group of one).
+//! One data-parallel training step on one rank: what `Collective<B>` costs over `B` alone, for
+//! the models `run` trains (`train::overhead::overhead_models`: the launch-bound MLP, a deep
+//! and a compute-bound one, the convnet, the transformer-style blocks), the rows of a model run
+//! in turn (`train::overhead::StepTable`):
+//! - `Autodiff<B>`: Burn alone (not for NdArray, see below);
+//! - `Autodiff<Collective<B>>`: the lazy layer, the model not marked (nothing to sync);
+//! - `+ sync, one rank`: a server of one rank and the model marked, so every backward pass
+//!   submits its gradients and syncs them (a group of one leaves them as they are, `SingleRank`).
 //!
-//! `B` is NdArray, and Burn's default wgpu backend (`burn_wgpu::Wgpu`, its fusion layer on;
-//! Mesa's software Vulkan on a machine without a GPU: a noisy proxy for a GPU), skipped without
-//! an adapter. Run with `cargo bench --bench step`; ratios are times within a group over
-//! `autodiff`.
+//! `B` is NdArray, Burn's default wgpu backend (`burn_wgpu::Wgpu`, its fusion layer on; Mesa's
+//! software Vulkan on a machine without a GPU: a noisy proxy for a GPU), skipped without an
+//! adapter, and with `--features cuda` on a machine with a GPU Burn's CUDA backend
+//! (`burn_cuda::Cuda`, fusion on), with GPU-sized models. Run with `cargo bench --bench step`
+//! (`-- ROUNDS` for another number of timed steps per row than 15; `-- ROUNDS WORD` for the
+//! models whose name contains WORD).
 
 mod common;
 
-use std::hint::black_box;
-use std::time::Duration;
-
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::tensor::{Tensor, TensorData};
-use burn_ndarray::{NdArray, NdArrayDevice};
-use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{Linear, LinearConfig};
-use burn_optim::{GradientsParams, Optimizer, SgdConfig};
-use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, mark_distributed,
-};
-use criterion::{
-    BenchmarkGroup, Criterion, criterion_group, criterion_main, measurement::WallTime,
-};
+use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions};
+use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
+use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
-type Mlp<B> = Vec<Linear<B>>;
+/// Untimed steps per row (kernel compilation, autotuning, allocator warm-up).
+const WARMUP: usize = 3;
 
-fn forward<B: burn_backend::AutodiffBackend>(m: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
-    let mut h = x;
-    for (i, l) in m.iter().enumerate() {
-        h = l.forward(h);
-        if i + 1 < m.len() {
-            h = burn_core::tensor::activation::relu(h);
-        }
-    }
-    h
-}
-
-/// Benchmarks one step of `B` as `name`; `distributed`: mark the model before each step.
-fn step<B: burn_backend::AutodiffBackend>(
-    g: &mut BenchmarkGroup<'_, WallTime>,
-    name: &str,
-    d: &B::Device,
-    distributed: bool,
-) {
-    B::seed(d, 1);
-    let mut m: Mlp<B> = [784, 1024, 1024, 10]
-        .windows(2)
-        .map(|w| LinearConfig::new(w[0], w[1]).init(d))
-        .collect();
-    let x: Tensor<B, 2> = Tensor::from_data(TensorData::new(vec![0.5f32; 64 * 784], [64, 784]), d);
-    let y: Tensor<B, 2> = Tensor::from_data(TensorData::new(vec![0.1f32; 64 * 10], [64, 10]), d);
-    let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
-    g.bench_function(name, |bench| {
-        bench.iter(|| {
-            let mut model = std::mem::take(&mut m);
-            if distributed {
-                model = mark_distributed::<B, Mlp<B>>(model).expect("marking the model");
-            }
-            let loss =
-                MseLoss::new().forward(forward(&model, x.clone()), y.clone(), Reduction::Mean);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(1e-3, model, grads);
-            // Wait for the step's work (a device backend queues it).
-            black_box(model[0].weight.val().slice([0..1, 0..1]).into_data());
-            m = model;
-        })
-    });
-}
-
-/// The three rows for inner backend `$inner` on `$device`.
+/// The rows of model `$m` (`$net` its type) over inner backend `$inner` on `$device`, with an
+/// `Autodiff<$inner>` row when `$alone` is `true`.
 macro_rules! rows {
-    ($c:expr, $group:expr, $inner:ty, $device:expr, $samples:expr, alone: $alone:tt) => {{
+    ($inner:ty, $device:expr, $net:ident, $m:expr, $alone:tt) => {{
+        let (_, model, batch) = $m;
+        let cd = CollectiveDevice::new($device.clone(), 0);
+        let mut rows = Vec::new();
+        rows!(@alone $alone, rows, $inner, $device, $net, model, batch);
+        type C = Autodiff<Collective<$inner>>;
+        rows.push(StepRow::new::<C, $net<C>>("Autodiff<Collective<B>>", &cd, model, batch, false));
+        rows.push(StepRow::new::<C, $net<C>>("  + sync, one rank", &cd, model, batch, true));
+        rows
+    }};
+    (@alone true, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {
+        type A = Autodiff<$inner>;
+        $rows.push(StepRow::new::<A, $net<A>>("Autodiff<B>", &$device, $model, $batch, false));
+    };
+    (@alone false, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {};
+}
+
+/// Every selected model's table over inner backend `$inner` on `$device`.
+macro_rules! backend {
+    ($inner:ty, $label:expr, $device:expr, alone: $alone:tt, gpu: $gpu:expr, $args:expr) => {{
+        let (rounds, only) = $args;
         let device = $device;
         let cd = CollectiveDevice::new(device.clone(), 0);
-        let mut g = $c.benchmark_group($group);
-        g.measurement_time(Duration::from_secs(5))
-            .sample_size($samples);
-        rows!(@alone $alone, g, $inner, device);
-        step::<Autodiff<Collective<$inner>>>(&mut g, "collective", &cd, false);
         CollectiveOptions::default().install::<$inner>();
         Collective::<$inner>::start_communication_server(
             std::slice::from_ref(&cd),
@@ -93,28 +58,62 @@ macro_rules! rows {
                 all_reduce_op: ReduceOperation::Mean,
             },
         );
-        step::<Autodiff<Collective<$inner>>>(&mut g, "collective_sync", &cd, true);
+        for m in overhead_models($gpu) {
+            if only.is_some_and(|o: &str| !m.0.contains(o)) {
+                continue;
+            }
+            let rows = match m.1 {
+                RunModel::Mlp { .. } => rows!($inner, device, Mlp, m, $alone),
+                RunModel::ConvNet => rows!($inner, device, ConvNet, m, $alone),
+                RunModel::Blocks { .. } => rows!($inner, device, Blocks, m, $alone),
+            };
+            let title = format!("{} · {}, batch {}", $label, m.0, m.2);
+            print!("{}", StepTable::measure(&title, rows, WARMUP, rounds));
+        }
         Collective::<$inner>::close_communication_server(&cd);
-        g.finish();
     }};
-    (@alone true, $g:expr, $inner:ty, $device:expr) => {
-        step::<Autodiff<$inner>>(&mut $g, "autodiff", &$device, false);
-    };
-    (@alone false, $g:expr, $inner:ty, $device:expr) => {
-        let _ = &$device;
-    };
 }
 
-fn benches(c: &mut Criterion) {
+fn main() {
+    // Cargo passes `--bench`; the words after it are ours.
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let rounds: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(15);
+    let only = args.get(1).map(String::as_str);
+    println!("one training step on one rank; ratios to each table's first row");
     // `Autodiff<NdArray>` needs NdArray to be a `DistributedBackend` here (this crate turns on
-    // burn-autodiff's `distributed` feature), which burn-ndarray 0.21 is not: no `autodiff` row.
-    rows!(c, "mlp_step_ndarray", NdArray, NdArrayDevice::Cpu, 20, alone: false);
+    // burn-autodiff's `distributed` feature), which burn-ndarray 0.21 is not: no `Autodiff<B>`
+    // row, the ratios are to `Autodiff<Collective<B>>`.
+    backend!(
+        burn_ndarray::NdArray,
+        "NdArray",
+        burn_ndarray::NdArrayDevice::Cpu,
+        alone: false,
+        gpu: false,
+        (rounds, only)
+    );
     let wd = burn_wgpu::WgpuDevice::DefaultDevice;
-    if !common::wgpu_adapter(&wd, "mlp_step_wgpu") {
-        return;
+    if common::wgpu_adapter(&wd, "wgpu") {
+        backend!(
+            burn_wgpu::Wgpu,
+            "burn_wgpu::Wgpu (fusion on)",
+            wd,
+            alone: true,
+            gpu: false,
+            (rounds, only)
+        );
     }
-    rows!(c, "mlp_step_wgpu", burn_wgpu::Wgpu, wd, 10, alone: true);
+    #[cfg(feature = "cuda")]
+    if collective_fusion::runtime::nccl::device_count() > 0 {
+        backend!(
+            burn_cuda::Cuda,
+            "burn_cuda::Cuda (fusion on)",
+            burn_cuda::CudaDevice::default(),
+            alone: true,
+            gpu: true,
+            (rounds, only)
+        );
+    }
 }
-
-criterion_group!(step_benches, benches);
-criterion_main!(step_benches);

@@ -260,3 +260,54 @@ fn back_to_back_user_all_reduces_on_fused_wgpu_are_one_device_bucket() {
         "one bucket packed on the device: {stats:?}"
     );
 }
+
+/// The overhead table of the step benchmark (`benches/step.rs`) as a CI proxy on Burn's fused
+/// wgpu backend, tiny model, few steps: Burn alone, the lazy layer, and the model marked under a
+/// one-rank server, in turn. Not a timing check (the times are printed, never compared): what it
+/// checks is that every row ran its steps and that the marked row's syncs took the one-rank
+/// path, every step, without a bucket or a read of a gradient.
+#[test]
+fn the_overhead_table_runs_on_fused_wgpu_and_a_marked_model_syncs_locally() {
+    use collective_fusion::train::overhead::{StepRow, StepTable};
+    use collective_fusion::train::{Mlp as NetMlp, RunModel};
+    if !adapter() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    type Alone = Autodiff<Wgpu>;
+    type Lazy = Autodiff<Collective<Wgpu>>;
+    let d = WgpuDevice::DefaultDevice;
+    let cd = CollectiveDevice::new(d.clone(), 0);
+    CollectiveOptions::default().install::<Wgpu>();
+    Collective::<Wgpu>::start_communication_server(
+        std::slice::from_ref(&cd),
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let before = sync_stats::<Wgpu>(0);
+    let model = RunModel::Mlp {
+        hidden_layers: 1,
+        width: 32,
+    };
+    let rows = vec![
+        StepRow::new::<Alone, NetMlp<Alone>>("Autodiff<Wgpu>", &d, model, 8, false),
+        StepRow::new::<Lazy, NetMlp<Lazy>>("Autodiff<Collective<Wgpu>>", &cd, model, 8, false),
+        StepRow::new::<Lazy, NetMlp<Lazy>>("  + sync, one rank", &cd, model, 8, true),
+    ];
+    let table = StepTable::measure("fused wgpu, tiny mlp", rows, 1, 3);
+    let stats = sync_stats::<Wgpu>(0);
+    Collective::<Wgpu>::close_communication_server(&cd);
+    eprint!("{table}");
+    assert!(table.times.iter().all(|t| t.len() == 3));
+    assert_eq!(
+        stats.local_steps - before.local_steps,
+        4,
+        "every step of the marked row, warm-up included: {stats:?}"
+    );
+    assert_eq!(stats.device_buckets, before.device_buckets, "{stats:?}");
+    assert_eq!(
+        stats.eager_steps + stats.flushed_steps,
+        before.eager_steps + before.flushed_steps
+    );
+}

@@ -574,32 +574,28 @@ mod training {
 
     /// Not a pass/fail test: what the lazy layer costs on a GPU. One training step (forward,
     /// backward, SGD, a one-element read that waits for the device), median of 20 after 5
-    /// warm-up steps, one rank, for three MLPs, side by side in one process: Burn alone
-    /// (`Autodiff<Cuda>`), `Autodiff<Collective<Cuda>>` with no server (the lazy layer
-    /// only), with a one-rank NCCL server and the model marked (the default `SingleRank::Skip`:
-    /// what a user with one GPU gets), and with the plan run anyway over NCCL
-    /// (`SingleRank::Run`: buckets packed and reduced in place, as with more GPUs).
+    /// warm-up steps, one rank, rows in turn (`train::overhead`), for the GPU-sized overhead
+    /// models (three MLPs, the convnet, the blocks): Burn alone (`Autodiff<Cuda>`, fusion on),
+    /// `Autodiff<Collective<Cuda>>` with the model unmarked (the lazy layer only), marked under a
+    /// one-rank NCCL server (the default `SingleRank::Skip`: what a user with one GPU gets), and
+    /// with the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
+    /// place, as with more GPUs).
     #[test]
     fn bench_a_training_step_against_burn_alone() {
         if !gpu_or_skip("lazy layer overhead", 1, true) {
             return;
         }
         use collective_fusion::backend::SingleRank;
-        let shapes: [(&str, Vec<usize>, usize); 3] = [
-            (
-                "MLP 784-1024-1024-10, batch 64",
-                vec![784, 1024, 1024, 10],
-                64,
-            ),
-            ("MLP 16 layers of 512, batch 256", vec![512; 17], 256),
-            ("MLP 4 layers of 4096, batch 1024", vec![4096; 5], 1024),
-        ];
+        use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
+        use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
+        type A = Autodiff<Cuda>;
+        type C = Autodiff<Collective<Cuda>>;
         let dev = CudaDevice::default();
         let cd = CollectiveDevice::new(dev.clone(), 0);
-        for (name, widths, batch) in shapes {
-            let alone = median_step_ms::<Autodiff<Cuda>>(&dev, &widths, batch, false);
-            let lazy = median_step_ms::<Autodiff<Collective<Cuda>>>(&cd, &widths, batch, false);
-            let mut served = Vec::new();
+        for (name, model, batch) in overhead_models(true) {
+            // With the default `SingleRank::Skip` (what a user with one GPU gets), then with
+            // the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
+            // place, as with more GPUs); Burn alone runs in turn with each.
             for single_rank in [SingleRank::Skip, SingleRank::Run] {
                 let options = CollectiveOptions {
                     transport: Transport::Nccl(super::common::world_of_one()),
@@ -613,71 +609,64 @@ mod training {
                         all_reduce_op: ReduceOperation::Mean,
                     },
                 );
-                served.push(median_step_ms::<Autodiff<Collective<Cuda>>>(
-                    &cd, &widths, batch, true,
-                ));
+                fn rows<
+                    M: collective_fusion::train::Net<A>,
+                    N: collective_fusion::train::Net<C>,
+                >(
+                    dev: &CudaDevice,
+                    cd: &CollectiveDevice<CudaDevice>,
+                    model: RunModel,
+                    batch: usize,
+                    skip: bool,
+                ) -> Vec<StepRow> {
+                    let mut rows = vec![StepRow::new::<A, M>(
+                        "Autodiff<Cuda>",
+                        dev,
+                        model,
+                        batch,
+                        false,
+                    )];
+                    if skip {
+                        rows.push(StepRow::new::<C, N>(
+                            "Autodiff<Collective<Cuda>>",
+                            cd,
+                            model,
+                            batch,
+                            false,
+                        ));
+                        rows.push(StepRow::new::<C, N>(
+                            "  + one-rank NCCL server, skip",
+                            cd,
+                            model,
+                            batch,
+                            true,
+                        ));
+                    } else {
+                        rows.push(StepRow::new::<C, N>(
+                            "  + plan run over NCCL",
+                            cd,
+                            model,
+                            batch,
+                            true,
+                        ));
+                    }
+                    rows
+                }
+                let skip = single_rank == SingleRank::Skip;
+                let rows = match model {
+                    RunModel::Mlp { .. } => rows::<Mlp<A>, Mlp<C>>(&dev, &cd, model, batch, skip),
+                    RunModel::ConvNet => {
+                        rows::<ConvNet<A>, ConvNet<C>>(&dev, &cd, model, batch, skip)
+                    }
+                    RunModel::Blocks { .. } => {
+                        rows::<Blocks<A>, Blocks<C>>(&dev, &cd, model, batch, skip)
+                    }
+                };
+                let title = format!("overhead · {name}, batch {batch}, {single_rank:?}");
+                eprint!("{}", StepTable::measure(&title, rows, 5, 20));
                 Collective::<Cuda>::close_communication_server(&cd);
             }
-            let x = |t: f64| t / alone;
-            eprintln!(
-                "overhead {name}: Autodiff<Cuda> {alone:.3} ms | Collective, no server {lazy:.3} ms ({:.2}x) | one-rank NCCL server, skip {:.3} ms ({:.2}x) | plan run over NCCL {:.3} ms ({:.2}x)",
-                x(lazy),
-                served[0],
-                x(served[0]),
-                served[1],
-                x(served[1])
-            );
         }
-    }
-
-    /// The median wall time of one training step of an MLP of `widths` on a batch of `batch`
-    /// rows, ms, over 20 steps after 5 warm-up ones; `distributed`: the model marked before
-    /// each step (a server must be running).
-    fn median_step_ms<B: burn_backend::AutodiffBackend>(
-        d: &B::Device,
-        widths: &[usize],
-        batch: usize,
-        distributed: bool,
-    ) -> f64 {
-        use burn_core::tensor::TensorData;
-        B::seed(d, 1);
-        let mut m: Vec<Linear<B>> = widths
-            .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(d))
-            .collect();
-        let (inputs, outputs) = (widths[0], widths[widths.len() - 1]);
-        let x: Tensor<B, 2> = Tensor::from_data(
-            TensorData::new(vec![0.5f32; batch * inputs], [batch, inputs]),
-            d,
-        );
-        let y: Tensor<B, 2> = Tensor::from_data(
-            TensorData::new(vec![0.1f32; batch * outputs], [batch, outputs]),
-            d,
-        );
-        let mut optim = SgdConfig::new().init::<B, Vec<Linear<B>>>();
-        let mut times = Vec::new();
-        for step in 0..25 {
-            let t0 = std::time::Instant::now();
-            if distributed {
-                m = mark_distributed::<B, _>(m).expect("marking the model");
-            }
-            let mut h = x.clone();
-            for (i, l) in m.iter().enumerate() {
-                h = l.forward(h);
-                if i + 1 < m.len() {
-                    h = burn_core::tensor::activation::relu(h);
-                }
-            }
-            let loss = MseLoss::new().forward(h, y.clone(), Reduction::Mean);
-            let grads = GradientsParams::from_grads(loss.backward(), &m);
-            m = optim.step(1e-3, m, grads);
-            // Waits for the step's work on the device.
-            let _ = m[0].weight.val().slice([0..1, 0..1]).into_data();
-            if step >= 5 {
-                times.push(t0.elapsed().as_secs_f64() * 1e3);
-            }
-        }
-        collective_fusion::measure::median(times).unwrap_or(f64::NAN)
     }
 
     /// Seeded weights and biases of the two layers, in [-0.1, 0.1].

@@ -433,6 +433,8 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
         (&["run", "--world", "100000"], &[]),
         (&["run", "--model", "blocks", "--blocks", "0"], &[]),
         (&["run", "--model", "mlp", "--blocks", "2"], &[]),
+        (&["run", "--model", "mlp", "--width", "0"], &[]),
+        (&["run", "--model", "convnet", "--width", "64"], &[]),
         (&["run", "--compare-policies", "--steps", "2"], &[]),
         (&["run", "--compare-policies", "--policy", "ddp"], &[]),
         (&["run", "--compare-policies", "--rounds", "0"], &[]),

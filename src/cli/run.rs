@@ -57,9 +57,12 @@ pub(crate) struct RunArgs {
     /// different weights; marking the model gives every rank rank 0's.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Hidden layers of the MLP, 1024 wide each (default 3).
+    /// Hidden layers of the MLP (default 3).
     #[arg(long)]
     hidden_layers: Option<usize>,
+    /// Width of every hidden layer of the MLP (default 1024).
+    #[arg(long)]
+    width: Option<usize>,
     /// Transformer-style blocks of `--model blocks` (default 12).
     #[arg(long)]
     blocks: Option<usize>,
@@ -111,6 +114,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     let model = match (a.model, a.hidden_layers, a.blocks) {
         (RunModelArg::Mlp, layers, None) => RunModel::Mlp {
             hidden_layers: layers.unwrap_or(3),
+            width: a.width.unwrap_or(1024),
         },
         (RunModelArg::Convnet, None, None) => RunModel::ConvNet,
         (RunModelArg::Blocks, None, blocks) => RunModel::Blocks {
@@ -125,6 +129,12 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     if a.blocks == Some(0) {
         return Err("--blocks must be at least 1".into());
+    }
+    if a.width.is_some() && !matches!(a.model, RunModelArg::Mlp) {
+        return Err("--width is an option of --model mlp".into());
+    }
+    if a.width == Some(0) {
+        return Err("--width must be at least 1".into());
     }
     if !(a.timeout.is_finite() && a.timeout > 0.0) {
         return Err("--timeout must be a positive number of seconds".into());

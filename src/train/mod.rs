@@ -13,12 +13,10 @@ use std::time::Instant;
 use burn_autodiff::Autodiff;
 use burn_backend::Backend;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn_core::module::{Module, ModuleVisitor, Param};
 use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
-use burn_nn::conv::{Conv2d, Conv2dConfig};
 use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
@@ -32,6 +30,11 @@ use crate::graph::{ComputeKind, Graph, Op};
 use crate::measure::{LinkFit, MeasuredStep};
 use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
+
+mod nets;
+pub mod overhead;
+
+pub use nets::{Block, Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, RunModel};
 
 /// The autodiff backend the ranks train on, over inner backend `I`.
 type B<I> = Autodiff<Collective<I>>;
@@ -73,37 +76,6 @@ impl RunBackend {
             RunBackend::Dispatch(DispatchOn::NdArray) => "dispatch (ndarray)",
             RunBackend::Dispatch(DispatchOn::Wgpu) => "dispatch (wgpu)",
             RunBackend::Dispatch(DispatchOn::Cuda) => "dispatch (cuda)",
-        }
-    }
-}
-
-/// Which model to train.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RunModel {
-    /// 784 → 1024 (× `hidden_layers`) → 10, ReLU (3 hidden layers by default).
-    Mlp {
-        /// Hidden layers, 1024 wide each.
-        hidden_layers: usize,
-    },
-    /// Two 3×3 convolutions (1 → 16 → 32 channels) on 28×28 inputs, then a linear layer to 10.
-    ConvNet,
-    /// Many small tensors: each input row as 16 tokens of 49 features, embedded to width 64,
-    /// `blocks` transformer-style blocks (pre-norm single-head self-attention with q/k/v/o
-    /// projections, then a 64 → 256 → 64 GELU MLP, both residual; 16 parameter tensors of at
-    /// most 64 KiB each per block), mean over tokens, a linear layer to 10.
-    Blocks {
-        /// Transformer-style blocks (12 by default).
-        blocks: usize,
-    },
-}
-
-impl RunModel {
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            RunModel::Mlp { .. } => "mlp",
-            RunModel::ConvNet => "convnet",
-            RunModel::Blocks { .. } => "blocks",
         }
     }
 }
@@ -239,132 +211,6 @@ impl RecordedStep {
     }
 }
 
-const INPUTS: usize = 784;
-const OUTPUTS: usize = 10;
-
-trait Net<I: Backend>: AutodiffModule<B<I>> + Clone + Send + 'static {
-    fn init(d: &Dev<I>, model: RunModel) -> Self;
-    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2>;
-}
-
-type Mlp<I> = Vec<Linear<B<I>>>;
-
-impl<I: Backend> Net<I> for Mlp<I> {
-    fn init(d: &Dev<I>, model: RunModel) -> Self {
-        let hidden = match model {
-            RunModel::Mlp { hidden_layers } => hidden_layers,
-            _ => 3,
-        };
-        let widths: Vec<usize> = std::iter::once(INPUTS)
-            .chain(std::iter::repeat_n(1024, hidden))
-            .chain(std::iter::once(OUTPUTS))
-            .collect();
-        widths
-            .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(d))
-            .collect()
-    }
-    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
-        let mut h = x;
-        for (i, l) in self.iter().enumerate() {
-            h = l.forward(h);
-            if i + 1 < self.len() {
-                h = burn_core::tensor::activation::relu(h);
-            }
-        }
-        h
-    }
-}
-
-type ConvNet<I> = (Conv2d<B<I>>, Conv2d<B<I>>, Linear<B<I>>);
-
-impl<I: Backend> Net<I> for ConvNet<I> {
-    fn init(d: &Dev<I>, _model: RunModel) -> Self {
-        (
-            Conv2dConfig::new([1, 16], [3, 3])
-                .with_padding(PaddingConfig2d::Same)
-                .init(d),
-            Conv2dConfig::new([16, 32], [3, 3])
-                .with_padding(PaddingConfig2d::Same)
-                .init(d),
-            LinearConfig::new(32 * INPUTS, OUTPUTS).init(d),
-        )
-    }
-    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
-        let n = x.dims()[0];
-        let h = x.reshape([n, 1, 28, 28]);
-        let h = burn_core::tensor::activation::relu(self.0.forward(h));
-        let h = burn_core::tensor::activation::relu(self.1.forward(h));
-        self.2.forward(h.reshape([n, 32 * INPUTS]))
-    }
-}
-
-/// Tokens per input row of [`RunModel::Blocks`], features per token, model width, MLP width.
-const TOKENS: usize = 16;
-const TOKEN_FEATURES: usize = INPUTS / TOKENS;
-const WIDTH: usize = 64;
-const MLP_WIDTH: usize = 4 * WIDTH;
-
-/// One transformer-style block: norm, q, k, v, o, norm, MLP in, MLP out.
-type Block<I> = (
-    LayerNorm<B<I>>,
-    Linear<B<I>>,
-    Linear<B<I>>,
-    Linear<B<I>>,
-    Linear<B<I>>,
-    LayerNorm<B<I>>,
-    Linear<B<I>>,
-    Linear<B<I>>,
-);
-
-/// Token embedding, the blocks, a final norm and the head.
-type Blocks<I> = (Linear<B<I>>, Vec<Block<I>>, LayerNorm<B<I>>, Linear<B<I>>);
-
-impl<I: Backend> Net<I> for Blocks<I> {
-    fn init(d: &Dev<I>, model: RunModel) -> Self {
-        let n = match model {
-            RunModel::Blocks { blocks } => blocks,
-            _ => 12,
-        };
-        let block = || {
-            (
-                LayerNormConfig::new(WIDTH).init(d),
-                LinearConfig::new(WIDTH, WIDTH).init(d),
-                LinearConfig::new(WIDTH, WIDTH).init(d),
-                LinearConfig::new(WIDTH, WIDTH).init(d),
-                LinearConfig::new(WIDTH, WIDTH).init(d),
-                LayerNormConfig::new(WIDTH).init(d),
-                LinearConfig::new(WIDTH, MLP_WIDTH).init(d),
-                LinearConfig::new(MLP_WIDTH, WIDTH).init(d),
-            )
-        };
-        (
-            LinearConfig::new(TOKEN_FEATURES, WIDTH).init(d),
-            (0..n).map(|_| block()).collect(),
-            LayerNormConfig::new(WIDTH).init(d),
-            LinearConfig::new(WIDTH, OUTPUTS).init(d),
-        )
-    }
-    fn forward(&self, x: Tensor<B<I>, 2>) -> Tensor<B<I>, 2> {
-        use burn_core::tensor::activation::{gelu, softmax};
-        let n = x.dims()[0];
-        let mut h = self.0.forward(x.reshape([n, TOKENS, TOKEN_FEATURES]));
-        let scale = 1.0 / (WIDTH as f64).sqrt();
-        for (norm1, q, k, v, o, norm2, fc1, fc2) in &self.1 {
-            let a = norm1.forward(h.clone());
-            let scores = q
-                .forward(a.clone())
-                .matmul(k.forward(a.clone()).swap_dims(1, 2));
-            let attn = softmax(scores.mul_scalar(scale), 2).matmul(v.forward(a));
-            h = h + o.forward(attn);
-            let m = fc2.forward(gelu(fc1.forward(norm2.forward(h.clone()))));
-            h = h + m;
-        }
-        let pooled: Tensor<B<I>, 2> = self.2.forward(h).mean_dim(1).reshape([n, WIDTH]);
-        self.3.forward(pooled)
-    }
-}
-
 /// Every float parameter's values of `model`, in visiting order (to compare replicas).
 pub fn module_weights<Bk: burn_backend::Backend, M: Module<Bk>>(model: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
@@ -415,7 +261,7 @@ fn batch<I: Backend>(
 }
 
 /// Trains `M` over inner backend `I`, local rank `r` on `device(r)`.
-fn run_model<I: Backend, M: Net<I>>(
+fn run_model<I: Backend, M: Net<B<I>>>(
     opts: &RunOptions,
     device: impl Fn(u32) -> I::Device,
     progress: &(dyn Fn(usize) + Sync),
@@ -558,9 +404,9 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         progress: &(dyn Fn(usize) + Sync),
     ) -> Result<RunReport, String> {
         match opts.model {
-            RunModel::Mlp { .. } => run_model::<I, Mlp<I>>(opts, device, progress),
-            RunModel::ConvNet => run_model::<I, ConvNet<I>>(opts, device, progress),
-            RunModel::Blocks { .. } => run_model::<I, Blocks<I>>(opts, device, progress),
+            RunModel::Mlp { .. } => run_model::<I, Mlp<B<I>>>(opts, device, progress),
+            RunModel::ConvNet => run_model::<I, ConvNet<B<I>>>(opts, device, progress),
+            RunModel::Blocks { .. } => run_model::<I, Blocks<B<I>>>(opts, device, progress),
         }
     }
     // In-process NCCL: a GPU per rank. One rank per process: the launcher's local rank. Other
