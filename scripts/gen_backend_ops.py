@@ -46,7 +46,7 @@ WRAPPED = {
     "DeformConv2dBackward<B>": "deform_conv2d_backward",
 }
 # Borrowed arguments a recorded closure keeps as an owned copy.
-OWNED = {"&[usize]": "to_vec()"}
+OWNED = {"&[usize]": "to_vec()", "&Device<B>": "inner.clone()"}
 
 
 def burn_backend_src():
@@ -199,7 +199,11 @@ def wrap(t, expr, logged):
 
 
 def first_device(args):
-    """`name.device_handle(..)` of the first tensor argument, for a recorded node."""
+    """The device handle of a recorded node: its device argument's (a creation or a move puts
+    its result there), else its first tensor argument's."""
+    for n, t in args:
+        if t == "&Device<B>":
+            return f"std::sync::Arc::new({n}.inner.clone())"
     for n, t in args:
         k, form = tensor_kind(t)
         if form == "value" and k != "QuantizedTensor":

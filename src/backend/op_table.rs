@@ -22,6 +22,44 @@ use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape};
 use super::rules::{self, Meta, Rule};
 use crate::graph::ComputeKind;
 
+// Creation of filled tensors: recorded like any op, so that they reach the inner backend in
+// program order, where a fusing backend fuses a fill with the ops after it as it does without
+// `Collective` (run at once, a fill would reach it before the queued ops it follows).
+
+pub(crate) fn float_zeros<D>(shape: &Shape, _device: &D, dtype: &FloatDType) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
+pub(crate) fn float_ones<D>(shape: &Shape, _device: &D, dtype: &FloatDType) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
+pub(crate) fn float_full<D>(
+    shape: &Shape,
+    _fill_value: &Scalar,
+    _device: &D,
+    dtype: &FloatDType,
+) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
+pub(crate) fn int_zeros<D>(shape: &Shape, _device: &D, dtype: &IntDType) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
+pub(crate) fn int_ones<D>(shape: &Shape, _device: &D, dtype: &IntDType) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
+pub(crate) fn int_full<D>(
+    shape: &Shape,
+    _fill_value: &Scalar,
+    _device: &D,
+    dtype: &IntDType,
+) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+}
+
 // Elementwise, shaped like the input.
 
 pub(crate) fn float_recip(tensor: Meta) -> Rule {
@@ -306,6 +344,16 @@ pub(crate) fn float_is_inf(tensor: Meta, out_dtype: &BoolDType) -> Rule {
 }
 
 // Layout: no arithmetic.
+
+/// Recorded (its node lives on the target device and rank), so that the optimizer's move of
+/// every gradient to its parameter's device, usually where it already is, does not run the queue.
+pub(crate) fn float_to_device<D>(tensor: Meta, _device: &D) -> Rule {
+    Rule::layout(tensor.shape, tensor.dtype)
+}
+
+pub(crate) fn int_to_device<D>(tensor: Meta, _device: &D) -> Rule {
+    Rule::layout(tensor.shape, tensor.dtype)
+}
 
 pub(crate) fn float_swap_dims(tensor: Meta, dim1: &usize, dim2: &usize) -> Rule {
     Rule::layout(rules::swap(tensor.shape, *dim1, *dim2), tensor.dtype)

@@ -35,11 +35,25 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_zeros(shape, &device.inner, dtype), rank)
+        let rule = op_table::float_zeros(&shape, device, &dtype);
+        let node = rule.record(
+            "float_zeros",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::float_zeros(shape, &device, dtype))
     }
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_ones(shape, &device.inner, dtype), rank)
+        let rule = op_table::float_ones(&shape, device, &dtype);
+        let node = rule.record(
+            "float_ones",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::float_ones(shape, &device, dtype))
     }
     fn float_full(
         shape: Shape,
@@ -48,7 +62,16 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_full(shape, fill_value, &device.inner, dtype), rank)
+        let rule = op_table::float_full(&shape, &fill_value, device, &dtype);
+        let node = rule.record(
+            "float_full",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || {
+            I::float_full(shape, fill_value, &device, dtype)
+        })
     }
     fn float_into_data(
         tensor: FloatTensor<Self>,
@@ -61,11 +84,16 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
         let rank = device.rank;
-        let log = Eager::new("float_to_device", rules::inputs([tensor.seq()]));
-        log.float::<I>(
-            rank,
-            I::float_to_device(tensor.into_inner_for("float_to_device"), &device.inner),
-        )
+        let rule = op_table::float_to_device(tensor.meta(), device);
+        let node = rule.record(
+            "float_to_device",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([tensor.seq()]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || {
+            I::float_to_device(tensor.into_inner(), &device)
+        })
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -1493,11 +1521,16 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
-        let log = Eager::new("int_to_device", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_to_device(tensor.into_inner_for("int_to_device"), &device.inner),
-        )
+        let rule = op_table::int_to_device(tensor.meta(), device);
+        let node = rule.record(
+            "int_to_device",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([tensor.seq()]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || {
+            I::int_to_device(tensor.into_inner(), &device)
+        })
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -2020,11 +2053,25 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_zeros(shape, &device.inner, dtype), rank)
+        let rule = op_table::int_zeros(&shape, device, &dtype);
+        let node = rule.record(
+            "int_zeros",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::int_zeros(shape, &device, dtype))
     }
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_ones(shape, &device.inner, dtype), rank)
+        let rule = op_table::int_ones(&shape, device, &dtype);
+        let node = rule.record(
+            "int_ones",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::int_ones(shape, &device, dtype))
     }
     fn int_full(
         shape: Shape,
@@ -2033,7 +2080,16 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         dtype: IntDType,
     ) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_full(shape, fill_value, &device.inner, dtype), rank)
+        let rule = op_table::int_full(&shape, &fill_value, device, &dtype);
+        let node = rule.record(
+            "int_full",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || {
+            I::int_full(shape, fill_value, &device, dtype)
+        })
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
