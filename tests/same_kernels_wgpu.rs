@@ -1,7 +1,8 @@
 //! `Collective<B>` asks the inner backend for exactly the work `B` does alone: three training
 //! steps of an MLP on Burn's fused wgpu backend launch the same kernels, as many times each, and
 //! compile the same kernels (CubeCL's kernel ids, in-place variants included), with and without
-//! `Collective`. What is compared is CubeCL's own log (`CUBECL_DEBUG_LOG`,
+//! `Collective`, and with the model marked under a one-rank server (whose sync leaves the
+//! gradients as they are). What is compared is CubeCL's own log (`CUBECL_DEBUG_LOG`,
 //! `CUBECL_DEBUG_OPTION=profile`), which a process reads once at start-up: each side runs in a
 //! child process, this test binary run again on [`kernel_probe_child`].
 
@@ -11,12 +12,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_wgpu::{Wgpu, WgpuDevice};
 use collective_fusion::backend::{Collective, CollectiveDevice};
 use collective_fusion::train::overhead::{StepRow, StepTable};
 use collective_fusion::train::{Mlp, RunModel};
 
-/// Which side a child process runs: `alone` or `collective`.
+/// Which side a child process runs: `alone`, `collective` or `marked`.
 const CHILD: &str = "CF_KERNEL_PROBE";
 
 const MODEL: RunModel = RunModel::Mlp {
@@ -39,10 +41,23 @@ fn kernel_probe_child() {
         _ => {
             type C = Autodiff<Collective<Wgpu>>;
             let cd = CollectiveDevice::new(d, 0);
-            StepRow::new::<C, Mlp<C>>("collective", &cd, MODEL, 8, false)
+            let marked = side == "marked";
+            if marked {
+                Collective::<Wgpu>::start_communication_server(
+                    std::slice::from_ref(&cd),
+                    DistributedConfig {
+                        all_reduce_op: ReduceOperation::Mean,
+                    },
+                );
+            }
+            StepRow::new::<C, Mlp<C>>(&side, &cd, MODEL, 8, marked)
         }
     };
     let _ = StepTable::measure(&side, vec![row], 0, 3);
+    if side == "marked" {
+        let stats = collective_fusion::backend::sync_stats::<Wgpu>(0);
+        assert_eq!(stats.local_steps, 3, "{stats:?}");
+    }
 }
 
 /// What one side's log says: launches per kernel name, and the ids of the compiled kernels.
@@ -74,7 +89,7 @@ fn read_log(path: &Path) -> Kernels {
 }
 
 #[test]
-fn a_training_step_under_collective_runs_the_kernels_burn_alone_runs() {
+fn a_training_step_under_collective_runs_the_kernels_burn_alone_runs_marked_or_not() {
     if std::env::var_os(CHILD).is_some() || common::cube::wgpu_client().is_none() {
         return;
     }
@@ -105,6 +120,7 @@ fn a_training_step_under_collective_runs_the_kernels_burn_alone_runs() {
     };
     let alone = side("alone");
     let collective = side("collective");
+    let marked = side("marked");
     let _ = std::fs::remove_dir_all(&dir);
     let total: usize = alone.launches.values().sum();
     assert!(total >= 3, "the log has the steps' launches: {alone:?}");
@@ -119,5 +135,9 @@ fn a_training_step_under_collective_runs_the_kernels_burn_alone_runs() {
     assert_eq!(
         collective.compiled, alone.compiled,
         "compiled kernels differ"
+    );
+    assert_eq!(
+        marked, alone,
+        "kernels differ with the model marked under a one-rank server"
     );
 }
