@@ -572,6 +572,27 @@ mod training {
         close(&fused, &bare, "unfused");
     }
 
+    /// The child's part of the kernel comparison on CUDA, run only with `CF_KERNEL_PROBE` set
+    /// (as the test below runs it).
+    #[test]
+    fn kernel_probe_child() {
+        super::common::kernels::child::<Cuda>(CudaDevice::default());
+    }
+
+    /// What `tests/same_kernels_wgpu.rs` checks on wgpu, on Burn's fused CUDA backend: three
+    /// MLP steps launch and compile the same kernels alone, under `Collective`, and marked under
+    /// a one-rank server.
+    #[test]
+    fn a_training_step_under_collective_runs_the_kernels_burn_alone_runs_on_cuda() {
+        use super::common::kernels;
+        if std::env::var_os(kernels::CHILD).is_some()
+            || !gpu_or_skip("kernels under Collective", 1, false)
+        {
+            return;
+        }
+        kernels::assert_same(&kernels::sides("training::kernel_probe_child"));
+    }
+
     /// Not a pass/fail test: what the lazy layer costs on a GPU. One training step (forward,
     /// backward, SGD, a one-element read that waits for the device), median of 20 after 5
     /// warm-up steps, one rank, rows in turn (`train::overhead`), for the GPU-sized overhead

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cube;
+pub mod kernels;
 
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::graph::Graph;
