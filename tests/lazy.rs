@@ -320,3 +320,69 @@ fn a_step_with_norms_an_embedding_and_cross_entropy_records_no_eager_op() {
         assert_eq!(used, row == 4 || row == 7, "embedding row {row}");
     }
 }
+
+/// Fills (`zeros`, `ones`, `full`, float and int) and moves (`to_device`) are recorded like any
+/// op: they reach the inner backend in program order (a fusing backend fuses a fill with the
+/// ops after it), nothing runs until a read, a moved tensor reports its target device and rank
+/// without running, and the values are NdArray's.
+#[test]
+fn fills_and_moves_are_recorded_and_a_move_lands_on_its_target_rank() {
+    use burn_core::tensor::{Bool, Int};
+    let (d, e) = (dev(110), dev(111));
+    let a: Tensor<C, 2> = Tensor::from_data(data(6, vec![2, 3], 4), &d);
+    let _ = a.clone().into_data();
+    let (before, before_e) = (lazy_stats(110), lazy_stats(111));
+    let filled = a.clone() + Tensor::<C, 2>::full([2, 3], 2.5, &d)
+        - Tensor::<C, 2>::ones([2, 3], &d)
+        + Tensor::<C, 2>::zeros([2, 3], &d);
+    let moved = filled.clone().to_device(&e);
+    let mid = lazy_stats(110).since(&before);
+    assert_eq!(mid.executed, 0, "nothing ran before a read: {mid:?}");
+    assert_eq!(mid.recorded, 6, "3 fills, 3 ops: {mid:?}");
+    let on_e = lazy_stats(111).since(&before_e);
+    assert_eq!(
+        (on_e.recorded, on_e.executed),
+        (1, 0),
+        "the move, recorded on its target rank: {on_e:?}"
+    );
+    assert!(prim(&moved).is_pending());
+    assert_eq!(moved.device(), e, "the move's device, without running it");
+    assert_eq!(
+        lazy_stats(110).since(&before).executed,
+        0,
+        "asking the device ran nothing"
+    );
+    // Int fills, and moves of int and bool tensors (int arithmetic runs eagerly, which runs the
+    // queue: after the float checks).
+    let ints = Tensor::<C, 1, Int>::full([4], 7, &d) + Tensor::<C, 1, Int>::ones([4], &d)
+        - Tensor::<C, 1, Int>::zeros([4], &d);
+    let moved_ints = ints.clone().to_device(&e);
+    let moved_mask = filled.clone().greater_elem(2.0).to_device(&e);
+    assert_eq!(moved_ints.device(), e);
+    assert_eq!(moved_mask.device(), e);
+    // NdArray computes the same, eagerly.
+    let nd = NdArrayDevice::Cpu;
+    let a_nd: Tensor<NdArray, 2> = Tensor::from_data(data(6, vec![2, 3], 4), &nd);
+    let want = a_nd + Tensor::<NdArray, 2>::full([2, 3], 2.5, &nd)
+        - Tensor::<NdArray, 2>::ones([2, 3], &nd)
+        + Tensor::<NdArray, 2>::zeros([2, 3], &nd);
+    let got = moved.into_data();
+    assert_eq!(got.dtype, want.clone().into_data().dtype);
+    let (got, want) = (
+        got.to_vec::<f32>().unwrap(),
+        want.into_data().to_vec::<f32>().unwrap(),
+    );
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    let ints_nd = (Tensor::<NdArray, 1, Int>::full([4], 7, &nd)
+        + Tensor::<NdArray, 1, Int>::ones([4], &nd))
+    .into_data();
+    assert_eq!(moved_ints.into_data(), ints_nd);
+    let mask: Tensor<C, 2, Bool> = moved_mask;
+    assert_eq!(
+        mask.into_data().to_vec::<bool>().unwrap(),
+        got.iter().map(|v| *v > 2.0).collect::<Vec<_>>()
+    );
+}

@@ -355,6 +355,10 @@ pub(crate) fn int_to_device<D>(tensor: Meta, _device: &D) -> Rule {
     Rule::layout(tensor.shape, tensor.dtype)
 }
 
+pub(crate) fn bool_to_device<D>(tensor: Meta, _device: &D) -> Rule {
+    Rule::layout(tensor.shape, tensor.dtype)
+}
+
 pub(crate) fn float_swap_dims(tensor: Meta, dim1: &usize, dim2: &usize) -> Rule {
     Rule::layout(rules::swap(tensor.shape, *dim1, *dim2), tensor.dtype)
 }

@@ -2554,11 +2554,16 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
-        let log = Eager::new("bool_to_device", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_to_device(tensor.into_inner_for("bool_to_device"), &device.inner),
-        )
+        let rule = op_table::bool_to_device(tensor.meta(), device);
+        let node = rule.record(
+            "bool_to_device",
+            std::sync::Arc::new(device.inner.clone()),
+            rules::inputs([tensor.seq()]),
+        );
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || {
+            I::bool_to_device(tensor.into_inner(), &device)
+        })
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
