@@ -26,12 +26,17 @@ use crate::graph::ComputeKind;
 // program order, where a fusing backend fuses a fill with the ops after it as it does without
 // `Collective` (run at once, a fill would reach it before the queued ops it follows).
 
+/// A tensor of `shape` and `dtype` filled with one value.
+fn fill(shape: &Shape, dtype: DType) -> Rule {
+    Rule::elementwise(Some(shape.clone()), Some(dtype))
+}
+
 pub(crate) fn float_zeros<D>(shape: &Shape, _device: &D, dtype: &FloatDType) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 pub(crate) fn float_ones<D>(shape: &Shape, _device: &D, dtype: &FloatDType) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 pub(crate) fn float_full<D>(
@@ -40,15 +45,15 @@ pub(crate) fn float_full<D>(
     _device: &D,
     dtype: &FloatDType,
 ) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 pub(crate) fn int_zeros<D>(shape: &Shape, _device: &D, dtype: &IntDType) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 pub(crate) fn int_ones<D>(shape: &Shape, _device: &D, dtype: &IntDType) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 pub(crate) fn int_full<D>(
@@ -57,7 +62,7 @@ pub(crate) fn int_full<D>(
     _device: &D,
     dtype: &IntDType,
 ) -> Rule {
-    Rule::elementwise(Some(shape.clone()), Some((*dtype).into()))
+    fill(shape, (*dtype).into())
 }
 
 // Elementwise, shaped like the input.
