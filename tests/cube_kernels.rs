@@ -37,6 +37,13 @@ fn pack_casting_to_bf16_is_within_bf16_rounding() {
 }
 
 #[test]
+fn pack_and_unpack_f16_eight_to_an_access_match_the_host_path_bitwise() {
+    if let Some(c) = client() {
+        common::cube::check_f16_bitwise(&c);
+    }
+}
+
+#[test]
 fn padding_is_zero_and_members_sit_at_their_offsets() {
     let Some(c) = client() else {
         return;
@@ -72,6 +79,25 @@ fn a_bucket_with_more_members_than_one_launch_binds_is_packed_in_several_launche
     let sizes: Vec<u64> = (0..150).map(|i| (i % 7) * 37 + 1).collect();
     let Some((host_flat, dev_flat, host_back, dev_back)) =
         round_trip_sizes(&c, &sizes, DType::F32, DType::F32, Some(8))
+    else {
+        return;
+    };
+    assert!(host_flat.bits_eq(&dev_flat));
+    for (a, b) in host_back.iter().zip(&dev_back) {
+        assert!(a.bits_eq(b));
+    }
+}
+
+#[test]
+fn a_bucket_past_one_grid_of_chunks_is_packed_in_rounds_with_the_host_path_bits() {
+    let Some(c) = client() else {
+        return;
+    };
+    // 5 Mi f32 in 16-byte vectors: 1280 chunks, so each cube takes two in turn; the odd member
+    // goes scalar: 4097 chunks, five rounds.
+    let sizes = [5 << 20, (4 << 20) + 3, 9];
+    let Some((host_flat, dev_flat, host_back, dev_back)) =
+        round_trip_sizes(&c, &sizes, DType::F32, DType::F32, Some(3))
     else {
         return;
     };

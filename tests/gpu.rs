@@ -69,6 +69,14 @@ mod kernels {
     }
 
     #[test]
+    fn f16_members_and_members_at_unaligned_addresses_on_cuda_match_the_host_path_bitwise() {
+        if let Some(c) = client() {
+            super::common::cube::check_f16_bitwise(&c);
+            super::common::cube::check_unaligned_members(&c);
+        }
+    }
+
+    #[test]
     fn casts_to_f16_and_bf16_on_cuda_are_within_their_rounding() {
         if let Some(c) = client() {
             check_cast(&c, DType::F16, 10);

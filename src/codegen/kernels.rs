@@ -1,65 +1,107 @@
 //! CubeCL definitions of the bucket kernels. Definitions only: launching them on a device is the
 //! runtime's job (`runtime::cube`).
 //!
-//! One launch per bucket: the members arrive as a [`Sequence`] of arrays, so the kernel is
-//! specialized on the member count (CubeCL caches one compiled kernel per count and dtype pair)
-//! while sizes and offsets stay runtime values. Every unit walks every member with a grid-stride
-//! loop, so the launch size is independent of the layout.
+//! The members arrive as a [`Sequence`] of arrays, so a kernel is specialized on the member count
+//! (CubeCL caches one compiled kernel per count, dtype pair and vector width) while sizes and
+//! offsets stay runtime values.
 //!
-//! `offsets` has one entry per member plus the buffer length: member `j` occupies
-//! `[offsets[j], offsets[j] + len_j)` and the gap up to `offsets[j + 1]` is padding.
+//! **Work split.** Every cube owns one contiguous range of one member: `rounds` chunks of
+//! `CUBE_DIM × per_unit` vectors. The launcher gives each member as many consecutive cubes as its
+//! ranges, and writes a table with, per member, `[first cube, offset, extent]` (offset and extent
+//! in vectors, extent being what the member's cubes cover), followed by the total cube count. A
+//! cube finds its member once, by comparing its position with the members' first cubes; after
+//! that no element pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
+//! `CUBE_DIM` apart, so a cube's loads and stores are coalesced and several are in flight per
+//! unit. `rounds` is 1 unless the bucket needs more cubes than the launcher allows, which keeps
+//! the grid about one wave of the device on large buckets. Cubes past the total (the launcher may
+//! round the grid up) find no member and do nothing.
+//!
+//! **Vectors.** All arrays of a launch share the vector width `N` (up to 16 bytes per access);
+//! the launcher puts members whose length and offset are not multiples of it in a launch of
+//! width 1. Scaling and casting are per lane, so the bits are those of the scalar host path.
 
-#![allow(missing_docs)] // the launch items `#[cube(launch)]` generates carry no docs
+#![allow(missing_docs)] // the launch items `#[cube(launch_unchecked)]` generates carry no docs
 
 use cubecl::prelude::*;
 
+/// Entries per member in a launch's table: first cube, offset, extent.
+pub const TABLE_STRIDE: usize = 3;
+
 /// Gathers the members into the flat buffer `out` at their offsets, multiplying by `scale` in the
-/// member dtype and then casting to the wire dtype; writes zero into the padding.
-#[cube(launch)]
-pub fn bucket_pack<F: Float + CubeElement, W: Float>(
-    members: &Sequence<Array<F>>,
-    offsets: &Array<u32>,
-    out: &mut Array<W>,
+/// member dtype and then casting to the wire dtype; writes zero into the padding (a member's
+/// extent is its length plus the padding up to the next member).
+///
+/// Unchecked launch: every index is guarded by the member's length or extent, which the launcher
+/// checked against the buffers.
+#[cube(launch_unchecked)]
+pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
+    members: &Sequence<Array<Vector<F, N>>>,
+    table: &Array<u32>,
+    out: &mut Array<Vector<W, N>>,
     scale: F,
+    rounds: u32,
+    #[comptime] per_unit: u32,
 ) {
-    let stride = CUBE_COUNT * (CUBE_DIM as usize);
+    let cube = CUBE_POS;
     #[unroll]
     for j in 0..members.len() {
-        let m = &members[j];
-        let base = offsets[j] as usize;
-        let end = offsets[j + 1] as usize;
-        let len = m.len();
-        let mut i = ABSOLUTE_POS;
-        while i < len {
-            out[base + i] = W::cast_from(m[i] * scale);
-            i += stride;
-        }
-        let mut k = base + len + ABSOLUTE_POS;
-        while k < end {
-            out[k] = W::from_int(0);
-            k += stride;
+        let first = table[TABLE_STRIDE * j] as usize;
+        let next = table[TABLE_STRIDE * (j + 1)] as usize;
+        if cube >= first && cube < next {
+            let m = &members[j];
+            let base = table[TABLE_STRIDE * j + 1] as usize;
+            let extent = table[TABLE_STRIDE * j + 2] as usize;
+            let len = m.len();
+            let chunk = (CUBE_DIM * per_unit) as usize;
+            let start = (cube - first) * chunk * rounds as usize + UNIT_POS as usize;
+            let factor = Vector::<F, N>::new(scale);
+            for r in 0..rounds {
+                let at = start + r as usize * chunk;
+                #[unroll]
+                for u in 0..per_unit {
+                    let i = at + (u * CUBE_DIM) as usize;
+                    if i < len {
+                        out[base + i] = Vector::cast_from(m[i] * factor);
+                    } else if i < extent {
+                        out[base + i] = Vector::<W, N>::new(W::from_int(0));
+                    }
+                }
+            }
         }
     }
 }
 
 /// Scatters the reduced flat buffer back into the members, casting each element back to the
-/// member dtype.
-#[cube(launch)]
-pub fn bucket_unpack<W: Float, F: Float>(
-    buffer: &Array<W>,
-    offsets: &Array<u32>,
-    members: &mut Sequence<Array<F>>,
+/// member dtype. The same work split as [`bucket_pack`]; a member's extent is its length.
+#[cube(launch_unchecked)]
+pub fn bucket_unpack<W: Float, F: Float, N: Size>(
+    buffer: &Array<Vector<W, N>>,
+    table: &Array<u32>,
+    members: &mut Sequence<Array<Vector<F, N>>>,
+    rounds: u32,
+    #[comptime] per_unit: u32,
 ) {
-    let stride = CUBE_COUNT * (CUBE_DIM as usize);
+    let cube = CUBE_POS;
     #[unroll]
     for j in 0..members.len() {
-        let m = members.index_mut(j);
-        let base = offsets[j] as usize;
-        let len = m.len();
-        let mut i = ABSOLUTE_POS;
-        while i < len {
-            m[i] = F::cast_from(buffer[base + i]);
-            i += stride;
+        let first = table[TABLE_STRIDE * j] as usize;
+        let next = table[TABLE_STRIDE * (j + 1)] as usize;
+        if cube >= first && cube < next {
+            let m = members.index_mut(j);
+            let base = table[TABLE_STRIDE * j + 1] as usize;
+            let len = m.len();
+            let chunk = (CUBE_DIM * per_unit) as usize;
+            let start = (cube - first) * chunk * rounds as usize + UNIT_POS as usize;
+            for r in 0..rounds {
+                let at = start + r as usize * chunk;
+                #[unroll]
+                for u in 0..per_unit {
+                    let i = at + (u * CUBE_DIM) as usize;
+                    if i < len {
+                        m[i] = Vector::cast_from(buffer[base + i]);
+                    }
+                }
+            }
         }
     }
 }

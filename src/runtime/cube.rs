@@ -2,24 +2,25 @@
 //! CubeCL runtime: wgpu here (Mesa's software Vulkan driver in CI), CUDA on GPUs. Buffers are
 //! CubeCL handles, the same kind Burn's CubeCL backends keep their tensors in.
 //!
-//! A bucket is one launch when its members fit the device's binding limit (every member is one
-//! storage binding); larger buckets are packed in consecutive launches of up to that many
-//! members into the same buffer.
+//! A bucket is one launch when every member can be moved in 16-byte vectors (length, offset and
+//! buffer start multiples of the vector width, which bucket alignment gives all but odd-sized
+//! tensors) and the members fit the device's binding limit (every member is one storage
+//! binding). Members that cannot be vectorized go to a second launch of width 1; buckets with
+//! more members than one launch binds are packed in consecutive launches into the same buffer.
 
 use cubecl::prelude::*;
-use cubecl::server::Handle;
+use cubecl::server::{CubeCountSelection, Handle};
 
 use super::buffer::HostBuffer;
 use super::grad::{CudaMemory, DeviceBucket, DeviceGrad, Packed, Unpacked};
 use super::host::KernelError;
 use crate::codegen::kernels::{bucket_pack, bucket_unpack};
+use crate::codegen::launches::{CUBE_DIM, Extent, PER_UNIT, launches, table};
 use crate::codegen::layout::{BucketLayout, MemberLayout};
 use crate::graph::DType;
 
-/// Units per cube of the bucket kernels.
-const CUBE_DIM: u32 = 256;
-/// Most cubes a launch uses (the kernels loop over the rest).
-const MAX_CUBES: u32 = 1024;
+/// Widest access the kernels make, in bytes.
+const MAX_VECTOR_BYTES: usize = 16;
 
 /// Why a kernel could not be launched.
 #[derive(Debug, thiserror::Error)]
@@ -55,13 +56,6 @@ pub struct DeviceMember {
     pub handle: Handle,
     /// Elements.
     pub len: usize,
-}
-
-fn launch_shape(numel: u64) -> (CubeCount, CubeDim) {
-    let cubes = numel
-        .div_ceil(u64::from(CUBE_DIM))
-        .clamp(1, u64::from(MAX_CUBES)) as u32;
-    (CubeCount::Static(cubes, 1, 1), CubeDim::new_1d(CUBE_DIM))
 }
 
 /// Members per launch on this client.
@@ -105,42 +99,50 @@ fn check(layout: &BucketLayout, members: &[DeviceMember]) -> Result<(), CubeErro
     Ok(())
 }
 
-/// Offsets table of members `[from, to)`: their offsets then the end of the last one's padding.
-fn offsets(layout: &BucketLayout, from: usize, to: usize) -> Vec<u32> {
-    let mut o: Vec<u32> = layout.members[from..to]
-        .iter()
-        .map(|m| m.offset as u32)
-        .collect();
-    let end = layout.members.get(to).map_or(layout.numel, |m| m.offset);
-    o.push(end as u32);
-    o
+/// The widest vector (in elements) the device loads for both dtypes, within [`MAX_VECTOR_BYTES`].
+fn vector_width<R: Runtime>(client: &ComputeClient<R>, member: usize, wire: usize) -> usize {
+    let elem = member.max(wire);
+    client
+        .io_optimized_vector_sizes(elem)
+        .find(|v| v * elem <= MAX_VECTOR_BYTES)
+        .unwrap_or(1)
 }
 
-/// Calls `launch` once per group of members that fits one launch, with the group's offsets
-/// table, launch shape and member arrays.
-fn per_launch<R: Runtime, F: Float + CubeElement>(
+/// Calls `launch` once per [`Launch`] with cubes to run: its grid, vector width and rounds,
+/// member arrays and table.
+fn per_launch<R: Runtime, T: CubePrimitive>(
     client: &ComputeClient<R>,
     layout: &BucketLayout,
     members: &[DeviceMember],
-    mut launch: impl FnMut(CubeCount, CubeDim, SequenceArg<R, Array<F>>, ArrayArg<R>),
+    (width, elem): (usize, usize),
+    extent: Extent,
+    mut launch: impl FnMut(CubeCount, (usize, u32), SequenceArg<R, Array<T>>, ArrayArg<R>),
 ) {
+    let starts: Vec<u64> = members
+        .iter()
+        .map(|m| m.handle.offset_start.unwrap_or(0))
+        .collect();
     let per = members_per_launch(client);
-    let mut from = 0;
-    while from < members.len() {
-        let to = (from + per).min(members.len());
-        let offs = offsets(layout, from, to);
-        let offs_handle = client.create_from_slice(u32::as_bytes(&offs));
-        let span: u64 = members[from..to].iter().map(|m| m.len as u64).sum();
-        let (count, dim) = launch_shape(span.max(1));
-        let seq: SequenceArg<R, Array<F>> = members[from..to]
+    for l in launches(layout, &starts, elem as u64, width, per) {
+        let t = table(layout, &l, extent);
+        if t.cubes == 0 {
+            continue;
+        }
+        let tab_handle = client.create_from_slice(u32::as_bytes(&t.entries));
+        let seq: SequenceArg<R, Array<T>> = l
+            .members
             .iter()
-            // SAFETY: each handle holds `len` elements of `F` (checked against the layout).
-            .map(|m| unsafe { ArrayArg::from_raw_parts(m.handle.clone(), m.len) })
+            // SAFETY: each handle holds `len` member elements (checked against the layout), a
+            // multiple of the launch's width. Lengths are in elements; the kernel sees
+            // `len / width` vectors.
+            .map(|&j| unsafe {
+                ArrayArg::from_raw_parts(members[j].handle.clone(), members[j].len)
+            })
             .collect();
-        // SAFETY: the table was just created with `offs.len()` elements.
-        let offs_arg = unsafe { ArrayArg::from_raw_parts(offs_handle, offs.len()) };
-        launch(count, dim, seq, offs_arg);
-        from = to;
+        // SAFETY: the table was just created with `entries.len()` elements.
+        let tab_arg = unsafe { ArrayArg::from_raw_parts(tab_handle, t.entries.len()) };
+        let count = CubeCountSelection::new(client, t.cubes).cube_count();
+        launch(count, (l.width, t.rounds), seq, tab_arg);
     }
 }
 
@@ -151,18 +153,35 @@ fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
     scale: f32,
     out: &Handle,
 ) {
-    per_launch::<R, F>(client, layout, members, |count, dim, seq, offs| {
-        bucket_pack::launch::<F, W, R>(
-            client,
-            count,
-            dim,
-            seq,
-            offs,
-            // SAFETY: `out` holds `layout.numel` elements of `W` (the caller made it).
-            unsafe { ArrayArg::from_raw_parts(out.clone(), layout.numel as usize) },
-            F::new(scale),
-        );
-    });
+    let width = vector_width(client, size_of::<F>(), size_of::<W>());
+    let dim = CubeDim::new_1d(CUBE_DIM);
+    let vectors = (width, size_of::<F>());
+    per_launch(
+        client,
+        layout,
+        members,
+        vectors,
+        Extent::WithPadding,
+        |count, (w, rounds), seq, tab| {
+            // SAFETY: every index the kernel makes is below a member's length or extent, which the
+            // table and the arrays carry; `out` holds `layout.numel` elements of `W` (the caller
+            // made it), a multiple of `w` wherever a member of this launch sits.
+            unsafe {
+                bucket_pack::launch_unchecked::<F, W, R>(
+                    client,
+                    count,
+                    dim,
+                    w,
+                    seq,
+                    tab,
+                    ArrayArg::from_raw_parts(out.clone(), layout.numel as usize),
+                    F::new(scale),
+                    rounds,
+                    PER_UNIT,
+                );
+            }
+        },
+    );
 }
 
 fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
@@ -171,17 +190,32 @@ fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
     buffer: &Handle,
     members: &[DeviceMember],
 ) {
-    per_launch::<R, F>(client, layout, members, |count, dim, seq, offs| {
-        bucket_unpack::launch::<W, F, R>(
-            client,
-            count,
-            dim,
-            // SAFETY: `buffer` holds `layout.numel` elements of `W`.
-            unsafe { ArrayArg::from_raw_parts(buffer.clone(), layout.numel as usize) },
-            offs,
-            seq,
-        );
-    });
+    let width = vector_width(client, size_of::<F>(), size_of::<W>());
+    let dim = CubeDim::new_1d(CUBE_DIM);
+    let vectors = (width, size_of::<F>());
+    per_launch(
+        client,
+        layout,
+        members,
+        vectors,
+        Extent::Member,
+        |count, (w, rounds), seq, tab| {
+            // SAFETY: as in `pack_typed`; `buffer` holds `layout.numel` elements of `W`.
+            unsafe {
+                bucket_unpack::launch_unchecked::<W, F, R>(
+                    client,
+                    count,
+                    dim,
+                    w,
+                    ArrayArg::from_raw_parts(buffer.clone(), layout.numel as usize),
+                    tab,
+                    seq,
+                    rounds,
+                    PER_UNIT,
+                );
+            }
+        },
+    );
 }
 
 fn dtype_of(layout: &BucketLayout, name: &str) -> Result<DType, CubeError> {

@@ -171,6 +171,74 @@ pub fn check_f32_bitwise<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
+/// f16 members on an f16 wire (8 elements per 16-byte access) round-trip bit for bit, with no
+/// scale; skipped where the runtime lacks f16.
+pub fn check_f16_bitwise<R: Runtime>(client: &ComputeClient<R>) {
+    if let Some((host_flat, dev_flat, host_back, dev_back)) =
+        round_trip_sizes(client, &SIZES, DType::F16, DType::F16, None)
+    {
+        assert!(host_flat.bits_eq(&dev_flat), "f16 pack");
+        for (i, (a, b)) in host_back.iter().zip(&dev_back).enumerate() {
+            assert!(a.bits_eq(b), "f16 unpack member {i}");
+        }
+    }
+}
+
+/// Members whose buffers start 4 bytes past a 16-byte boundary (views into one allocation, as
+/// a tensor slice gives) are packed and unpacked with the host path's bits: the kernels must
+/// not use 16-byte accesses on them. Runtimes that bind buffers only at aligned offsets (wgpu)
+/// cannot run this.
+pub fn check_unaligned_members<R: Runtime>(client: &ComputeClient<R>) {
+    let sizes = [4096u64, 8, 1000, 12];
+    let l = layout(&sizes, DType::F32, DType::F32, Some(2));
+    let values: Vec<HostBuffer> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| HostBuffer::from_f64(DType::F32, &random(*n, 40 + i as u64)).unwrap())
+        .collect();
+    // One allocation: a 4-byte lead, then the members back to back.
+    let mut bytes = vec![0u8; 4];
+    for v in &values {
+        bytes.extend_from_slice(v.as_bytes());
+    }
+    let all = client.create_from_slice(&bytes);
+    let total = bytes.len() as u64;
+    let mut at = 4u64;
+    let views: Vec<DeviceMember> = values
+        .iter()
+        .map(|v| {
+            let len = v.as_bytes().len() as u64;
+            let handle = all.clone().offset_start(at).offset_end(total - at - len);
+            at += len;
+            DeviceMember {
+                handle,
+                len: v.len(),
+            }
+        })
+        .collect();
+    let refs: Vec<&HostBuffer> = values.iter().collect();
+    let host_flat = host::pack(&l, &refs, Some(2)).unwrap();
+    let flat = cube::pack(client, &l, &views, Some(2)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        host_flat.bits_eq(&read(client, flat.clone(), DType::F32)),
+        "pack"
+    );
+    // Unpack into the unaligned views: the allocation then holds the halved members.
+    cube::unpack(client, &l, &flat, &views).unwrap_or_else(|e| panic!("{e}"));
+    let back = read(client, all, DType::F32).to_f64();
+    let mut k = 1;
+    for (i, v) in values.iter().enumerate() {
+        for (j, x) in v.to_f64().iter().enumerate() {
+            assert_eq!(
+                back[k].to_bits(),
+                (x / 2.0).to_bits(),
+                "member {i} element {j}"
+            );
+            k += 1;
+        }
+    }
+}
+
 /// A cast to `wire` (f16: 10 mantissa bits, bf16: 7) is within that format's rounding.
 pub fn check_cast<R: Runtime>(client: &ComputeClient<R>, wire: DType, mantissa_bits: i32) {
     if let Some((host_flat, dev_flat, host_back, dev_back)) =
