@@ -40,7 +40,7 @@ timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>
 rc=$?
 grep -E "^test |test result|SKIPPED|panicked" "$OUT/gpu-tests.log" | tail -40
 record "GPU tests" "exit $rc, $(grep -c ' \.\.\. ok$' "$OUT/gpu-tests.log") passed, $(grep -c ' \.\.\. FAILED$' "$OUT/gpu-tests.log") failed"
-grep -A30 "pack bandwidth\|overlap\|overhead" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
+grep -A30 "pack bandwidth\|overlap\|overhead\|pinned staging" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
 
 bin=bin/collective-fusion
 port=$((29500 + RANDOM % 1000))

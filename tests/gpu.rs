@@ -241,6 +241,70 @@ mod nccl {
         }
     }
 
+    /// Host buffers go through the comm thread's pinned staging memory: a group of buffers of
+    /// three dtypes shares one batch (each its own place), a larger one makes the memory grow,
+    /// and a smaller one reuses it; every result has its own input's bits (one rank: the
+    /// all-reduce is the identity, so a buffer given another's place would show). Prints the
+    /// host-buffer round trip's bandwidth.
+    #[test]
+    fn host_buffers_through_pinned_staging_come_back_with_their_own_bits() {
+        if !gpu_or_skip("nccl pinned staging", 1, true) {
+            return;
+        }
+        use collective_fusion::runtime::Communicator;
+        use collective_fusion::runtime::synthetic::SplitMix64;
+        let comm = single_rank();
+        let random = |dtype: DType, n: usize, seed: u64| {
+            let mut r = SplitMix64(seed);
+            let v: Vec<f64> = (0..n).map(|_| r.next_value()).collect();
+            HostBuffer::from_f64(dtype, &v).unwrap()
+        };
+        let batches = [
+            vec![
+                random(DType::F32, 1000, 1),
+                random(DType::F16, 7, 2),
+                HostBuffer::F32(Vec::new()),
+                random(DType::BF16, 70_001, 3),
+            ],
+            vec![random(DType::F32, 16 << 20, 4)],
+            vec![random(DType::F64, 33, 5), random(DType::F32, 5, 6)],
+        ];
+        for (b, batch) in batches.iter().enumerate() {
+            comm.group(true);
+            let pending: Vec<_> = batch
+                .iter()
+                .map(|buf| {
+                    let d = desc(ReduceOp::Sum, buf.dtype(), buf.len() as u64);
+                    comm.all_reduce(buf.clone(), d).unwrap()
+                })
+                .collect();
+            comm.group(false);
+            for (k, (p, buf)) in pending.into_iter().zip(batch).enumerate() {
+                let (out, _) = p.wait(Duration::from_secs(30)).unwrap();
+                assert!(out.bits_eq(buf), "batch {b}, buffer {k} ({})", buf.dtype());
+            }
+        }
+        let buf = random(DType::F32, 16 << 20, 7);
+        let mut times: Vec<f64> = (0..5)
+            .map(|_| {
+                let d = desc(ReduceOp::Sum, DType::F32, buf.len() as u64);
+                let t0 = Instant::now();
+                let p = comm.all_reduce(buf.clone(), d).unwrap();
+                p.wait(Duration::from_secs(30)).unwrap();
+                t0.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let bytes = buf.as_bytes().len() as f64;
+        println!(
+            "host buffer through pinned staging: {} MiB all-reduced in {:.2} ms (median of 5), \
+             {:.1} GB/s each way",
+            bytes as u64 >> 20,
+            times[2] * 1e3,
+            bytes / times[2] / 1e9
+        );
+    }
+
     /// An NCCL collective's span is the device's: timed events around its call, anchored at
     /// the moment the comm thread saw the stream pass it, so it lies inside the host's view
     /// (from the call to the reply, which also holds the copy back to the host), and a 64 MiB

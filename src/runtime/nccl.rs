@@ -35,9 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::NcclType;
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::sys as nccl_sys;
@@ -54,6 +52,7 @@ use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::DType;
 use crate::graph::ReduceOp;
 
+mod staging;
 mod worker;
 use worker::{device_of, serve};
 

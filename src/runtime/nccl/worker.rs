@@ -9,8 +9,11 @@
 //! polling interval or the wait for a pack kernel in it; where the events cannot be timed the
 //! host's view stands in (from the batch's start to the reply).
 
-use cudarc::driver::{CudaEvent, sys::CUevent_flags};
+use std::ops::Range;
 
+use cudarc::driver::{CudaEvent, DevicePtr, sys::CUevent_flags};
+
+use super::staging::Staging;
 use super::*;
 
 /// Events that can be timed (CUDA's default flags; cudarc's default disables timing).
@@ -27,60 +30,73 @@ pub(super) fn serve(
     timeout: Duration,
 ) {
     let mut comm = Some(comm);
+    let mut staging = Staging::new(stream.context().clone());
+    let thread = Thread {
+        rank,
+        stream,
+        control,
+        timeout,
+    };
     let mut group: Option<Vec<NcclJob>> = None;
     for job in rx {
         match job {
             NcclJob::GroupStart => {
                 if let Some(open) = group.replace(Vec::new()) {
                     // Not closed: those launch on their own.
-                    run_jobs(rank, &stream, &mut comm, open, false, control, timeout);
+                    run_jobs(&thread, &mut comm, &mut staging, open, false);
                 }
             }
             NcclJob::GroupEnd => {
                 let jobs = group.take().unwrap_or_default();
                 let grouped = jobs.len() > 1;
-                run_jobs(rank, &stream, &mut comm, jobs, grouped, control, timeout);
+                run_jobs(&thread, &mut comm, &mut staging, jobs, grouped);
             }
             job => match group.as_mut() {
                 Some(g) => g.push(job),
-                None => run_jobs(rank, &stream, &mut comm, vec![job], false, control, timeout),
+                None => run_jobs(&thread, &mut comm, &mut staging, vec![job], false),
             },
         }
     }
 }
 
+/// What the comm thread runs every batch with.
+struct Thread<'a> {
+    rank: usize,
+    stream: Arc<CudaStream>,
+    control: &'a Control,
+    timeout: Duration,
+}
+
 /// A job whose NCCL call was issued on the stream.
 struct Issued {
     job: NcclJob,
+    /// A host buffer's place in the staging memory (none for a device bucket or an empty buffer).
+    place: Option<Range<usize>>,
     /// A host buffer's device copy, reduced in place (none for a device bucket, an empty
     /// buffer, or a call that was not issued).
-    dev: Option<DevBuf>,
+    dev: Option<CudaSlice<u8>>,
     /// A timed event the stream passes right after this job's call (none inside a group, whose
     /// calls launch together at its end).
     ended: Option<CudaEvent>,
 }
 
-/// A host buffer's device copy.
-enum DevBuf {
-    F32(CudaSlice<f32>),
-    F64(CudaSlice<f64>),
-    F16(CudaSlice<f16>),
-    BF16(CudaSlice<bf16>),
-}
-
 /// Issues each job's NCCL call (inside one NCCL group when `grouped`), waits once for the
-/// stream, then finishes each job (device → host for host buffers) and replies. A rank
+/// stream, then finishes each job (out of the staging memory for host buffers) and replies. A rank
 /// aborted before this (by [`Communicator::abort`], or by an earlier failure) issues nothing:
 /// its NCCL communicator is aborted and every job fails with the reason.
 fn run_jobs(
-    rank: usize,
-    stream: &Arc<CudaStream>,
+    thread: &Thread<'_>,
     comm: &mut Option<RawComm>,
+    staging: &mut Staging,
     jobs: Vec<NcclJob>,
     grouped: bool,
-    control: &Control,
-    timeout: Duration,
 ) {
+    let Thread {
+        rank,
+        ref stream,
+        control,
+        timeout,
+    } = *thread;
     let start = Instant::now();
     // The device's times of the issued calls, in job order, once the stream passed them.
     let mut spans: Vec<Option<CommSpan>> = Vec::new();
@@ -96,11 +112,15 @@ fn run_jobs(
             // First each device bucket's pack kernel is waited for, and each declined bucket
             // read (on this thread, so the backward thread that launched the kernel went on);
             // then the calls are issued, none if any of that failed (the rank aborts).
-            let ready: Vec<(Issued, Result<(), Failure>)> = jobs
+            let mut ready: Vec<(Issued, Result<(), Failure>)> = jobs
                 .into_iter()
                 .filter_map(|j| unissued(j).map(prepare))
                 .collect();
-            let refused = ready.iter().find_map(|(_, r)| r.clone().err());
+            let staged = place_host_buffers(staging, &mut ready);
+            let refused = ready
+                .iter()
+                .find_map(|(_, r)| r.clone().err())
+                .or(staged.err());
             let opened = if let Some(first) = refused {
                 Err(first)
             } else if grouped {
@@ -116,9 +136,11 @@ fn run_jobs(
                 .into_iter()
                 .map(|(i, r)| match (&opened, r) {
                     (Ok(()), Ok(())) => {
-                        let (mut i, r) = issue(stream, c, i);
+                        let (mut i, r) = issue(stream, c, staging, i);
                         if !grouped && r.is_ok() {
                             i.ended = stream.record_event(TIMED).ok();
+                            let back = queue_back(stream, staging, &i);
+                            return (i, back);
                         }
                         (i, r)
                     }
@@ -134,9 +156,17 @@ fn run_jobs(
                 for (_, r) in &mut issued {
                     *r = Err(why.clone());
                 }
+            } else if grouped {
+                // The group's calls were queued at its end: the copies back go after them.
+                for (i, r) in &mut issued {
+                    if r.is_ok() {
+                        *r = queue_back(stream, staging, i);
+                    }
+                }
             }
             let waited = if issued.iter().any(|(_, r)| r.is_ok()) {
                 await_stream(stream, c, control, timeout).map(|done| {
+                    staging.set_in_flight(false);
                     let ends: Vec<Option<&CudaEvent>> =
                         issued.iter().map(|(i, _)| i.ended.as_ref()).collect();
                     spans = device_spans(began.as_ref(), &ends, &done);
@@ -151,7 +181,13 @@ fn run_jobs(
         }
     };
     let mut spans = spans.into_iter();
-    for (Issued { job, dev, .. }, done) in issued {
+    for (
+        Issued {
+            job, place, dev, ..
+        },
+        done,
+    ) in issued
+    {
         let span = spans.next().flatten().unwrap_or(CommSpan {
             start,
             end: Instant::now(),
@@ -162,7 +198,9 @@ fn run_jobs(
                 what,
                 reply,
             } => {
-                let done = done.map(|r| r.and_then(|()| copy_back(stream, dev, &mut buffer)));
+                let done = done.map(|r| r.map(|()| copy_back(staging, place, &mut buffer)));
+                // The stream has passed the copies (or the rank aborted): the device copy goes.
+                drop(dev);
                 let _ = reply.send(outcome(rank, comm, done, buffer, what, span, control));
             }
             NcclJob::Read { what, reply, .. } => {
@@ -225,56 +263,74 @@ fn unissued(job: NcclJob) -> Option<Issued> {
         NcclJob::GroupStart | NcclJob::GroupEnd => None,
         job => Some(Issued {
             job,
+            place: None,
             dev: None,
             ended: None,
         }),
     }
 }
 
-/// Queues a job's work on the stream: host → device and `ncclAllReduce` in place for a host
-/// buffer, `ncclAllReduce` in place on its own memory for a device bucket.
-fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result<(), Failure>) {
+/// Gives every host buffer of a batch its place in the staging memory (one allocation for the
+/// batch, grown when too small).
+fn place_host_buffers(
+    staging: &mut Staging,
+    ready: &mut [(Issued, Result<(), Failure>)],
+) -> Result<(), Failure> {
+    let sizes: Vec<usize> = ready
+        .iter()
+        .map(|(i, _)| match &i.job {
+            NcclJob::Host { buffer, .. } => buffer.as_bytes().len(),
+            _ => 0,
+        })
+        .collect();
+    if sizes.iter().all(|n| *n == 0) {
+        return Ok(());
+    }
+    let places = staging
+        .place(&sizes)
+        .map_err(|e| Failure::Failed(format!("allocating pinned staging memory: {e}")))?;
+    for ((i, _), (place, n)) in ready.iter_mut().zip(places.into_iter().zip(sizes)) {
+        i.place = (n > 0).then_some(place);
+    }
+    Ok(())
+}
+
+/// Queues a job's work on the stream: for a host buffer, host → device from its staging place,
+/// `ncclAllReduce` in place and device → host back into the place; `ncclAllReduce` in place on
+/// its own memory for a device bucket.
+fn issue(
+    stream: &Arc<CudaStream>,
+    comm: &RawComm,
+    staging: &mut Staging,
+    i: Issued,
+) -> (Issued, Result<(), Failure>) {
     let issued = match &i.job {
         NcclJob::Read { .. } => Err(Failure::Local("the declined bucket was not read".into())),
-        NcclJob::Host { buffer, what, .. } => {
-            let op = what.op;
-            match buffer {
-                b if b.is_empty() => Ok(None),
-                HostBuffer::F32(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F32(d))),
-                HostBuffer::F64(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F64(d))),
-                HostBuffer::F16(v) => to_device(stream, comm, v, op).map(|d| Some(DevBuf::F16(d))),
-                HostBuffer::BF16(v) => {
-                    to_device(stream, comm, v, op).map(|d| Some(DevBuf::BF16(d)))
-                }
+        NcclJob::Host { buffer, what, .. } => match &i.place {
+            None => Ok(None),
+            Some(place) => {
+                stage_and_reduce(stream, comm, staging, place.clone(), buffer, what.op).map(Some)
             }
-        }
+        },
         NcclJob::Device {
             bucket,
             memory,
             what,
             ..
         } => {
-            let (ptr, len, op) = (memory.ptr, bucket.len(), what.op);
             // SAFETY: `all_reduce_device` checked that the memory is on this communicator's
             // GPU and holds the bucket; the pack kernel that wrote it was waited for, and the
             // bucket is held (and left alone) until the stream has passed the call.
             unsafe {
-                match bucket.dtype() {
-                    DType::F32 => comm.all_reduce_in_place::<f32>(ptr, len, op, stream),
-                    DType::F64 => comm.all_reduce_in_place::<f64>(ptr, len, op, stream),
-                    DType::F16 => comm.all_reduce_in_place::<f16>(ptr, len, op, stream),
-                    DType::BF16 => comm.all_reduce_in_place::<bf16>(ptr, len, op, stream),
-                    other => {
-                        return (
-                            i,
-                            Err(Failure::Local(format!(
-                                "an {other} bucket cannot be reduced in place"
-                            ))),
-                        );
-                    }
-                }
+                reduce_in_place(
+                    comm,
+                    bucket.dtype(),
+                    memory.ptr,
+                    bucket.len(),
+                    what.op,
+                    stream,
+                )
             }
-            .map_err(Failure::Failed)
             .map(|()| None)
         }
         NcclJob::GroupStart | NcclJob::GroupEnd => Ok(None),
@@ -285,30 +341,98 @@ fn issue(stream: &Arc<CudaStream>, comm: &RawComm, i: Issued) -> (Issued, Result
     }
 }
 
-/// Device → host for a reduced host buffer.
-fn copy_back(
-    stream: &Arc<CudaStream>,
-    dev: Option<DevBuf>,
-    host: &mut HostBuffer,
+/// `ncclAllReduce` in place of `len` elements of `dtype` at `ptr`.
+///
+/// # Safety
+/// As [`RawComm::all_reduce_in_place`].
+unsafe fn reduce_in_place(
+    comm: &RawComm,
+    dtype: DType,
+    ptr: u64,
+    len: usize,
+    op: ReduceOp,
+    stream: &CudaStream,
 ) -> Result<(), Failure> {
-    let back = "copying the result to the host";
-    match (dev, host) {
-        (None, _) => Ok(()),
-        (Some(DevBuf::F32(d)), HostBuffer::F32(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
+    // SAFETY: the caller's contract.
+    unsafe {
+        match dtype {
+            DType::F32 => comm.all_reduce_in_place::<f32>(ptr, len, op, stream),
+            DType::F64 => comm.all_reduce_in_place::<f64>(ptr, len, op, stream),
+            DType::F16 => comm.all_reduce_in_place::<f16>(ptr, len, op, stream),
+            DType::BF16 => comm.all_reduce_in_place::<bf16>(ptr, len, op, stream),
+            other => {
+                return Err(Failure::Local(format!(
+                    "an {other} buffer cannot be reduced by NCCL here"
+                )));
+            }
         }
-        (Some(DevBuf::F64(d)), HostBuffer::F64(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
-        }
-        (Some(DevBuf::F16(d)), HostBuffer::F16(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
-        }
-        (Some(DevBuf::BF16(d)), HostBuffer::BF16(h)) => {
-            stream.memcpy_dtoh(&d, h).map_err(device_failed(back))
-        }
-        _ => Err(Failure::Local(
-            "the device copy and the host buffer differ in dtype".into(),
-        )),
+    }
+    .map_err(Failure::Failed)
+}
+
+/// A host buffer's collective, queued: its bytes into the staging memory (on the CPU), then on
+/// the stream host → device and `ncclAllReduce` in place (queued at the group's end inside a
+/// group). The device copy is returned, to be held until the stream has passed it; the copy
+/// back ([`queue_back`]) is queued once the call is on the stream.
+fn stage_and_reduce(
+    stream: &Arc<CudaStream>,
+    comm: &RawComm,
+    staging: &mut Staging,
+    place: Range<usize>,
+    buffer: &HostBuffer,
+    op: ReduceOp,
+) -> Result<CudaSlice<u8>, Failure> {
+    // From here until the stream has passed the batch, copies may use the staging memory.
+    staging.set_in_flight(true);
+    // SAFETY: nothing is queued on this place yet (places are handed out per batch, and a batch
+    // starts once the stream has passed the one before).
+    let staged = unsafe { staging.bytes(place) };
+    staged.copy_from_slice(buffer.as_bytes());
+    // SAFETY: every byte is written by the copy queued next, before anything reads it.
+    let mut dev = unsafe { stream.alloc::<u8>(staged.len()) }
+        .map_err(device_failed("allocating the device copy"))?;
+    let (ptr, written) = dev.device_ptr_mut(stream);
+    let queued = "queueing a copy through pinned memory";
+    // SAFETY: `staged` is pinned memory of `dev`'s size, left alone until the stream has passed
+    // both copies (the caller holds `dev` and reads the place only after the wait); the
+    // all-reduce runs between them on the same stream.
+    let reduced = unsafe {
+        cudarc::driver::result::memcpy_htod_async(ptr, &*staged, stream.cu_stream())
+            .map_err(device_failed(queued))
+            .and_then(|()| reduce_in_place(comm, buffer.dtype(), ptr, buffer.len(), op, stream))
+    };
+    drop(written);
+    reduced.map(|()| dev)
+}
+
+/// Queues the device → host copy of a host buffer's reduced device copy into its staging place,
+/// after its `ncclAllReduce` on the stream.
+fn queue_back(stream: &Arc<CudaStream>, staging: &mut Staging, i: &Issued) -> Result<(), Failure> {
+    let (Some(place), Some(dev)) = (&i.place, &i.dev) else {
+        return Ok(());
+    };
+    let (ptr, read) = dev.device_ptr(stream);
+    // SAFETY: the place is pinned memory of the device copy's size, read by the CPU only after
+    // the stream has passed this copy; the device copy is held as long.
+    let back = unsafe {
+        cudarc::driver::result::memcpy_dtoh_async(
+            staging.bytes(place.clone()),
+            ptr,
+            stream.cu_stream(),
+        )
+    };
+    drop(read);
+    back.map_err(device_failed(
+        "queueing the copy back through pinned memory",
+    ))
+}
+
+/// Out of the staging memory into a reduced host buffer, once the stream has passed its copies.
+fn copy_back(staging: &mut Staging, place: Option<Range<usize>>, host: &mut HostBuffer) {
+    if let Some(place) = place {
+        // SAFETY: the stream has passed this batch's copies (the caller waited for it).
+        host.as_bytes_mut()
+            .copy_from_slice(unsafe { staging.bytes(place) });
     }
 }
 
@@ -444,26 +568,6 @@ fn device_spans(
             span
         })
         .collect()
-}
-
-/// Host → device and `ncclAllReduce` in place on the copy, queued on the stream.
-fn to_device<T: DeviceRepr + ValidAsZeroBits + NcclType>(
-    stream: &Arc<CudaStream>,
-    comm: &RawComm,
-    host: &[T],
-    op: ReduceOp,
-) -> Result<CudaSlice<T>, Failure> {
-    let mut dev = stream
-        .clone_htod(host)
-        .map_err(device_failed("copying the buffer to the device"))?;
-    let len = dev.len();
-    let (ptr, written) = dev.device_ptr_mut(stream);
-    // SAFETY: the copy is this communicator's GPU memory of `len` elements, written by the
-    // copy queued before on the same stream and read back only after the stream passes.
-    let reduced = unsafe { comm.all_reduce_in_place::<T>(ptr, len, op, stream) };
-    drop(written);
-    reduced.map_err(Failure::Failed)?;
-    Ok(dev)
 }
 
 /// The CUDA device that owns `ptr`, if the driver can say.
