@@ -190,7 +190,15 @@ fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
     buffer: &Handle,
     members: &[DeviceMember],
 ) {
-    let width = vector_width(client, size_of::<F>(), size_of::<W>());
+    let mut width = vector_width(client, size_of::<F>(), size_of::<W>());
+    // A bucket handed in as a view may start anywhere: read it in vectors only from a boundary.
+    if !buffer
+        .offset_start
+        .unwrap_or(0)
+        .is_multiple_of((width * size_of::<W>()) as u64)
+    {
+        width = 1;
+    }
     let dim = CubeDim::new_1d(CUBE_DIM);
     let vectors = (width, size_of::<F>());
     per_launch(

@@ -185,8 +185,8 @@ pub fn check_f16_bitwise<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 /// Members whose buffers start 4 bytes past a 16-byte boundary (views into one allocation, as
-/// a tensor slice gives) are packed and unpacked with the host path's bits: the kernels must
-/// not use 16-byte accesses on them. Runtimes that bind buffers only at aligned offsets (wgpu)
+/// a tensor slice gives), and a bucket that does, are packed and unpacked with the host path's
+/// bits: the kernels must not use 16-byte accesses on them. Runtimes that bind buffers only at aligned offsets (wgpu)
 /// cannot run this.
 pub fn check_unaligned_members<R: Runtime>(client: &ComputeClient<R>) {
     let sizes = [4096u64, 8, 1000, 12];
@@ -223,6 +223,25 @@ pub fn check_unaligned_members<R: Runtime>(client: &ComputeClient<R>) {
         host_flat.bits_eq(&read(client, flat.clone(), DType::F32)),
         "pack"
     );
+    // Unpack from a bucket that itself starts 4 bytes into its allocation, into aligned members.
+    let mut lead = vec![0u8; 4];
+    lead.extend_from_slice(host_flat.as_bytes());
+    let shifted = client.create_from_slice(&lead).offset_start(4);
+    let fresh: Vec<DeviceMember> = sizes
+        .iter()
+        .map(|n| upload(client, &HostBuffer::zeros(DType::F32, *n as usize).unwrap()))
+        .collect();
+    cube::unpack(client, &l, &shifted, &fresh).unwrap_or_else(|e| panic!("{e}"));
+    for (i, (m, v)) in fresh.into_iter().zip(&values).enumerate() {
+        let got = read(client, m.handle, DType::F32).to_f64();
+        let want: Vec<f64> = v.to_f64().iter().map(|x| x / 2.0).collect();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "member {i} unpacked from an unaligned bucket"
+        );
+    }
     // Unpack into the unaligned views: the allocation then holds the halved members.
     cube::unpack(client, &l, &flat, &views).unwrap_or_else(|e| panic!("{e}"));
     let back = read(client, all, DType::F32).to_f64();
