@@ -27,6 +27,21 @@ use cubecl::prelude::*;
 /// Entries per member in a launch's table: first cube, offset, extent.
 pub const TABLE_STRIDE: usize = 3;
 
+/// Whether this cube works on member `j` of the launch's table.
+#[cube]
+fn owns(table: &Array<u32>, j: usize) -> bool {
+    let cube = CUBE_POS;
+    cube >= table[TABLE_STRIDE * j] as usize && cube < table[TABLE_STRIDE * (j + 1)] as usize
+}
+
+/// The first vector this unit moves in member `j` (on a cube that [`owns`] it): the cube's
+/// range starts `rounds` chunks per cube after the member's first cube.
+#[cube]
+fn unit_start(table: &Array<u32>, j: usize, rounds: u32, #[comptime] per_unit: u32) -> usize {
+    let chunk = (CUBE_DIM * per_unit) as usize;
+    (CUBE_POS - table[TABLE_STRIDE * j] as usize) * chunk * rounds as usize + UNIT_POS as usize
+}
+
 /// Gathers the members into the flat buffer `out` at their offsets, multiplying by `scale` in the
 /// member dtype and then casting to the wire dtype; writes zero into the padding (a member's
 /// extent is its length plus the padding up to the next member).
@@ -42,18 +57,15 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
     rounds: u32,
     #[comptime] per_unit: u32,
 ) {
-    let cube = CUBE_POS;
+    let chunk = (CUBE_DIM * per_unit) as usize;
     #[unroll]
     for j in 0..members.len() {
-        let first = table[TABLE_STRIDE * j] as usize;
-        let next = table[TABLE_STRIDE * (j + 1)] as usize;
-        if cube >= first && cube < next {
+        if owns(table, j) {
             let m = &members[j];
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let extent = table[TABLE_STRIDE * j + 2] as usize;
             let len = m.len();
-            let chunk = (CUBE_DIM * per_unit) as usize;
-            let start = (cube - first) * chunk * rounds as usize + UNIT_POS as usize;
+            let start = unit_start(table, j, rounds, per_unit);
             let factor = Vector::<F, N>::new(scale);
             for r in 0..rounds {
                 let at = start + r as usize * chunk;
@@ -81,17 +93,14 @@ pub fn bucket_unpack<W: Float, F: Float, N: Size>(
     rounds: u32,
     #[comptime] per_unit: u32,
 ) {
-    let cube = CUBE_POS;
+    let chunk = (CUBE_DIM * per_unit) as usize;
     #[unroll]
     for j in 0..members.len() {
-        let first = table[TABLE_STRIDE * j] as usize;
-        let next = table[TABLE_STRIDE * (j + 1)] as usize;
-        if cube >= first && cube < next {
+        if owns(table, j) {
             let m = members.index_mut(j);
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let len = m.len();
-            let chunk = (CUBE_DIM * per_unit) as usize;
-            let start = (cube - first) * chunk * rounds as usize + UNIT_POS as usize;
+            let start = unit_start(table, j, rounds, per_unit);
             for r in 0..rounds {
                 let at = start + r as usize * chunk;
                 #[unroll]

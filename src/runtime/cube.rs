@@ -108,22 +108,38 @@ fn vector_width<R: Runtime>(client: &ComputeClient<R>, member: usize, wire: usiz
         .unwrap_or(1)
 }
 
-/// Calls `launch` once per [`Launch`] with cubes to run: its grid, vector width and rounds,
-/// member arrays and table.
+/// One launch's grid: cube count and shape, vector width, and chunks per cube.
+struct Grid {
+    count: CubeCount,
+    dim: CubeDim,
+    width: usize,
+    rounds: u32,
+}
+
+/// Calls `launch` once per [`Launch`] with cubes to run: its grid, member arrays, table and the
+/// flat buffer `flat` (`layout.numel` elements). Vectors are as wide as the device loads for
+/// both element sizes (`member_bytes`, `wire_bytes`) in one 16-byte access, or scalar where the
+/// flat buffer does not start on a vector boundary (a view handed in).
 fn per_launch<R: Runtime, T: CubePrimitive>(
     client: &ComputeClient<R>,
     layout: &BucketLayout,
     members: &[DeviceMember],
-    (width, elem): (usize, usize),
+    flat: &Handle,
+    (member_bytes, wire_bytes): (usize, usize),
     extent: Extent,
-    mut launch: impl FnMut(CubeCount, (usize, u32), SequenceArg<R, Array<T>>, ArrayArg<R>),
+    mut launch: impl FnMut(Grid, SequenceArg<R, Array<T>>, ArrayArg<R>, ArrayArg<R>),
 ) {
+    let mut width = vector_width(client, member_bytes, wire_bytes);
+    let flat_start = flat.offset_start.unwrap_or(0);
+    if !flat_start.is_multiple_of((width * wire_bytes) as u64) {
+        width = 1;
+    }
     let starts: Vec<u64> = members
         .iter()
         .map(|m| m.handle.offset_start.unwrap_or(0))
         .collect();
     let per = members_per_launch(client);
-    for l in launches(layout, &starts, elem as u64, width, per) {
+    for l in launches(layout, &starts, member_bytes as u64, width, per) {
         let t = table(layout, &l, extent);
         if t.cubes == 0 {
             continue;
@@ -139,13 +155,26 @@ fn per_launch<R: Runtime, T: CubePrimitive>(
                 ArrayArg::from_raw_parts(members[j].handle.clone(), members[j].len)
             })
             .collect();
-        // SAFETY: the table was just created with `entries.len()` elements.
-        let tab_arg = unsafe { ArrayArg::from_raw_parts(tab_handle, t.entries.len()) };
-        let count = CubeCountSelection::new(client, t.cubes).cube_count();
-        launch(count, (l.width, t.rounds), seq, tab_arg);
+        // SAFETY: the table was just created with `entries.len()` elements; the flat buffer
+        // holds `layout.numel` elements (the caller's contract), a multiple of the width
+        // wherever a member of this launch sits.
+        let (tab_arg, flat_arg) = unsafe {
+            (
+                ArrayArg::from_raw_parts(tab_handle, t.entries.len()),
+                ArrayArg::from_raw_parts(flat.clone(), layout.numel as usize),
+            )
+        };
+        let grid = Grid {
+            count: CubeCountSelection::new(client, t.cubes).cube_count(),
+            dim: CubeDim::new_1d(CUBE_DIM),
+            width: l.width,
+            rounds: t.rounds,
+        };
+        launch(grid, seq, tab_arg, flat_arg);
     }
 }
 
+/// Packs into `out`, which holds `layout.numel` elements of `W`.
 fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
     client: &ComputeClient<R>,
     layout: &BucketLayout,
@@ -153,30 +182,29 @@ fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
     scale: f32,
     out: &Handle,
 ) {
-    let width = vector_width(client, size_of::<F>(), size_of::<W>());
-    let dim = CubeDim::new_1d(CUBE_DIM);
-    let vectors = (width, size_of::<F>());
+    let sizes = (size_of::<F>(), size_of::<W>());
+    let padded = Extent::WithPadding;
     per_launch(
         client,
         layout,
         members,
-        vectors,
-        Extent::WithPadding,
-        |count, (w, rounds), seq, tab| {
+        out,
+        sizes,
+        padded,
+        |g, seq, tab, out| {
             // SAFETY: every index the kernel makes is below a member's length or extent, which the
-            // table and the arrays carry; `out` holds `layout.numel` elements of `W` (the caller
-            // made it), a multiple of `w` wherever a member of this launch sits.
+            // table and the arrays carry.
             unsafe {
                 bucket_pack::launch_unchecked::<F, W, R>(
                     client,
-                    count,
-                    dim,
-                    w,
+                    g.count,
+                    g.dim,
+                    g.width,
                     seq,
                     tab,
-                    ArrayArg::from_raw_parts(out.clone(), layout.numel as usize),
+                    out,
                     F::new(scale),
-                    rounds,
+                    g.rounds,
                     PER_UNIT,
                 );
             }
@@ -184,42 +212,26 @@ fn pack_typed<R: Runtime, F: Float + CubeElement, W: Float + CubeElement>(
     );
 }
 
+/// Unpacks from `buffer`, which holds `layout.numel` elements of `W`.
 fn unpack_typed<R: Runtime, W: Float + CubeElement, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     layout: &BucketLayout,
     buffer: &Handle,
     members: &[DeviceMember],
 ) {
-    let mut width = vector_width(client, size_of::<F>(), size_of::<W>());
-    // A bucket handed in as a view may start anywhere: read it in vectors only from a boundary.
-    if !buffer
-        .offset_start
-        .unwrap_or(0)
-        .is_multiple_of((width * size_of::<W>()) as u64)
-    {
-        width = 1;
-    }
-    let dim = CubeDim::new_1d(CUBE_DIM);
-    let vectors = (width, size_of::<F>());
+    let sizes = (size_of::<F>(), size_of::<W>());
     per_launch(
         client,
         layout,
         members,
-        vectors,
+        buffer,
+        sizes,
         Extent::Member,
-        |count, (w, rounds), seq, tab| {
-            // SAFETY: as in `pack_typed`; `buffer` holds `layout.numel` elements of `W`.
+        |g, seq, tab, buf| {
+            // SAFETY: as in `pack_typed`.
             unsafe {
                 bucket_unpack::launch_unchecked::<W, F, R>(
-                    client,
-                    count,
-                    dim,
-                    w,
-                    ArrayArg::from_raw_parts(buffer.clone(), layout.numel as usize),
-                    tab,
-                    seq,
-                    rounds,
-                    PER_UNIT,
+                    client, g.count, g.dim, g.width, buf, tab, seq, g.rounds, PER_UNIT,
                 );
             }
         },
