@@ -84,7 +84,7 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
 }
 
 /// Scatters the reduced flat buffer back into the members, casting each element back to the
-/// member dtype. The same work split as [`bucket_pack`]; a member's extent is its length.
+/// member dtype. The same work split as [`bucket_pack()`]; a member's extent is its length.
 #[cube(launch_unchecked)]
 pub fn bucket_unpack<W: Float, F: Float, N: Size>(
     buffer: &Array<Vector<W, N>>,
