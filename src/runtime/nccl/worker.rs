@@ -295,9 +295,9 @@ fn place_host_buffers(
     Ok(())
 }
 
-/// Queues a job's work on the stream: for a host buffer, host → device from its staging place,
-/// `ncclAllReduce` in place and device → host back into the place; `ncclAllReduce` in place on
-/// its own memory for a device bucket.
+/// Queues a job's work on the stream: for a host buffer, host → device from its staging place
+/// and `ncclAllReduce` in place (the copy back is [`queue_back`]'s, once the call is on the
+/// stream); `ncclAllReduce` in place on its own memory for a device bucket.
 fn issue(
     stream: &Arc<CudaStream>,
     comm: &RawComm,
