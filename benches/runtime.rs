@@ -2,7 +2,9 @@
 //! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks and
 //!   the TCP all-reduce on 2 ranks over loopback (algorithm bandwidth: bytes of one rank's buffer
 //!   per unit time).
-//! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket.
+//! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket,
+//!   and a device copy of the same bytes (a plain 16-byte-vector CubeCL copy kernel, with a new
+//!   output buffer per call as the pack has): the pack/copy ratio is the GPU check's metric.
 //! - `bucket_io/{bytes}`: a 16-member bucket of wgpu gradients, from device buffers to a flat host
 //!   buffer (what the communicator takes) and back into device buffers: staged (each gradient
 //!   read into host memory, host pack and unpack, each written back) vs device buckets (CubeCL
@@ -30,6 +32,14 @@ use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
 const SIZES: [usize; 3] = [256 << 10, 4 << 20, 32 << 20];
+
+/// The device-copy baseline of the pack bench: one vector per unit.
+#[cube(launch_unchecked)]
+fn copy_kernel<F: Float, N: Size>(src: &Array<Vector<F, N>>, dst: &mut Array<Vector<F, N>>) {
+    if ABSOLUTE_POS < src.len() {
+        dst[ABSOLUTE_POS] = src[ABSOLUTE_POS];
+    }
+}
 
 fn desc(count: usize) -> CollectiveDesc {
     CollectiveDesc {
@@ -166,6 +176,27 @@ fn pack(c: &mut Criterion) {
                 let h = cube::pack(&client, &l, &dev, Some(4)).unwrap();
                 cubecl::future::block_on(client.sync()).unwrap();
                 black_box(h);
+            })
+        });
+        let src = client.create_from_slice(HostBuffer::F32(vec![1.5; n]).as_bytes());
+        g.bench_function("cubecl_copy_wgpu", |b| {
+            b.iter(|| {
+                let dst = client.empty(bytes);
+                let vectors = (n / 4) as u32;
+                let count = cubecl::server::CubeCountSelection::new(&client, vectors.div_ceil(256));
+                // SAFETY: both buffers hold `n` f32 (a multiple of 4); the kernel guards its index.
+                unsafe {
+                    copy_kernel::launch_unchecked::<f32, WgpuRuntime>(
+                        &client,
+                        count.cube_count(),
+                        CubeDim::new_1d(256),
+                        4,
+                        ArrayArg::from_raw_parts(src.clone(), n),
+                        ArrayArg::from_raw_parts(dst.clone(), n),
+                    );
+                }
+                cubecl::future::block_on(client.sync()).unwrap();
+                black_box(dst);
             })
         });
         g.finish();
