@@ -5,6 +5,8 @@
 //! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket,
 //!   and a device copy of the same bytes (a plain 16-byte-vector CubeCL copy kernel, with a new
 //!   output buffer per call as the pack has): the pack/copy ratio is the GPU check's metric.
+//! - `pack_members/4096KiB`: one 4 MiB bucket in 1, 4, 16 and 64 members, beside the copy (on a
+//!   software driver every member's code runs under a mask, so the member count costs there).
 //! - `bucket_io/{bytes}`: a 16-member bucket of wgpu gradients, from device buffers to a flat host
 //!   buffer (what the communicator takes) and back into device buffers: staged (each gradient
 //!   read into host memory, host pack and unpack, each written back) vs device buckets (CubeCL
@@ -164,43 +166,82 @@ fn pack(c: &mut Criterion) {
                 black_box(&out);
             })
         });
-        let dev: Vec<DeviceMember> = members
-            .iter()
-            .map(|m| DeviceMember {
-                handle: client.create_from_slice(m.as_bytes()),
-                len: m.len(),
-            })
-            .collect();
+        let dev = upload_members(&client, &members);
         g.bench_function("cubecl_pack_wgpu", |b| {
-            b.iter(|| {
-                let h = cube::pack(&client, &l, &dev, Some(4)).unwrap();
-                cubecl::future::block_on(client.sync()).unwrap();
-                black_box(h);
-            })
+            b.iter(|| device_pack(&client, &l, &dev))
         });
-        let src = client.create_from_slice(HostBuffer::F32(vec![1.5; n]).as_bytes());
-        g.bench_function("cubecl_copy_wgpu", |b| {
-            b.iter(|| {
-                let dst = client.empty(bytes);
-                let vectors = (n / 4) as u32;
-                let count = cubecl::server::CubeCountSelection::new(&client, vectors.div_ceil(256));
-                // SAFETY: both buffers hold `n` f32 (a multiple of 4); the kernel guards its index.
-                unsafe {
-                    copy_kernel::launch_unchecked::<f32, WgpuRuntime>(
-                        &client,
-                        count.cube_count(),
-                        CubeDim::new_1d(256),
-                        4,
-                        ArrayArg::from_raw_parts(src.clone(), n),
-                        ArrayArg::from_raw_parts(dst.clone(), n),
-                    );
-                }
-                cubecl::future::block_on(client.sync()).unwrap();
-                black_box(dst);
-            })
-        });
+        device_copy(&mut g, &client, n);
         g.finish();
     }
+}
+
+fn upload_members(
+    client: &ComputeClient<WgpuRuntime>,
+    members: &[HostBuffer],
+) -> Vec<DeviceMember> {
+    members
+        .iter()
+        .map(|m| DeviceMember {
+            handle: client.create_from_slice(m.as_bytes()),
+            len: m.len(),
+        })
+        .collect()
+}
+
+/// One pack of `dev` on the device, waited for.
+fn device_pack(client: &ComputeClient<WgpuRuntime>, l: &BucketLayout, dev: &[DeviceMember]) {
+    let h = cube::pack(client, l, dev, Some(4)).unwrap();
+    cubecl::future::block_on(client.sync()).unwrap();
+    black_box(h);
+}
+
+/// The device copy of `n` f32 into a new buffer, the pack's baseline.
+fn device_copy(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    client: &ComputeClient<WgpuRuntime>,
+    n: usize,
+) {
+    let src = client.create_from_slice(HostBuffer::F32(vec![1.5; n]).as_bytes());
+    g.bench_function("cubecl_copy_wgpu", |b| {
+        b.iter(|| {
+            let dst = client.empty(n * 4);
+            let vectors = (n / 4) as u32;
+            let count = cubecl::server::CubeCountSelection::new(client, vectors.div_ceil(256));
+            // SAFETY: both buffers hold `n` f32 (a multiple of 4); the kernel guards its index.
+            unsafe {
+                copy_kernel::launch_unchecked::<f32, WgpuRuntime>(
+                    client,
+                    count.cube_count(),
+                    CubeDim::new_1d(256),
+                    4,
+                    ArrayArg::from_raw_parts(src.clone(), n),
+                    ArrayArg::from_raw_parts(dst.clone(), n),
+                );
+            }
+            cubecl::future::block_on(client.sync()).unwrap();
+            black_box(dst);
+        })
+    });
+}
+
+/// One 4 MiB bucket split into 1 to 64 members, beside the copy: what the member count costs.
+fn pack_members(c: &mut Criterion) {
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    let bytes = 4 << 20;
+    let n = bytes / 4;
+    let mut g = c.benchmark_group("pack_members/4096KiB");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.measurement_time(Duration::from_secs(3)).sample_size(20);
+    for m in [1, 4, 16, 64] {
+        let l = layout(n, m);
+        let members: Vec<HostBuffer> = (0..m).map(|_| HostBuffer::F32(vec![1.5; n / m])).collect();
+        let dev = upload_members(&client, &members);
+        g.bench_function(format!("cubecl_pack_wgpu/{m}"), |b| {
+            b.iter(|| device_pack(&client, &l, &dev))
+        });
+    }
+    device_copy(&mut g, &client, n);
+    g.finish();
 }
 
 /// Sixteen wgpu gradients of `n / 16` f32 each, gradient `i` filled with `base + i`.
@@ -387,5 +428,12 @@ fn declined_read(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, allreduce, pack, bucket_io, declined_read);
+criterion_group!(
+    benches,
+    allreduce,
+    pack,
+    pack_members,
+    bucket_io,
+    declined_read
+);
 criterion_main!(benches);

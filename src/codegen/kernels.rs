@@ -9,8 +9,8 @@
 //! `CUBE_DIM × per_unit` vectors. The launcher gives each member as many consecutive cubes as its
 //! ranges, and writes a table with, per member, `[first cube, offset, extent]` (offset and extent
 //! in vectors, extent being what the member's cubes cover), followed by the total cube count. A
-//! cube finds its member once, by comparing its position with the members' first cubes; after
-//! that no element pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
+//! cube finds its member once, by bisecting the members' first cubes; after that no element
+//! pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
 //! `CUBE_DIM` apart, so a cube's loads and stores are coalesced and several are in flight per
 //! unit. `rounds` is 1 unless the bucket needs more cubes than the launcher allows, which keeps
 //! the grid about one wave of the device on large buckets. Cubes past the total (the launcher may
@@ -27,14 +27,33 @@ use cubecl::prelude::*;
 /// Entries per member in a launch's table: first cube, offset, extent.
 pub const TABLE_STRIDE: usize = 3;
 
-/// Whether this cube works on member `j` of the launch's table.
+/// The member whose range holds this cube: the last member whose first cube is at or before it,
+/// found by bisection over the table's first cubes (a handful of loads per cube, whatever the
+/// member count). An empty member shares its successor's first cube, so it is never the last
+/// such member. A cube past the launch's total gets `count`, which no member has.
 #[cube]
-fn owns(table: &Array<u32>, j: usize) -> bool {
+fn member_of(table: &Array<u32>, #[comptime] count: usize) -> usize {
     let cube = CUBE_POS;
-    cube >= table[TABLE_STRIDE * j] as usize && cube < table[TABLE_STRIDE * (j + 1)] as usize
+    let mut found = count.runtime();
+    if cube < table[TABLE_STRIDE * count] as usize {
+        // Invariant: member `lo`'s first cube is at or before this cube (member 0's is cube 0),
+        // member `hi`'s (or the total's) after it.
+        let mut lo = 0usize;
+        let mut hi = count.runtime();
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if table[TABLE_STRIDE * mid] as usize <= cube {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        found = lo;
+    }
+    found
 }
 
-/// The first vector this unit moves in member `j` (on a cube that [`owns`] it): the cube's
+/// The first vector this unit moves in member `j` (on a cube [`member_of`] gives `j`): the cube's
 /// range starts `rounds` chunks per cube after the member's first cube.
 #[cube]
 fn unit_start(table: &Array<u32>, j: usize, rounds: u32, #[comptime] per_unit: u32) -> usize {
@@ -58,9 +77,10 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
     #[comptime] per_unit: u32,
 ) {
     let chunk = (CUBE_DIM * per_unit) as usize;
+    let owner = member_of(table, members.len());
     #[unroll]
     for j in 0..members.len() {
-        if owns(table, j) {
+        if owner == j {
             let m = &members[j];
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let extent = table[TABLE_STRIDE * j + 2] as usize;
@@ -94,9 +114,10 @@ pub fn bucket_unpack<W: Float, F: Float, N: Size>(
     #[comptime] per_unit: u32,
 ) {
     let chunk = (CUBE_DIM * per_unit) as usize;
+    let owner = member_of(table, members.len());
     #[unroll]
     for j in 0..members.len() {
-        if owns(table, j) {
+        if owner == j {
             let m = members.index_mut(j);
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let len = m.len();

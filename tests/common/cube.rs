@@ -94,6 +94,10 @@ pub fn read<R: Runtime>(
 /// Sizes with odd lengths (padding), a large member (grid-stride loop), and many members.
 pub const SIZES: [u64; 7] = [1, 1000, 3, 70_001, 4096, 17, 262_147];
 
+/// Empty members first, between others and last: a cube must find the member its range is in,
+/// never an empty one that shares its first cube.
+pub const SIZES_WITH_EMPTY: [u64; 8] = [0, 8, 0, 0, 70_000, 5, 4096, 0];
+
 /// What a round trip gives: the host and device flat buffers, and the members unpacked back by
 /// the host and by the device.
 pub type RoundTrip = (HostBuffer, HostBuffer, Vec<HostBuffer>, Vec<HostBuffer>);
@@ -156,17 +160,29 @@ pub fn within_rounding(a: &HostBuffer, b: &HostBuffer, mantissa_bits: i32) {
     }
 }
 
-/// f32 pack/unpack equal the host path bit for bit, for no scale and two divisors.
+/// f32 pack/unpack equal the host path bit for bit, for no scale and two divisors, with and
+/// without empty members.
 pub fn check_f32_bitwise<R: Runtime>(client: &ComputeClient<R>) {
-    for scale in [None, Some(4), Some(3)] {
+    for (sizes, scale) in [
+        (&SIZES[..], None),
+        (&SIZES, Some(4)),
+        (&SIZES, Some(3)),
+        (&SIZES_WITH_EMPTY, Some(4)),
+    ] {
         let Some((host_flat, dev_flat, host_back, dev_back)) =
-            round_trip_sizes(client, &SIZES, DType::F32, DType::F32, scale)
+            round_trip_sizes(client, sizes, DType::F32, DType::F32, scale)
         else {
             return;
         };
-        assert!(host_flat.bits_eq(&dev_flat), "pack, scale {scale:?}");
+        assert!(
+            host_flat.bits_eq(&dev_flat),
+            "pack {sizes:?}, scale {scale:?}"
+        );
         for (i, (a, b)) in host_back.iter().zip(&dev_back).enumerate() {
-            assert!(a.bits_eq(b), "unpack member {i}, scale {scale:?}");
+            assert!(
+                a.bits_eq(b),
+                "unpack member {i} of {sizes:?}, scale {scale:?}"
+            );
         }
     }
 }
