@@ -1,4 +1,4 @@
-//! What the generated `ops.rs` calls to pass an op through to the inner backend: the log entry of
+//! What the generated `ops/` calls to pass an op through to the inner backend: the log entry of
 //! an eager op, and the conversions of Burn's compound arguments and results (tensor enums,
 //! transactions, pooling and backward structs) between `Collective<I>` and `I`.
 

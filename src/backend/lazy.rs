@@ -13,7 +13,7 @@
 //! - A node nobody holds any more when its turn comes is skipped: its op never runs.
 //! - A value is computed once. When the last handle of a computed node is consumed by an op, the
 //!   value moves out instead of being cloned, so the inner backend can still work in place.
-//! - A node knows its shape and dtype when its op has a rule for them (`ops.rs`); asking a node
+//! - A node knows its shape and dtype when its op has a rule for them (`ops/`); asking a node
 //!   without one forces it.
 //! - What forced the queue is counted per rank ([`lazy_stats`]), so a reader sees how lazy a
 //!   step really was.

@@ -1,7 +1,7 @@
 //! The Burn glue: `Collective<I>`, a Burn 0.21 backend over an inner backend `I` (NdArray here,
 //! Burn's CubeCL backends on GPUs) that owns Burn's gradient-sync hooks.
 //!
-//! Tensor ops record lazily (`lazy.rs`; `ops.rs` is generated from Burn's op traits and forwards every op, required or
+//! Tensor ops record lazily (`lazy.rs`; `ops/` is generated from Burn's op traits and forwards every op, required or
 //! defaulted, to `I`; `op_table.rs` holds the record rules of the ops recorded lazily): a node
 //! with its shape, dtype and flop estimate, run on `I` in record order when a value is needed; at
 //! each sync point a rank's recorded ops become its step graph (`record.rs`,
