@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Runs Burn 0.21.0's own backend test suite (`crates/burn-backend-tests`: its tensor and autodiff
+# suites, NdArray feature set) against `Collective<NdArray>` and `Autodiff<Collective<NdArray>>`:
+# a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
+# about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
+#
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--baseline] [--include-ignored]
+#   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
+#   WORK_DIR       where the harness is built (default: a new temporary folder)
+#   --baseline     also run the tensor suite on plain NdArray, for comparison
+#   --include-ignored  run the tests Burn marks #[ignore] too
+#
+# What is adapted, and why: Burn's suite targets `burn::Dispatch`, whose device switches autodiff
+# on at run time; here the tensor suite's `TestBackend` is `Collective<NdArray>` and the autodiff
+# suite's is `Autodiff<Collective<NdArray>>` (its checkpointing module runs on the same type).
+# The quantization tests ask `Dispatch::default_quant_scheme`, an inherent method of `Dispatch`;
+# they get the scheme `Dispatch` gives on its NdArray device. Suites for other backends (f16,
+# CubeCL, fusion) are left out.
+set -euo pipefail
+
+usage() { sed -n '7,11p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+BURN=$1
+shift
+WORK=""
+BASELINE=0
+IGNORED=()
+for a in "$@"; do
+    case $a in
+        --baseline) BASELINE=1 ;;
+        --include-ignored) IGNORED=(--include-ignored) ;;
+        -*) usage ;;
+        *) WORK=$a ;;
+    esac
+done
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK"
+cd "$WORK"
+rm -rf src tests benches
+git -C "$BURN" archive v0.21.0 crates/burn-backend-tests | tar -x --strip-components=2
+rm -rf benches tests/autodiff_f16.rs tests/cubecl tests/cubecl.rs tests/fusion \
+    tests/memory_cleaning.rs tests/tensor_f16.rs .cargo
+cp "$ROOT/Cargo.lock" .
+
+cat > Cargo.toml <<EOF
+[package]
+name = "burn-backend-tests"
+version = "0.0.0"
+edition = "2024"
+publish = false
+
+[features]
+default = ["std", "ndarray", "quantization"]
+std = []
+ndarray = []
+quantization = []
+# Features the suite's cfgs name; off here.
+cube = []
+fusion = []
+distributed = []
+metal = []
+
+[dependencies]
+burn-tensor = { version = "=0.21.0", features = ["std"] }
+burn-backend = "=0.21.0"
+burn-tensor-testgen = "=0.21.0"
+burn-dispatch = { version = "=0.21.0", default-features = false, features = ["std", "ndarray"] }
+burn-autodiff = { version = "=0.21.0", features = ["export_tests"] }
+burn-ndarray = { version = "=0.21.0", features = ["export_tests"] }
+num-traits = "0.2.19"
+serial_test = "3.2.0"
+rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
+collective-fusion = { path = "$ROOT", default-features = false }
+
+[dev-dependencies]
+ctor = "0.10.1"
+
+[profile.dev]
+debug = false
+[profile.dev.package."*"]
+opt-level = 1
+EOF
+
+# The backend each suite runs on.
+backend_file() {
+    cat <<EOF
+use ctor::ctor;
+
+use super::{FloatElem, IntElem};
+
+pub type TestBackend = $1;
+
+#[ctor]
+fn init_device_settings() {
+    let device: burn_backend::tensor::Device<TestBackend> = Default::default();
+    burn_tensor::set_default_dtypes::<TestBackend>(
+        &device,
+        <FloatElem as burn_tensor::Element>::dtype(),
+        <IntElem as burn_tensor::Element>::dtype(),
+    )
+    .unwrap();
+}
+
+#[allow(unused)]
+pub mod prelude {
+    pub use burn_tensor::Tensor;
+
+    use super::*;
+    pub type TestTensor<const D: usize> = Tensor<TestBackend, D>;
+    pub type TestTensorInt<const D: usize> = Tensor<TestBackend, D, burn_tensor::Int>;
+    pub type TestTensorBool<const D: usize> = Tensor<TestBackend, D, burn_tensor::Bool>;
+}
+
+#[allow(unused)]
+pub use prelude::*;
+
+/// The scheme \`Dispatch::default_quant_scheme\` gives on its NdArray device.
+#[allow(unused)]
+pub fn default_quant_scheme<D>(_device: &D) -> burn_tensor::quantization::QuantScheme {
+    use burn_backend::QTensorPrimitive;
+    <burn_backend::tensor::QuantizedTensor<burn_ndarray::NdArray> as QTensorPrimitive>::default_scheme()
+}
+EOF
+}
+COLLECTIVE="collective_fusion::backend::Collective<burn_ndarray::NdArray>"
+backend_file "$COLLECTIVE" > tests/common/backend.rs
+backend_file "burn_autodiff::Autodiff<$COLLECTIVE>" > tests/common/backend_ad.rs
+sed -i 's#"common/backend.rs"#"common/backend_ad.rs"#' tests/autodiff.rs
+cat > tests/common/autodiff.rs <<'EOF'
+pub use super::*;
+
+/// The autodiff suite's device: the backend itself differentiates.
+pub struct AutodiffDevice;
+
+impl AutodiffDevice {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new() -> burn_backend::tensor::Device<TestBackend> {
+        Default::default()
+    }
+}
+
+#[path = "../autodiff/mod.rs"]
+mod base;
+
+mod checkpointing {
+    pub use super::FloatElem;
+
+    pub struct AutodiffDevice;
+
+    impl AutodiffDevice {
+        #[allow(clippy::new_ret_no_self)]
+        pub fn new() -> burn_backend::tensor::Device<super::TestBackend> {
+            Default::default()
+        }
+    }
+
+    include!("../autodiff/mod.rs");
+}
+EOF
+grep -rl "TestBackend::default_quant_scheme" tests | xargs -r sed -i -E \
+    's/TestBackend::default_quant_scheme\(([^)]*)\)/crate::default_quant_scheme(\1)/g'
+
+summary() { grep -E "^test result" "$1" | tail -1 | sed "s/^/$2: /"; grep -E "^test .* FAILED$" "$1" || true; }
+status=0
+cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > tensor.log 2>&1 || status=1
+cargo test --test autodiff --no-fail-fast -- "${IGNORED[@]}" > autodiff.log 2>&1 || status=1
+if [ "$BASELINE" = 1 ]; then
+    backend_file "burn_ndarray::NdArray" > tests/common/backend.rs
+    cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > baseline.log 2>&1 || true
+    backend_file "$COLLECTIVE" > tests/common/backend.rs
+fi
+echo "Burn 0.21.0 backend suite, in $WORK:"
+summary tensor.log "tensor suite, Collective<NdArray>"
+summary autodiff.log "autodiff suite, Autodiff<Collective<NdArray>>"
+[ "$BASELINE" = 0 ] || summary baseline.log "tensor suite, NdArray alone"
+exit $status
