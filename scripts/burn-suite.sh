@@ -1,33 +1,38 @@
 #!/usr/bin/env bash
 # Runs Burn 0.21.0's own backend test suite (`crates/burn-backend-tests`: its tensor and autodiff
-# suites, NdArray feature set) against `Collective<NdArray>` and `Autodiff<Collective<NdArray>>`:
+# suites) against `Collective<B>` and `Autodiff<Collective<B>>`, B NdArray or fused wgpu:
 # a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
-# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--baseline] [--include-ignored]
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu] [--baseline] [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
-#   --baseline     also run the tensor suite on plain NdArray, for comparison
+#   --wgpu         the inner backend is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion
+#                  on; Mesa's lavapipe on a machine without a GPU) instead of NdArray
+#   --baseline     also run the tensor suite on the inner backend alone; then the exit status
+#                  is 0 when Collective fails exactly the tests the inner backend fails alone
 #   --include-ignored  run the tests Burn marks #[ignore] too
 #
 # What is adapted, and why: Burn's suite targets `burn::Dispatch`, whose device switches autodiff
-# on at run time; here the tensor suite's `TestBackend` is `Collective<NdArray>` and the autodiff
-# suite's is `Autodiff<Collective<NdArray>>` (its checkpointing module runs on the same type).
+# on at run time; here the tensor suite's `TestBackend` is `Collective<B>` and the autodiff
+# suite's is `Autodiff<Collective<B>>` (its checkpointing module runs on the same type).
 # The quantization tests ask `Dispatch::default_quant_scheme`, an inherent method of `Dispatch`;
-# they get the scheme `Dispatch` gives on its NdArray device. Suites for other backends (f16,
+# they get the scheme `Dispatch` gives on B's device. Suites for other backends (f16,
 # CubeCL, fusion) are left out.
 set -euo pipefail
 
-usage() { sed -n '7,11p' "$0" >&2; exit 2; }
+usage() { sed -n '7,14p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
 WORK=""
 BASELINE=0
+INNER=burn_ndarray::NdArray
 IGNORED=()
 for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
+        --wgpu) INNER=burn_wgpu::Wgpu ;;
         --include-ignored) IGNORED=(--include-ignored) ;;
         -*) usage ;;
         *) WORK=$a ;;
@@ -68,6 +73,7 @@ burn-tensor-testgen = "=0.21.0"
 burn-dispatch = { version = "=0.21.0", default-features = false, features = ["std", "ndarray"] }
 burn-autodiff = { version = "=0.21.0", features = ["export_tests"] }
 burn-ndarray = { version = "=0.21.0", features = ["export_tests"] }
+burn-wgpu = { version = "=0.21.0", default-features = false, features = ["std", "fusion"] }
 num-traits = "0.2.19"
 serial_test = "3.2.0"
 rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
@@ -115,15 +121,15 @@ pub mod prelude {
 #[allow(unused)]
 pub use prelude::*;
 
-/// The scheme \`Dispatch::default_quant_scheme\` gives on its NdArray device.
+/// The scheme \`Dispatch::default_quant_scheme\` gives on the inner backend's device.
 #[allow(unused)]
 pub fn default_quant_scheme<D>(_device: &D) -> burn_tensor::quantization::QuantScheme {
     use burn_backend::QTensorPrimitive;
-    <burn_backend::tensor::QuantizedTensor<burn_ndarray::NdArray> as QTensorPrimitive>::default_scheme()
+    <burn_backend::tensor::QuantizedTensor<$INNER> as QTensorPrimitive>::default_scheme()
 }
 EOF
 }
-COLLECTIVE="collective_fusion::backend::Collective<burn_ndarray::NdArray>"
+COLLECTIVE="collective_fusion::backend::Collective<$INNER>"
 backend_file "$COLLECTIVE" > tests/common/backend.rs
 backend_file "burn_autodiff::Autodiff<$COLLECTIVE>" > tests/common/backend_ad.rs
 sed -i 's#"common/backend.rs"#"common/backend_ad.rs"#' tests/autodiff.rs
@@ -161,17 +167,31 @@ EOF
 grep -rl "TestBackend::default_quant_scheme" tests | xargs -r sed -i -E \
     's/TestBackend::default_quant_scheme\(([^)]*)\)/crate::default_quant_scheme(\1)/g'
 
-summary() { grep -E "^test result" "$1" | tail -1 | sed "s/^/$2: /"; grep -E "^test .* FAILED$" "$1" || true; }
-status=0
-cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > tensor.log 2>&1 || status=1
-cargo test --test autodiff --no-fail-fast -- "${IGNORED[@]}" > autodiff.log 2>&1 || status=1
+summary() { grep -E "^test result" "$1" | tail -1 | sed "s/^/$2: /"; }
+failures() { { grep -E "^test .* FAILED$" "$1" || true; } | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | sort; }
+cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > tensor.log 2>&1 || true
+cargo test --test autodiff --no-fail-fast -- "${IGNORED[@]}" > autodiff.log 2>&1 || true
 if [ "$BASELINE" = 1 ]; then
-    backend_file "burn_ndarray::NdArray" > tests/common/backend.rs
+    backend_file "$INNER" > tests/common/backend.rs
     cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > baseline.log 2>&1 || true
     backend_file "$COLLECTIVE" > tests/common/backend.rs
 fi
 echo "Burn 0.21.0 backend suite, in $WORK:"
-summary tensor.log "tensor suite, Collective<NdArray>"
-summary autodiff.log "autodiff suite, Autodiff<Collective<NdArray>>"
-[ "$BASELINE" = 0 ] || summary baseline.log "tensor suite, NdArray alone"
+summary tensor.log "tensor suite, Collective<$INNER>"
+summary autodiff.log "autodiff suite, Autodiff<Collective<$INNER>>"
+status=0
+if [ "$BASELINE" = 1 ]; then
+    # Pass when Collective fails exactly the tests the inner backend fails alone.
+    summary baseline.log "tensor suite, $INNER alone"
+    only=$(comm -23 <(failures tensor.log) <(failures baseline.log))
+    fixed=$(comm -13 <(failures tensor.log) <(failures baseline.log))
+    echo "tensor tests failing under Collective only: $(echo -n "$only" | grep -c . || true)"
+    [ -z "$only" ] || { echo "$only"; status=1; }
+    [ -z "$fixed" ] || echo "tensor tests failing on $INNER alone only: $fixed"
+else
+    failures tensor.log
+    [ -z "$(failures tensor.log)" ] || status=1
+fi
+failures autodiff.log
+[ -z "$(failures autodiff.log)" ] || status=1
 exit $status

@@ -249,6 +249,43 @@ fn threads_forcing_one_rank_concurrently_each_get_their_value() {
 }
 
 #[test]
+fn a_thread_runs_its_own_ops_and_what_they_read_never_another_threads_others() {
+    let d = dev(112);
+    let a: Tensor<C, 1> = Tensor::from_data(data(16, vec![16], 3), &d);
+    // Another thread records two ops on the same rank, and keeps them unread.
+    let (shared, private) = std::thread::spawn({
+        let a = a.clone();
+        move || (a.clone().exp(), a * 3.0)
+    })
+    .join()
+    .unwrap();
+    assert!(prim(&shared).is_pending() && prim(&private).is_pending());
+    // This thread records after them and reads only its own op: theirs stay queued.
+    let mine = a.clone().sin();
+    let got = mine.clone().into_data();
+    assert!(!prim(&mine).is_pending());
+    assert!(
+        prim(&shared).is_pending() && prim(&private).is_pending(),
+        "another thread's ops ran on this one"
+    );
+    // An op of this thread that reads one of theirs runs that one first, and only that one.
+    let both = mine + shared.clone();
+    let sum = both.into_data();
+    assert!(!prim(&shared).is_pending());
+    assert!(prim(&private).is_pending(), "an op nobody read here ran");
+    let eager = |t: TensorData| Tensor::<NdArray, 1>::from_data(t, &NdArrayDevice::Cpu);
+    let a0 = eager(data(16, vec![16], 3));
+    got.assert_eq(&a0.clone().sin().into_data(), true);
+    sum.assert_eq(&(a0.clone().sin() + a0.clone().exp()).into_data(), true);
+    // `Backend::sync` on this thread runs what this thread recorded, not the other's.
+    let later = a.clone().cos();
+    C::sync(&d).unwrap();
+    assert!(!prim(&later).is_pending());
+    assert!(prim(&private).is_pending());
+    private.into_data().assert_eq(&(a0 * 3.0).into_data(), true);
+}
+
+#[test]
 fn an_op_that_panics_when_it_runs_fails_every_reader_with_its_name_and_no_hang() {
     use burn_backend::ops::FloatTensorOps;
     let d = dev(107);

@@ -5,11 +5,17 @@
 //! only), and a node's inputs were recorded before it.
 //!
 //! Guarantees:
-//! - Every rank has a [`Recorder`]: a queue of the nodes it recorded, in record order. Forcing a
-//!   node first runs every earlier node of its rank's queue, oldest first, so the inner backend
-//!   sees the ops in the order the program issued them (as a stream would), and a closure's
-//!   inputs are already computed when it runs: forcing never recurses deeper than one level,
-//!   however long the chain.
+//! - Every rank has a [`Recorder`]: a queue of the nodes it recorded, in record order, each
+//!   marked with the thread that recorded it. Forcing a node first runs, oldest first, every
+//!   earlier node the forcing thread recorded and every queued node those (and the forced one)
+//!   read, so the inner backend sees each thread's ops in the order the thread issued them (as
+//!   a stream would), and a closure's inputs are already computed when it runs: forcing never
+//!   recurses deeper than one level, however long the chain.
+//! - A node runs on the thread that recorded it unless another thread needs its value first.
+//!   Threads that share a rank (a device used from several threads) do not run each other's
+//!   ops: Burn's fusion keeps one stream per thread, and ops moved onto another thread's
+//!   stream in bulk break it (wrong values, then panics inside the fusion server, in Burn's
+//!   own test suite run on `Collective<Wgpu>`).
 //! - A node nobody holds any more when its turn comes is skipped: its op never runs.
 //! - A value is computed once. When the last handle of a computed node is consumed by an op, the
 //!   value moves out instead of being cloned, so the inner backend can still work in place.
@@ -22,6 +28,7 @@ use std::any::Any;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::thread::ThreadId;
 
 use burn_backend::{QTensorPrimitive, TensorMetadata};
 use burn_std::{DType, Shape};
@@ -116,8 +123,16 @@ pub(crate) struct LogEntry {
     pub flops: u64,
 }
 
+/// A queued node: its number, the thread that recorded it, and the node (gone once nobody holds
+/// it).
+struct Queued {
+    seq: u64,
+    thread: ThreadId,
+    node: Weak<dyn Pending>,
+}
+
 struct Queue {
-    pending: VecDeque<(u64, Weak<dyn Pending>)>,
+    pending: VecDeque<Queued>,
     log: VecDeque<LogEntry>,
     /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]).
     ran: VecDeque<u64>,
@@ -129,6 +144,43 @@ pub(crate) struct StepLog {
     pub entries: Vec<LogEntry>,
     /// The nodes whose op ran, in the order they ran.
     pub ran: Vec<u64>,
+}
+
+impl Queue {
+    /// The log entry of node `s`, if the log still describes it.
+    fn entry(&self, s: u64) -> Option<&LogEntry> {
+        let first = self.log.front()?.seq;
+        let i = usize::try_from(s.checked_sub(first)?).ok()?;
+        self.log.get(i).filter(|e| e.seq == s)
+    }
+
+    /// The first `upto` queued nodes that are among `roots` or that those read, directly or not
+    /// (by the log): `None` when one of them is a node the log no longer describes.
+    fn queued_inputs(
+        &self,
+        upto: usize,
+        roots: impl IntoIterator<Item = u64>,
+    ) -> Option<hashbrown::HashSet<u64>> {
+        let queued: hashbrown::HashSet<u64> =
+            self.pending.iter().take(upto).map(|p| p.seq).collect();
+        let mut found = hashbrown::HashSet::new();
+        let mut stack: Vec<u64> = roots.into_iter().collect();
+        while let Some(s) = stack.pop() {
+            if !queued.contains(&s) || !found.insert(s) {
+                continue;
+            }
+            stack.extend(self.entry(s)?.inputs.iter().copied());
+        }
+        Some(found)
+    }
+
+    /// Takes the queued nodes in `set` off the queue, oldest first.
+    fn take(&mut self, set: &hashbrown::HashSet<u64>) -> Vec<Queued> {
+        let (picked, kept): (VecDeque<Queued>, VecDeque<Queued>) =
+            self.pending.drain(..).partition(|p| set.contains(&p.seq));
+        self.pending = kept;
+        picked.into()
+    }
 }
 
 /// One rank's queue of recorded nodes, and its log since the last sync point.
@@ -155,34 +207,45 @@ impl Recorder {
         }
     }
 
-    /// Runs every queued node up to sequence number `seq`, oldest first.
+    /// Runs, oldest first, the queued nodes up to sequence number `seq` that the calling thread
+    /// recorded, and those they and `seq` read (directly or not, by the log) that other threads
+    /// recorded. Another thread's other nodes stay queued for it: a node runs on the thread that
+    /// recorded it unless a value it computes is needed sooner elsewhere, so an inner backend
+    /// that keeps a stream per thread (Burn's fusion) sees each thread's ops on its own stream.
+    /// When the log no longer describes a node involved, everything up to `seq` runs.
     fn run_until(&self, seq: u64, why: ForceReason) {
-        self.run_nodes(
-            || {
-                let mut q = lock(&self.queue);
-                match q.pending.front() {
-                    Some((s, _)) if *s <= seq => q.pending.pop_front(),
-                    _ => None,
+        let me = std::thread::current().id();
+        let picked = {
+            let mut q = lock(&self.queue);
+            let upto = q.pending.iter().take_while(|p| p.seq <= seq).count();
+            if q.pending.iter().take(upto).all(|p| p.thread == me) {
+                q.pending.drain(..upto).collect()
+            } else {
+                let roots = q
+                    .pending
+                    .iter()
+                    .take(upto)
+                    .filter(|p| p.thread == me)
+                    .map(|p| p.seq)
+                    .chain([seq]);
+                match q.queued_inputs(upto, roots) {
+                    Some(needed) => q.take(&needed),
+                    None => q.pending.drain(..upto).collect(),
                 }
-            },
-            why,
-        );
+            }
+        };
+        self.run_nodes(picked, why);
     }
 
-    /// Runs the nodes `next` hands out until it has none (a node nobody holds is skipped),
-    /// and counts them for `why`.
-    fn run_nodes(
-        &self,
-        mut next: impl FnMut() -> Option<(u64, Weak<dyn Pending>)>,
-        why: ForceReason,
-    ) {
+    /// Runs `nodes` in turn (a node nobody holds is skipped), and counts them for `why`.
+    fn run_nodes(&self, nodes: Vec<Queued>, why: ForceReason) {
         let mut ran = Vec::new();
         let mut skipped = 0;
-        while let Some((s, node)) = next() {
-            match node.upgrade() {
+        for p in nodes {
+            match p.node.upgrade() {
                 Some(n) => {
                     if n.run() {
-                        ran.push(s);
+                        ran.push(p.seq);
                     }
                 }
                 None => skipped += 1,
@@ -192,76 +255,42 @@ impl Recorder {
     }
 
     /// Runs the queued producers of node `seq` (itself and the queued nodes it reads, directly
-    /// or not, by the log), oldest first, and leaves the other queued nodes up to `seq` queued,
-    /// when the bytes of the distinct recorded values those read or produce are at most
-    /// `max_bytes`; otherwise runs everything up to `seq` ([`Self::run_until`]). The rule of the
+    /// or not, by the log), oldest first, and leaves the calling thread's other queued nodes up
+    /// to `seq` queued, when the bytes of the distinct recorded values those read or produce are
+    /// at most `max_bytes`; otherwise runs what [`Self::run_until`] runs. The rule of the
     /// `hoist-producers` pass (`passes/hoist_producers.rs`), applied as a gradient is forced. A
     /// queued node the log no longer describes cannot be told apart, so it runs in order.
     fn run_producers(&self, seq: u64, max_bytes: u64, why: ForceReason) {
+        let me = std::thread::current().id();
         let picked = {
             let mut q = lock(&self.queue);
-            let upto = q.pending.iter().take_while(|(s, _)| *s <= seq).count();
-            let first = q.log.front().map_or(u64::MAX, |e| e.seq);
-            let entry = |s: u64| {
-                let i = usize::try_from(s.checked_sub(first)?).ok()?;
-                q.log.get(i).filter(|e| e.seq == s)
-            };
-            let queued: hashbrown::HashSet<u64> =
-                q.pending.iter().take(upto).map(|(s, _)| *s).collect();
-            let mut producers: hashbrown::HashSet<u64> = hashbrown::HashSet::new();
-            let mut stack = vec![seq];
-            let mut described = true;
-            while let Some(s) = stack.pop() {
-                if !queued.contains(&s) || !producers.insert(s) {
-                    continue;
-                }
-                match entry(s) {
-                    Some(e) => stack.extend(e.inputs.iter().copied()),
-                    None => described = false,
-                }
-            }
-            let mut seen: hashbrown::HashSet<u64> = hashbrown::HashSet::new();
-            let mut bytes = 0u64;
-            for (s, _) in q.pending.iter().take(upto) {
-                if producers.contains(s) {
-                    continue;
-                }
-                let Some(e) = entry(*s) else {
-                    described = false;
-                    break;
-                };
-                for v in std::iter::once(*s).chain(e.inputs.iter().copied()) {
-                    if let Some(ve) = entry(v)
-                        && seen.insert(v)
-                    {
-                        let b = super::record::entry_type(ve)
-                            .checked_bytes()
-                            .unwrap_or(u64::MAX);
-                        bytes = bytes.saturating_add(b);
+            let upto = q.pending.iter().take_while(|p| p.seq <= seq).count();
+            q.queued_inputs(upto, [seq]).and_then(|producers| {
+                let mut seen: hashbrown::HashSet<u64> = hashbrown::HashSet::new();
+                let mut bytes = 0u64;
+                let mut deferred = 0;
+                for p in q.pending.iter().take(upto) {
+                    if producers.contains(&p.seq) || p.thread != me {
+                        continue;
+                    }
+                    deferred += 1;
+                    let e = q.entry(p.seq)?;
+                    for v in std::iter::once(p.seq).chain(e.inputs.iter().copied()) {
+                        if let Some(ve) = q.entry(v)
+                            && seen.insert(v)
+                        {
+                            let b = super::record::entry_type(ve)
+                                .checked_bytes()
+                                .unwrap_or(u64::MAX);
+                            bytes = bytes.saturating_add(b);
+                        }
                     }
                 }
-            }
-            if !described || bytes > max_bytes || producers.len() == upto {
-                None
-            } else {
-                let mut picked = Vec::with_capacity(producers.len());
-                let mut kept = VecDeque::with_capacity(q.pending.len() - producers.len());
-                for (s, node) in q.pending.drain(..) {
-                    if producers.contains(&s) {
-                        picked.push((s, node));
-                    } else {
-                        kept.push_back((s, node));
-                    }
-                }
-                q.pending = kept;
-                Some(picked)
-            }
+                (deferred > 0 && bytes <= max_bytes).then(|| q.take(&producers))
+            })
         };
         match picked {
-            Some(picked) => {
-                let mut picked = picked.into_iter();
-                self.run_nodes(|| picked.next(), why);
-            }
+            Some(picked) => self.run_nodes(picked, why),
             None => self.run_until(seq, why),
         }
     }
@@ -316,7 +345,11 @@ impl Recorder {
             });
             if pending {
                 let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
-                q.pending.push_back((seq, weak));
+                q.pending.push_back(Queued {
+                    seq,
+                    thread: std::thread::current().id(),
+                    node: weak,
+                });
             }
             if q.log.len() == MAX_LOG {
                 q.log.pop_front();
@@ -363,7 +396,8 @@ pub(crate) fn take_log(rank: u32) -> StepLog {
     }
 }
 
-/// Runs everything `rank` recorded so far (`Backend::sync`).
+/// Runs everything the calling thread recorded on `rank` so far, and what that reads
+/// (`Backend::sync`).
 pub(crate) fn flush(rank: u32) {
     recorder(rank).run_until(u64::MAX, ForceReason::Sync);
 }
