@@ -4,11 +4,13 @@
 # a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
-# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu] [--baseline] [--include-ignored]
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--dispatch] [--baseline]
+#        [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
 #   --wgpu         the inner backend is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion
 #                  on; Mesa's lavapipe on a machine without a GPU) instead of NdArray
+#   --dispatch     the inner backend is `burn::Dispatch` on its default device (wgpu here)
 #   --baseline     also run the tensor suite on the inner backend alone; then the exit status
 #                  is 0 when Collective fails exactly the tests the inner backend fails alone
 #   --include-ignored  run the tests Burn marks #[ignore] too
@@ -17,22 +19,27 @@
 # on at run time; here the tensor suite's `TestBackend` is `Collective<B>` and the autodiff
 # suite's is `Autodiff<Collective<B>>` (its checkpointing module runs on the same type).
 # The quantization tests ask `Dispatch::default_quant_scheme`, an inherent method of `Dispatch`;
-# they get the scheme `Dispatch` gives on B's device. Suites for other backends (f16,
-# CubeCL, fusion) are left out.
+# they get the scheme `Dispatch` gives on B's device (`Dispatch`'s own, for `--dispatch`).
+# Suites for other backends (f16, CubeCL, fusion) are left out.
 set -euo pipefail
 
-usage() { sed -n '7,14p' "$0" >&2; exit 2; }
+usage() { sed -n '7,16p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
 WORK=""
 BASELINE=0
 INNER=burn_ndarray::NdArray
+QUANT=""
 IGNORED=()
 for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
         --wgpu) INNER=burn_wgpu::Wgpu ;;
+        --dispatch)
+            INNER=burn_dispatch::Dispatch
+            QUANT="burn_dispatch::Dispatch::default_quant_scheme(&Default::default())"
+            ;;
         --include-ignored) IGNORED=(--include-ignored) ;;
         -*) usage ;;
         *) WORK=$a ;;
@@ -125,7 +132,7 @@ pub use prelude::*;
 #[allow(unused)]
 pub fn default_quant_scheme<D>(_device: &D) -> burn_tensor::quantization::QuantScheme {
     use burn_backend::QTensorPrimitive;
-    <burn_backend::tensor::QuantizedTensor<$INNER> as QTensorPrimitive>::default_scheme()
+    ${QUANT:-<burn_backend::tensor::QuantizedTensor<$INNER> as QTensorPrimitive>::default_scheme()}
 }
 EOF
 }
