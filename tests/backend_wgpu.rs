@@ -312,40 +312,6 @@ fn the_overhead_table_runs_on_fused_wgpu_and_a_marked_model_syncs_locally() {
     );
 }
 
-/// A chain of `k` elementwise steps, a `select_assign` on a tensor and its clone, and a `take`,
-/// on fused wgpu rank `rank`: whether every result is what the host computes.
-fn threaded_work_is_right(rank: u32, k: usize) -> bool {
-    use burn_core::tensor::{IndexingUpdateOp, Int};
-    let d = Dev::new(WgpuDevice::default(), rank);
-    let base = [[0.0f32, 1.0, 2.0], [3.0, 4.0, 5.0]];
-    let t = Tensor::<Collective<Wgpu>, 2>::from_data(base, &d);
-    let mut x = t.clone();
-    for i in 0..k {
-        x = (x * 2.0 + t.clone()).sub_scalar(i as f32);
-    }
-    let values = Tensor::<Collective<Wgpu>, 2>::from_data([[1.0, 2.0], [3.0, 4.0]], &d);
-    let indices = Tensor::<Collective<Wgpu>, 1, Int>::from_data([0, 2], &d);
-    let add = IndexingUpdateOp::Add;
-    let neg = t
-        .clone()
-        .select_assign(-1, indices.clone(), values.clone(), add);
-    let pos = t.clone().select_assign(1, indices, values, add);
-    let row = Tensor::<Collective<Wgpu>, 1, Int>::from_data([1], &d);
-    let taken: Tensor<Collective<Wgpu>, 2> = t.take::<1, 2>(0, row);
-
-    let mut want: Vec<f32> = base.concat();
-    for i in 0..k {
-        for (w, b) in want.iter_mut().zip(base.concat()) {
-            *w = *w * 2.0 + b - i as f32;
-        }
-    }
-    let read = |t: Tensor<Collective<Wgpu>, 2>| t.into_data().to_vec::<f32>().unwrap();
-    read(x) == want
-        && read(neg) == [1.0, 1.0, 4.0, 6.0, 4.0, 9.0]
-        && read(pos) == [1.0, 1.0, 4.0, 6.0, 4.0, 9.0]
-        && read(taken) == [3.0, 4.0, 5.0]
-}
-
 /// Threads sharing one rank of `Collective<Wgpu>` (Burn's fusion keeps a stream per thread):
 /// each runs its own ops. When a forced read ran every thread's queued ops on the reading
 /// thread, this gave wrong values and then panics inside Burn's fusion server (found by Burn's
@@ -355,17 +321,5 @@ fn threads_sharing_a_fused_wgpu_rank_each_get_what_the_host_computes() {
     if !adapter() {
         return;
     }
-    let wrong: usize = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..8)
-            .map(|_| {
-                s.spawn(|| {
-                    (0..24)
-                        .filter(|i| !threaded_work_is_right(7, i % 7))
-                        .count()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).sum()
-    });
-    assert_eq!(wrong, 0, "results differing from the host's, of 8 × 24");
+    common::threads::check_threads_sharing_a_rank::<Wgpu>(|| Dev::new(WgpuDevice::default(), 7));
 }

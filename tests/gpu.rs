@@ -621,6 +621,18 @@ mod training {
         close(&gpu, &cpu, "ndarray");
     }
 
+    /// Threads sharing one rank of `Collective<Cuda>` (fused; CubeCL and Burn's fusion keep a
+    /// stream per thread) each get what the host computes.
+    #[test]
+    fn threads_sharing_a_fused_cuda_rank_each_get_what_the_host_computes() {
+        if !gpu_or_skip("threads sharing a Collective<Cuda> rank", 1, false) {
+            return;
+        }
+        crate::common::threads::check_threads_sharing_a_rank::<Cuda>(|| {
+            CollectiveDevice::new(CudaDevice::default(), 9)
+        });
+    }
+
     /// Burn's CUDA backend without its fusion layer (`Cuda` is Burn's default, fused).
     type UnfusedCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
