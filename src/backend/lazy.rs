@@ -40,7 +40,7 @@ use crate::graph::ComputeKind;
 /// Ranks whose recorder sits in a fixed table; a higher rank's is in a map ([`recorder`]).
 const RANKS: usize = 256;
 
-/// Pending nodes a rank keeps before recording forces the older half to run.
+/// Pending nodes a thread keeps on a rank before recording forces the older half to run.
 const MAX_PENDING: usize = 4096;
 
 /// What made a rank's queue run.
@@ -133,6 +133,8 @@ struct Queued {
 
 struct Queue {
     pending: VecDeque<Queued>,
+    /// Queued nodes per recording thread (the bound applies to each thread's own).
+    per_thread: hashbrown::HashMap<ThreadId, usize>,
     log: VecDeque<LogEntry>,
     /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]).
     ran: VecDeque<u64>,
@@ -179,7 +181,26 @@ impl Queue {
         let (picked, kept): (VecDeque<Queued>, VecDeque<Queued>) =
             self.pending.drain(..).partition(|p| set.contains(&p.seq));
         self.pending = kept;
-        picked.into()
+        self.uncount(picked.into())
+    }
+
+    /// Takes the first `n` queued nodes off the queue.
+    fn take_first(&mut self, n: usize) -> Vec<Queued> {
+        let picked = self.pending.drain(..n).collect();
+        self.uncount(picked)
+    }
+
+    /// `taken`, counted off their threads' queued nodes.
+    fn uncount(&mut self, taken: Vec<Queued>) -> Vec<Queued> {
+        for p in &taken {
+            if let Some(c) = self.per_thread.get_mut(&p.thread) {
+                *c -= 1;
+                if *c == 0 {
+                    self.per_thread.remove(&p.thread);
+                }
+            }
+        }
+        taken
     }
 }
 
@@ -200,6 +221,7 @@ impl Recorder {
             next: AtomicU64::new(0),
             queue: Mutex::new(Queue {
                 pending: VecDeque::new(),
+                per_thread: hashbrown::HashMap::new(),
                 log: VecDeque::new(),
                 ran: VecDeque::new(),
             }),
@@ -219,7 +241,7 @@ impl Recorder {
             let mut q = lock(&self.queue);
             let upto = q.pending.iter().take_while(|p| p.seq <= seq).count();
             if q.pending.iter().take(upto).all(|p| p.thread == me) {
-                q.pending.drain(..upto).collect()
+                q.take_first(upto)
             } else {
                 let roots = q
                     .pending
@@ -230,7 +252,7 @@ impl Recorder {
                     .chain([seq]);
                 match q.queued_inputs(upto, roots) {
                     Some(needed) => q.take(&needed),
-                    None => q.pending.drain(..upto).collect(),
+                    None => q.take_first(upto),
                 }
             }
         };
@@ -332,7 +354,8 @@ impl Recorder {
     /// half-made, and numbers are queued in order.
     fn push<P: Send + 'static>(&self, rec: Record, state: State<P>) -> Arc<Node<P>> {
         let pending = matches!(state, State::Pending(_));
-        let (node, seq, len) = {
+        let me = std::thread::current().id();
+        let (node, seq, own) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
             let node = Arc::new(Node {
@@ -347,9 +370,10 @@ impl Recorder {
                 let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
                 q.pending.push_back(Queued {
                     seq,
-                    thread: std::thread::current().id(),
+                    thread: me,
                     node: weak,
                 });
+                *q.per_thread.entry(me).or_default() += 1;
             }
             if q.log.len() == MAX_LOG {
                 q.log.pop_front();
@@ -363,9 +387,9 @@ impl Recorder {
                 dtype: rec.dtype,
                 flops: rec.flops,
             });
-            (node, seq, q.pending.len())
+            (node, seq, q.per_thread.get(&me).copied().unwrap_or(0))
         };
-        if len > MAX_PENDING {
+        if own > MAX_PENDING {
             self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
         }
         node
