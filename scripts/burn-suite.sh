@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Runs Burn 0.21.0's own backend test suite (`crates/burn-backend-tests`: its tensor and autodiff
-# suites) against `Collective<B>` and `Autodiff<Collective<B>>`, B NdArray or fused wgpu:
+# suites) against `Collective<B>` and `Autodiff<Collective<B>>`, B NdArray, wgpu or Dispatch:
 # a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
-# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--dispatch] [--baseline]
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--unfused|--dispatch] [--baseline]
 #        [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
 #   --wgpu         the inner backend is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion
 #                  on; Mesa's lavapipe on a machine without a GPU) instead of NdArray
+#   --unfused      the inner backend is wgpu's `CubeBackend` without the fusion layer
 #   --dispatch     the inner backend is `burn::Dispatch` on its default device (wgpu here)
 #   --baseline     also run the tensor suite on the inner backend alone; then the exit status
 #                  is 0 when Collective fails exactly the tests the inner backend fails alone
@@ -23,7 +24,7 @@
 # Suites for other backends (f16, CubeCL, fusion) are left out.
 set -euo pipefail
 
-usage() { sed -n '7,16p' "$0" >&2; exit 2; }
+usage() { sed -n '7,17p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -36,6 +37,7 @@ for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
         --wgpu) INNER=burn_wgpu::Wgpu ;;
+        --unfused) INNER="burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u32>" ;;
         --dispatch)
             INNER=burn_dispatch::Dispatch
             QUANT="burn_dispatch::Dispatch::default_quant_scheme(&Default::default())"
