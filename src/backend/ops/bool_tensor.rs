@@ -28,9 +28,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         let rank = device.rank;
         CTensor::new(I::bool_ones(shape, &device.inner, dtype), rank)
     }
-    fn bool_into_data(
-        tensor: BoolTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn bool_into_data(tensor: BoolTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         I::bool_into_data(tensor.into_inner_for("bool_into_data"))
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
@@ -40,18 +38,12 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_into_int", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype),
-        )
+        log.int::<I>(rank, I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype))
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_into_float", rules::inputs([tensor.seq()]));
-        log.float::<I>(
-            rank,
-            I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype),
-        )
+        log.float::<I>(rank, I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype))
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
@@ -60,61 +52,31 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
         let rule = op_table::bool_to_device(tensor.meta(), device);
-        let node = rule.record(
-            "bool_to_device",
-            std::sync::Arc::new(device.inner.clone()),
-            rules::inputs([tensor.seq()]),
-        );
+        let node = rule.record("bool_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.seq()]));
         let device = device.inner.clone();
-        CTensor::lazy(rank, node, move || {
-            I::bool_to_device(tensor.into_inner(), &device)
-        })
+        CTensor::lazy(rank, node, move || I::bool_to_device(tensor.into_inner(), &device))
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_reshape", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape),
-        )
+        log.bool::<I>(rank, I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape))
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_slice", rules::inputs([tensor.seq()]));
+        log.bool::<I>(rank, I::bool_slice(tensor.into_inner_for("bool_slice"), slices))
+    }
+    fn bool_slice_assign(tensor: BoolTensor<Self>, slices: &[Slice], value: BoolTensor<Self>) -> BoolTensor<Self> {
+        let rank = tensor.rank;
+        let log = Eager::new("bool_slice_assign", rules::inputs([tensor.seq(), value.seq()]));
         log.bool::<I>(
             rank,
-            I::bool_slice(tensor.into_inner_for("bool_slice"), slices),
+            I::bool_slice_assign(tensor.into_inner_for("bool_slice_assign"), slices, value.into_inner_for("bool_slice_assign")),
         )
     }
-    fn bool_slice_assign(
-        tensor: BoolTensor<Self>,
-        slices: &[Slice],
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
+    fn bool_mask_where(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "bool_slice_assign",
-            rules::inputs([tensor.seq(), value.seq()]),
-        );
-        log.bool::<I>(
-            rank,
-            I::bool_slice_assign(
-                tensor.into_inner_for("bool_slice_assign"),
-                slices,
-                value.into_inner_for("bool_slice_assign"),
-            ),
-        )
-    }
-    fn bool_mask_where(
-        tensor: BoolTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
-        let rank = tensor.rank;
-        let log = Eager::new(
-            "bool_mask_where",
-            rules::inputs([tensor.seq(), mask.seq(), value.seq()]),
-        );
+        let log = Eager::new("bool_mask_where", rules::inputs([tensor.seq(), mask.seq(), value.seq()]));
         log.bool::<I>(
             rank,
             I::bool_mask_where(
@@ -124,49 +86,25 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
             ),
         )
     }
-    fn bool_mask_fill(
-        tensor: BoolTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: Scalar,
-    ) -> BoolTensor<Self> {
+    fn bool_mask_fill(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_mask_fill", rules::inputs([tensor.seq(), mask.seq()]));
         log.bool::<I>(
             rank,
-            I::bool_mask_fill(
-                tensor.into_inner_for("bool_mask_fill"),
-                mask.into_inner_for("bool_mask_fill"),
-                value,
-            ),
+            I::bool_mask_fill(tensor.into_inner_for("bool_mask_fill"), mask.into_inner_for("bool_mask_fill"), value),
         )
     }
-    fn bool_gather(
-        dim: usize,
-        tensor: BoolTensor<Self>,
-        indices: IntTensor<Self>,
-    ) -> BoolTensor<Self> {
+    fn bool_gather(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_gather", rules::inputs([tensor.seq(), indices.seq()]));
         log.bool::<I>(
             rank,
-            I::bool_gather(
-                dim,
-                tensor.into_inner_for("bool_gather"),
-                indices.into_inner_for("bool_gather"),
-            ),
+            I::bool_gather(dim, tensor.into_inner_for("bool_gather"), indices.into_inner_for("bool_gather")),
         )
     }
-    fn bool_scatter_or(
-        dim: usize,
-        tensor: BoolTensor<Self>,
-        indices: IntTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
+    fn bool_scatter_or(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "bool_scatter_or",
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
-        );
+        let log = Eager::new("bool_scatter_or", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
         log.bool::<I>(
             rank,
             I::bool_scatter_or(
@@ -177,33 +115,17 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
             ),
         )
     }
-    fn bool_select(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-    ) -> BoolTensor<Self> {
+    fn bool_select(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_select", rules::inputs([tensor.seq(), indices.seq()]));
         log.bool::<I>(
             rank,
-            I::bool_select(
-                tensor.into_inner_for("bool_select"),
-                dim,
-                indices.into_inner_for("bool_select"),
-            ),
+            I::bool_select(tensor.into_inner_for("bool_select"), dim, indices.into_inner_for("bool_select")),
         )
     }
-    fn bool_select_or(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
+    fn bool_select_or(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "bool_select_or",
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
-        );
+        let log = Eager::new("bool_select_or", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
         log.bool::<I>(
             rank,
             I::bool_select_or(
@@ -217,65 +139,35 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_repeat_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_repeat_dim(tensor.into_inner_for("bool_repeat_dim"), dim, times),
-        )
+        log.bool::<I>(rank, I::bool_repeat_dim(tensor.into_inner_for("bool_repeat_dim"), dim, times))
     }
     fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        let log = Eager::new(
-            "bool_cat",
-            tensors.iter().filter_map(CTensor::seq).collect(),
-        );
-        log.bool::<I>(
-            rank,
-            I::bool_cat(
-                tensors
-                    .into_iter()
-                    .map(|t| t.into_inner_for("bool_cat"))
-                    .collect(),
-                dim,
-            ),
-        )
+        let log = Eager::new("bool_cat", tensors.iter().filter_map(CTensor::seq).collect());
+        log.bool::<I>(rank, I::bool_cat(tensors.into_iter().map(|t| t.into_inner_for("bool_cat")).collect(), dim))
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_equal", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_equal(
-                lhs.into_inner_for("bool_equal"),
-                rhs.into_inner_for("bool_equal"),
-            ),
-        )
+        log.bool::<I>(rank, I::bool_equal(lhs.into_inner_for("bool_equal"), rhs.into_inner_for("bool_equal")))
     }
     fn bool_not_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_not_equal", rules::inputs([lhs.seq(), rhs.seq()]));
         log.bool::<I>(
             rank,
-            I::bool_not_equal(
-                lhs.into_inner_for("bool_not_equal"),
-                rhs.into_inner_for("bool_not_equal"),
-            ),
+            I::bool_not_equal(lhs.into_inner_for("bool_not_equal"), rhs.into_inner_for("bool_not_equal")),
         )
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs),
-        )
+        log.bool::<I>(rank, I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs))
     }
     fn bool_not_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_not_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_not_equal_elem(lhs.into_inner_for("bool_not_equal_elem"), rhs),
-        )
+        log.bool::<I>(rank, I::bool_not_equal_elem(lhs.into_inner_for("bool_not_equal_elem"), rhs))
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
@@ -285,56 +177,32 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_and", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_and(
-                lhs.into_inner_for("bool_and"),
-                rhs.into_inner_for("bool_and"),
-            ),
-        )
+        log.bool::<I>(rank, I::bool_and(lhs.into_inner_for("bool_and"), rhs.into_inner_for("bool_and")))
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_or", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or")),
-        )
+        log.bool::<I>(rank, I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or")))
     }
     fn bool_xor(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bool_xor", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_xor(
-                lhs.into_inner_for("bool_xor"),
-                rhs.into_inner_for("bool_xor"),
-            ),
-        )
+        log.bool::<I>(rank, I::bool_xor(lhs.into_inner_for("bool_xor"), rhs.into_inner_for("bool_xor")))
     }
     fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_transpose", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_transpose(tensor.into_inner_for("bool_transpose")),
-        )
+        log.bool::<I>(rank, I::bool_transpose(tensor.into_inner_for("bool_transpose")))
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_swap_dims", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2),
-        )
+        log.bool::<I>(rank, I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2))
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_permute", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_permute(tensor.into_inner_for("bool_permute"), axes),
-        )
+        log.bool::<I>(rank, I::bool_permute(tensor.into_inner_for("bool_permute"), axes))
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
@@ -349,10 +217,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_any_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_any_dim(tensor.into_inner_for("bool_any_dim"), dim),
-        )
+        log.bool::<I>(rank, I::bool_any_dim(tensor.into_inner_for("bool_any_dim"), dim))
     }
     fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
@@ -362,15 +227,9 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_all_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_all_dim(tensor.into_inner_for("bool_all_dim"), dim),
-        )
+        log.bool::<I>(rank, I::bool_all_dim(tensor.into_inner_for("bool_all_dim"), dim))
     }
-    fn bool_argwhere(
-        tensor: BoolTensor<Self>,
-        out_dtype: IntDType,
-    ) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
+    fn bool_argwhere(tensor: BoolTensor<Self>, out_dtype: IntDType) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
         let rank = tensor.rank;
         let log = Eager::new("bool_argwhere", rules::inputs([tensor.seq()]));
         {
@@ -381,22 +240,11 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_expand", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_expand(tensor.into_inner_for("bool_expand"), shape),
-        )
+        log.bool::<I>(rank, I::bool_expand(tensor.into_inner_for("bool_expand"), shape))
     }
-    fn bool_unfold(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        size: usize,
-        step: usize,
-    ) -> BoolTensor<Self> {
+    fn bool_unfold(tensor: BoolTensor<Self>, dim: usize, size: usize, step: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("bool_unfold", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step),
-        )
+        log.bool::<I>(rank, I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step))
     }
 }

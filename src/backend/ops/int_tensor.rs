@@ -20,9 +20,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         let rank = device.rank;
         CTensor::new(I::int_empty(shape, &device.inner, dtype), rank)
     }
-    fn int_into_data(
-        tensor: IntTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn int_into_data(tensor: IntTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         I::int_into_data(tensor.into_inner_for("int_into_data"))
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
@@ -36,69 +34,36 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
         let rule = op_table::int_to_device(tensor.meta(), device);
-        let node = rule.record(
-            "int_to_device",
-            std::sync::Arc::new(device.inner.clone()),
-            rules::inputs([tensor.seq()]),
-        );
+        let node = rule.record("int_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.seq()]));
         let device = device.inner.clone();
-        CTensor::lazy(rank, node, move || {
-            I::int_to_device(tensor.into_inner(), &device)
-        })
+        CTensor::lazy(rank, node, move || I::int_to_device(tensor.into_inner(), &device))
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_reshape", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_reshape(tensor.into_inner_for("int_reshape"), shape),
-        )
+        log.int::<I>(rank, I::int_reshape(tensor.into_inner_for("int_reshape"), shape))
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_slice", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_slice(tensor.into_inner_for("int_slice"), slices),
-        )
+        log.int::<I>(rank, I::int_slice(tensor.into_inner_for("int_slice"), slices))
     }
-    fn int_slice_assign(
-        tensor: IntTensor<Self>,
-        slices: &[Slice],
-        value: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_slice_assign(tensor: IntTensor<Self>, slices: &[Slice], value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "int_slice_assign",
-            rules::inputs([tensor.seq(), value.seq()]),
-        );
+        let log = Eager::new("int_slice_assign", rules::inputs([tensor.seq(), value.seq()]));
         log.int::<I>(
             rank,
-            I::int_slice_assign(
-                tensor.into_inner_for("int_slice_assign"),
-                slices,
-                value.into_inner_for("int_slice_assign"),
-            ),
+            I::int_slice_assign(tensor.into_inner_for("int_slice_assign"), slices, value.into_inner_for("int_slice_assign")),
         )
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_into_float", rules::inputs([tensor.seq()]));
-        log.float::<I>(
-            rank,
-            I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype),
-        )
+        log.float::<I>(rank, I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype))
     }
-    fn int_mask_where(
-        tensor: IntTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_mask_where(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "int_mask_where",
-            rules::inputs([tensor.seq(), mask.seq(), value.seq()]),
-        );
+        let log = Eager::new("int_mask_where", rules::inputs([tensor.seq(), mask.seq(), value.seq()]));
         log.int::<I>(
             rank,
             I::int_mask_where(
@@ -108,49 +73,25 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
             ),
         )
     }
-    fn int_mask_fill(
-        tensor: IntTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: Scalar,
-    ) -> IntTensor<Self> {
+    fn int_mask_fill(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_mask_fill", rules::inputs([tensor.seq(), mask.seq()]));
         log.int::<I>(
             rank,
-            I::int_mask_fill(
-                tensor.into_inner_for("int_mask_fill"),
-                mask.into_inner_for("int_mask_fill"),
-                value,
-            ),
+            I::int_mask_fill(tensor.into_inner_for("int_mask_fill"), mask.into_inner_for("int_mask_fill"), value),
         )
     }
-    fn int_gather(
-        dim: usize,
-        tensor: IntTensor<Self>,
-        indices: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_gather(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_gather", rules::inputs([tensor.seq(), indices.seq()]));
         log.int::<I>(
             rank,
-            I::int_gather(
-                dim,
-                tensor.into_inner_for("int_gather"),
-                indices.into_inner_for("int_gather"),
-            ),
+            I::int_gather(dim, tensor.into_inner_for("int_gather"), indices.into_inner_for("int_gather")),
         )
     }
-    fn int_scatter_add(
-        dim: usize,
-        tensor: IntTensor<Self>,
-        indices: IntTensor<Self>,
-        value: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_scatter_add(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "int_scatter_add",
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
-        );
+        let log = Eager::new("int_scatter_add", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
         log.int::<I>(
             rank,
             I::int_scatter_add(
@@ -168,10 +109,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> IntTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new(
-            "int_scatter_nd",
-            rules::inputs([_data.seq(), _indices.seq(), _values.seq()]),
-        );
+        let log = Eager::new("int_scatter_nd", rules::inputs([_data.seq(), _indices.seq(), _values.seq()]));
         log.int::<I>(
             rank,
             I::int_scatter_nd(
@@ -184,45 +122,23 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_gather_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new(
-            "int_gather_nd",
-            rules::inputs([_data.seq(), _indices.seq()]),
-        );
+        let log = Eager::new("int_gather_nd", rules::inputs([_data.seq(), _indices.seq()]));
         log.int::<I>(
             rank,
-            I::int_gather_nd(
-                _data.into_inner_for("int_gather_nd"),
-                _indices.into_inner_for("int_gather_nd"),
-            ),
+            I::int_gather_nd(_data.into_inner_for("int_gather_nd"), _indices.into_inner_for("int_gather_nd")),
         )
     }
-    fn int_select(
-        tensor: IntTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_select(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_select", rules::inputs([tensor.seq(), indices.seq()]));
         log.int::<I>(
             rank,
-            I::int_select(
-                tensor.into_inner_for("int_select"),
-                dim,
-                indices.into_inner_for("int_select"),
-            ),
+            I::int_select(tensor.into_inner_for("int_select"), dim, indices.into_inner_for("int_select")),
         )
     }
-    fn int_select_add(
-        tensor: IntTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-        value: IntTensor<Self>,
-    ) -> IntTensor<Self> {
+    fn int_select_add(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new(
-            "int_select_add",
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
-        );
+        let log = Eager::new("int_select_add", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
         log.int::<I>(
             rank,
             I::int_select_add(
@@ -236,329 +152,169 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_repeat_dim(tensor: IntTensor<Self>, dim: usize, times: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_repeat_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_repeat_dim(tensor.into_inner_for("int_repeat_dim"), dim, times),
-        )
+        log.int::<I>(rank, I::int_repeat_dim(tensor.into_inner_for("int_repeat_dim"), dim, times))
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
         let rank = forward::rank_of(&tensors);
         let log = Eager::new("int_cat", tensors.iter().filter_map(CTensor::seq).collect());
-        log.int::<I>(
-            rank,
-            I::int_cat(
-                tensors
-                    .into_iter()
-                    .map(|t| t.into_inner_for("int_cat"))
-                    .collect(),
-                dim,
-            ),
-        )
+        log.int::<I>(rank, I::int_cat(tensors.into_iter().map(|t| t.into_inner_for("int_cat")).collect(), dim))
     }
-    fn int_equal(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_equal", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_equal(
-                lhs.into_inner_for("int_equal"),
-                rhs.into_inner_for("int_equal"),
-                out_dtype,
-            ),
-        )
+        log.bool::<I>(rank, I::int_equal(lhs.into_inner_for("int_equal"), rhs.into_inner_for("int_equal"), out_dtype))
     }
-    fn int_not_equal(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_not_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_not_equal", rules::inputs([lhs.seq(), rhs.seq()]));
         log.bool::<I>(
             rank,
-            I::int_not_equal(
-                lhs.into_inner_for("int_not_equal"),
-                rhs.into_inner_for("int_not_equal"),
-                out_dtype,
-            ),
+            I::int_not_equal(lhs.into_inner_for("int_not_equal"), rhs.into_inner_for("int_not_equal"), out_dtype),
         )
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype))
     }
-    fn int_not_equal_elem(
-        lhs: IntTensor<Self>,
-        rhs: Scalar,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_not_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_not_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_not_equal_elem(lhs.into_inner_for("int_not_equal_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_not_equal_elem(lhs.into_inner_for("int_not_equal_elem"), rhs, out_dtype))
     }
-    fn int_greater(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_greater(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_greater", rules::inputs([lhs.seq(), rhs.seq()]));
         log.bool::<I>(
             rank,
-            I::int_greater(
-                lhs.into_inner_for("int_greater"),
-                rhs.into_inner_for("int_greater"),
-                out_dtype,
-            ),
+            I::int_greater(lhs.into_inner_for("int_greater"), rhs.into_inner_for("int_greater"), out_dtype),
         )
     }
-    fn int_greater_elem(
-        lhs: IntTensor<Self>,
-        rhs: Scalar,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_greater_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_greater_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype))
     }
-    fn int_greater_equal(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_greater_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_greater_equal", rules::inputs([lhs.seq(), rhs.seq()]));
         log.bool::<I>(
             rank,
-            I::int_greater_equal(
-                lhs.into_inner_for("int_greater_equal"),
-                rhs.into_inner_for("int_greater_equal"),
-                out_dtype,
-            ),
+            I::int_greater_equal(lhs.into_inner_for("int_greater_equal"), rhs.into_inner_for("int_greater_equal"), out_dtype),
         )
     }
-    fn int_greater_equal_elem(
-        lhs: IntTensor<Self>,
-        rhs: Scalar,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_greater_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_greater_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_greater_equal_elem(lhs.into_inner_for("int_greater_equal_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_greater_equal_elem(lhs.into_inner_for("int_greater_equal_elem"), rhs, out_dtype))
     }
-    fn int_lower(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_lower(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_lower", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_lower(
-                lhs.into_inner_for("int_lower"),
-                rhs.into_inner_for("int_lower"),
-                out_dtype,
-            ),
-        )
+        log.bool::<I>(rank, I::int_lower(lhs.into_inner_for("int_lower"), rhs.into_inner_for("int_lower"), out_dtype))
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_lower_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype))
     }
-    fn int_lower_equal(
-        lhs: IntTensor<Self>,
-        rhs: IntTensor<Self>,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_lower_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_lower_equal", rules::inputs([lhs.seq(), rhs.seq()]));
         log.bool::<I>(
             rank,
-            I::int_lower_equal(
-                lhs.into_inner_for("int_lower_equal"),
-                rhs.into_inner_for("int_lower_equal"),
-                out_dtype,
-            ),
+            I::int_lower_equal(lhs.into_inner_for("int_lower_equal"), rhs.into_inner_for("int_lower_equal"), out_dtype),
         )
     }
-    fn int_lower_equal_elem(
-        lhs: IntTensor<Self>,
-        rhs: Scalar,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn int_lower_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_lower_equal_elem", rules::inputs([lhs.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype))
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_add", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add")),
-        )
+        log.int::<I>(rank, I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add")))
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_add_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs))
     }
     fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_powi", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_powi(
-                lhs.into_inner_for("int_powi"),
-                rhs.into_inner_for("int_powi"),
-            ),
-        )
+        log.int::<I>(rank, I::int_powi(lhs.into_inner_for("int_powi"), rhs.into_inner_for("int_powi")))
     }
     fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_powi_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_powi_scalar(lhs.into_inner_for("int_powi_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_powi_scalar(lhs.into_inner_for("int_powi_scalar"), rhs))
     }
     fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_powi_scalar_impl", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_powi_scalar_impl(lhs.into_inner_for("int_powi_scalar_impl"), rhs),
-        )
+        log.int::<I>(rank, I::int_powi_scalar_impl(lhs.into_inner_for("int_powi_scalar_impl"), rhs))
     }
     fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_clamp_min", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_clamp_min(tensor.into_inner_for("int_clamp_min"), min),
-        )
+        log.int::<I>(rank, I::int_clamp_min(tensor.into_inner_for("int_clamp_min"), min))
     }
     fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_clamp_max", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_clamp_max(tensor.into_inner_for("int_clamp_max"), max),
-        )
+        log.int::<I>(rank, I::int_clamp_max(tensor.into_inner_for("int_clamp_max"), max))
     }
     fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_clamp", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_clamp(tensor.into_inner_for("int_clamp"), min, max),
-        )
+        log.int::<I>(rank, I::int_clamp(tensor.into_inner_for("int_clamp"), min, max))
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_sub", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub")),
-        )
+        log.int::<I>(rank, I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub")))
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_sub_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs))
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_mul", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul")),
-        )
+        log.int::<I>(rank, I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul")))
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_mul_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs))
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_div", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div")),
-        )
+        log.int::<I>(rank, I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div")))
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_div_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs))
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_remainder", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_remainder(
-                lhs.into_inner_for("int_remainder"),
-                rhs.into_inner_for("int_remainder"),
-            ),
-        )
+        log.int::<I>(rank, I::int_remainder(lhs.into_inner_for("int_remainder"), rhs.into_inner_for("int_remainder")))
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_remainder_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs))
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("int_matmul", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_matmul(
-                lhs.into_inner_for("int_matmul"),
-                rhs.into_inner_for("int_matmul"),
-            ),
-        )
+        log.int::<I>(rank, I::int_matmul(lhs.into_inner_for("int_matmul"), rhs.into_inner_for("int_matmul")))
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -568,42 +324,23 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
         let rule = op_table::int_zeros(&shape, device, &dtype);
-        let node = rule.record(
-            "int_zeros",
-            std::sync::Arc::new(device.inner.clone()),
-            rules::inputs([]),
-        );
+        let node = rule.record("int_zeros", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
         let device = device.inner.clone();
         CTensor::lazy(rank, node, move || I::int_zeros(shape, &device, dtype))
     }
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
         let rule = op_table::int_ones(&shape, device, &dtype);
-        let node = rule.record(
-            "int_ones",
-            std::sync::Arc::new(device.inner.clone()),
-            rules::inputs([]),
-        );
+        let node = rule.record("int_ones", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
         let device = device.inner.clone();
         CTensor::lazy(rank, node, move || I::int_ones(shape, &device, dtype))
     }
-    fn int_full(
-        shape: Shape,
-        fill_value: Scalar,
-        device: &Device<Self>,
-        dtype: IntDType,
-    ) -> IntTensor<Self> {
+    fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
         let rule = op_table::int_full(&shape, &fill_value, device, &dtype);
-        let node = rule.record(
-            "int_full",
-            std::sync::Arc::new(device.inner.clone()),
-            rules::inputs([]),
-        );
+        let node = rule.record("int_full", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
         let device = device.inner.clone();
-        CTensor::lazy(rank, node, move || {
-            I::int_full(shape, fill_value, &device, dtype)
-        })
+        CTensor::lazy(rank, node, move || I::int_full(shape, fill_value, &device, dtype))
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -613,10 +350,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_sum_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim))
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -626,10 +360,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_prod_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim))
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -639,58 +370,37 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_mean_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim))
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_cumsum", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim),
-        )
+        log.int::<I>(rank, I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim))
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_cumprod", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim),
-        )
+        log.int::<I>(rank, I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim))
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_cummin", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_cummin(tensor.into_inner_for("int_cummin"), dim),
-        )
+        log.int::<I>(rank, I::int_cummin(tensor.into_inner_for("int_cummin"), dim))
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_cummax", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_cummax(tensor.into_inner_for("int_cummax"), dim),
-        )
+        log.int::<I>(rank, I::int_cummax(tensor.into_inner_for("int_cummax"), dim))
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_argmax", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_argmax(tensor.into_inner_for("int_argmax"), dim),
-        )
+        log.int::<I>(rank, I::int_argmax(tensor.into_inner_for("int_argmax"), dim))
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_argtopk", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k),
-        )
+        log.int::<I>(rank, I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k))
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -700,10 +410,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_argmin", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_argmin(tensor.into_inner_for("int_argmin"), dim),
-        )
+        log.int::<I>(rank, I::int_argmin(tensor.into_inner_for("int_argmin"), dim))
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -713,20 +420,13 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_max_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_max_dim(tensor.into_inner_for("int_max_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_max_dim(tensor.into_inner_for("int_max_dim"), dim))
     }
-    fn int_max_dim_with_indices(
-        tensor: IntTensor<Self>,
-        dim: usize,
-    ) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_max_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("int_max_dim_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) =
-                I::int_max_dim_with_indices(tensor.into_inner_for("int_max_dim_with_indices"), dim);
+            let (a, b) = I::int_max_dim_with_indices(tensor.into_inner_for("int_max_dim_with_indices"), dim);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
         }
     }
@@ -738,10 +438,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_max_abs_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_max_abs_dim(tensor.into_inner_for("int_max_abs_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_max_abs_dim(tensor.into_inner_for("int_max_abs_dim"), dim))
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -751,20 +448,13 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_min_dim", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_min_dim(tensor.into_inner_for("int_min_dim"), dim),
-        )
+        log.int::<I>(rank, I::int_min_dim(tensor.into_inner_for("int_min_dim"), dim))
     }
-    fn int_min_dim_with_indices(
-        tensor: IntTensor<Self>,
-        dim: usize,
-    ) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_min_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("int_min_dim_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) =
-                I::int_min_dim_with_indices(tensor.into_inner_for("int_min_dim_with_indices"), dim);
+            let (a, b) = I::int_min_dim_with_indices(tensor.into_inner_for("int_min_dim_with_indices"), dim);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
         }
     }
@@ -776,50 +466,28 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_transpose", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_transpose(tensor.into_inner_for("int_transpose")),
-        )
+        log.int::<I>(rank, I::int_transpose(tensor.into_inner_for("int_transpose")))
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_swap_dims", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2),
-        )
+        log.int::<I>(rank, I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2))
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_permute", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_permute(tensor.into_inner_for("int_permute"), axes),
-        )
+        log.int::<I>(rank, I::int_permute(tensor.into_inner_for("int_permute"), axes))
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_flip", rules::inputs([tensor.seq()]));
         log.int::<I>(rank, I::int_flip(tensor.into_inner_for("int_flip"), axes))
     }
-    fn int_random(
-        shape: Shape,
-        distribution: Distribution,
-        device: &Device<Self>,
-        dtype: IntDType,
-    ) -> IntTensor<Self> {
+    fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(
-            I::int_random(shape, distribution, &device.inner, dtype),
-            rank,
-        )
+        CTensor::new(I::int_random(shape, distribution, &device.inner, dtype), rank)
     }
-    fn int_arange_step(
-        range: Range<i64>,
-        step: usize,
-        device: &Device<Self>,
-        dtype: IntDType,
-    ) -> IntTensor<Self> {
+    fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
         CTensor::new(I::int_arange_step(range, step, &device.inner, dtype), rank)
     }
@@ -830,34 +498,22 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_any", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_any(tensor.into_inner_for("int_any"), out_dtype),
-        )
+        log.bool::<I>(rank, I::int_any(tensor.into_inner_for("int_any"), out_dtype))
     }
     fn int_any_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_any_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_any_dim(tensor.into_inner_for("int_any_dim"), dim, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_any_dim(tensor.into_inner_for("int_any_dim"), dim, out_dtype))
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_all", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_all(tensor.into_inner_for("int_all"), out_dtype),
-        )
+        log.bool::<I>(rank, I::int_all(tensor.into_inner_for("int_all"), out_dtype))
     }
     fn int_all_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_all_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::int_all_dim(tensor.into_inner_for("int_all_dim"), dim, out_dtype),
-        )
+        log.bool::<I>(rank, I::int_all_dim(tensor.into_inner_for("int_all_dim"), dim, out_dtype))
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -867,99 +523,55 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_expand", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_expand(tensor.into_inner_for("int_expand"), shape),
-        )
+        log.int::<I>(rank, I::int_expand(tensor.into_inner_for("int_expand"), shape))
     }
     fn int_sort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_sort", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_sort(tensor.into_inner_for("int_sort"), dim, descending),
-        )
+        log.int::<I>(rank, I::int_sort(tensor.into_inner_for("int_sort"), dim, descending))
     }
-    fn int_sort_with_indices(
-        tensor: IntTensor<Self>,
-        dim: usize,
-        descending: bool,
-    ) -> (IntTensor<Self>, IntTensor<Self>) {
+    fn int_sort_with_indices(tensor: IntTensor<Self>, dim: usize, descending: bool) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("int_sort_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) = I::int_sort_with_indices(
-                tensor.into_inner_for("int_sort_with_indices"),
-                dim,
-                descending,
-            );
+            let (a, b) = I::int_sort_with_indices(tensor.into_inner_for("int_sort_with_indices"), dim, descending);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
         }
     }
     fn int_argsort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_argsort", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_argsort(tensor.into_inner_for("int_argsort"), dim, descending),
-        )
+        log.int::<I>(rank, I::int_argsort(tensor.into_inner_for("int_argsort"), dim, descending))
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_and", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_and(
-                lhs.into_inner_for("bitwise_and"),
-                rhs.into_inner_for("bitwise_and"),
-            ),
-        )
+        log.int::<I>(rank, I::bitwise_and(lhs.into_inner_for("bitwise_and"), rhs.into_inner_for("bitwise_and")))
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_and_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs))
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_or", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_or(
-                lhs.into_inner_for("bitwise_or"),
-                rhs.into_inner_for("bitwise_or"),
-            ),
-        )
+        log.int::<I>(rank, I::bitwise_or(lhs.into_inner_for("bitwise_or"), rhs.into_inner_for("bitwise_or")))
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_or_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs))
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_xor", rules::inputs([lhs.seq(), rhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_xor(
-                lhs.into_inner_for("bitwise_xor"),
-                rhs.into_inner_for("bitwise_xor"),
-            ),
-        )
+        log.int::<I>(rank, I::bitwise_xor(lhs.into_inner_for("bitwise_xor"), rhs.into_inner_for("bitwise_xor")))
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_xor_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs))
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -971,55 +583,35 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         let log = Eager::new("bitwise_left_shift", rules::inputs([lhs.seq(), rhs.seq()]));
         log.int::<I>(
             rank,
-            I::bitwise_left_shift(
-                lhs.into_inner_for("bitwise_left_shift"),
-                rhs.into_inner_for("bitwise_left_shift"),
-            ),
+            I::bitwise_left_shift(lhs.into_inner_for("bitwise_left_shift"), rhs.into_inner_for("bitwise_left_shift")),
         )
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_left_shift_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs))
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_right_shift", rules::inputs([lhs.seq(), rhs.seq()]));
         log.int::<I>(
             rank,
-            I::bitwise_right_shift(
-                lhs.into_inner_for("bitwise_right_shift"),
-                rhs.into_inner_for("bitwise_right_shift"),
-            ),
+            I::bitwise_right_shift(lhs.into_inner_for("bitwise_right_shift"), rhs.into_inner_for("bitwise_right_shift")),
         )
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
         let log = Eager::new("bitwise_right_shift_scalar", rules::inputs([lhs.seq()]));
-        log.int::<I>(
-            rank,
-            I::bitwise_right_shift_scalar(lhs.into_inner_for("bitwise_right_shift_scalar"), rhs),
-        )
+        log.int::<I>(rank, I::bitwise_right_shift_scalar(lhs.into_inner_for("bitwise_right_shift_scalar"), rhs))
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_cast", rules::inputs([tensor.seq()]));
         log.int::<I>(rank, I::int_cast(tensor.into_inner_for("int_cast"), dtype))
     }
-    fn int_unfold(
-        tensor: IntTensor<Self>,
-        dim: usize,
-        size: usize,
-        step: usize,
-    ) -> IntTensor<Self> {
+    fn int_unfold(tensor: IntTensor<Self>, dim: usize, size: usize, step: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("int_unfold", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step),
-        )
+        log.int::<I>(rank, I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step))
     }
 }

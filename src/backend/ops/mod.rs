@@ -3,10 +3,17 @@
 //! rule in `op_table.rs` records a node; every other op runs eagerly on its forced inputs.
 //! Do not edit by hand: change `op_table.rs` and regenerate (CI checks it is current).
 
-mod activation;
-mod bool_tensor;
+#[rustfmt::skip]
 mod float_tensor;
+#[rustfmt::skip]
 mod int_tensor;
-mod module;
+#[rustfmt::skip]
+mod bool_tensor;
+#[rustfmt::skip]
 mod qtensor;
+#[rustfmt::skip]
+mod module;
+#[rustfmt::skip]
+mod activation;
+#[rustfmt::skip]
 mod transaction;

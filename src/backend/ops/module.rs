@@ -24,15 +24,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             weights.device_handle(|p| I::float_device(p)),
             rules::inputs([weights.seq(), indices.seq()]),
         );
-        CTensor::lazy(rank, node, move || {
-            I::embedding(weights.into_inner(), indices.into_inner())
-        })
+        CTensor::lazy(rank, node, move || I::embedding(weights.into_inner(), indices.into_inner()))
     }
-    fn embedding_backward(
-        weights: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        indices: IntTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
         let rank = weights.rank;
         let rule = op_table::embedding_backward(weights.meta(), output_grad.meta(), indices.meta());
         let node = rule.record(
@@ -41,18 +35,10 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             rules::inputs([weights.seq(), output_grad.seq(), indices.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::embedding_backward(
-                weights.into_inner(),
-                output_grad.into_inner(),
-                indices.into_inner(),
-            )
+            I::embedding_backward(weights.into_inner(), output_grad.into_inner(), indices.into_inner())
         })
     }
-    fn linear(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
+    fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
         let rank = x.rank;
         let rule = op_table::linear(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta));
         let node = rule.record(
@@ -60,18 +46,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
-        CTensor::lazy(rank, node, move || {
-            I::linear(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-            )
-        })
+        CTensor::lazy(rank, node, move || I::linear(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner())))
     }
-    fn linear_x_backward(
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn linear_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = weight.rank;
         let rule = op_table::linear_x_backward(weight.meta(), output_grad.meta());
         let node = rule.record(
@@ -79,14 +56,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             weight.device_handle(|p| I::float_device(p)),
             rules::inputs([weight.seq(), output_grad.seq()]),
         );
-        CTensor::lazy(rank, node, move || {
-            I::linear_x_backward(weight.into_inner(), output_grad.into_inner())
-        })
+        CTensor::lazy(rank, node, move || I::linear_x_backward(weight.into_inner(), output_grad.into_inner()))
     }
-    fn linear_weight_backward(
-        x: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn linear_weight_backward(x: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
         let rule = op_table::linear_weight_backward(x.meta(), output_grad.meta());
         let node = rule.record(
@@ -94,9 +66,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), output_grad.seq()]),
         );
-        CTensor::lazy(rank, node, move || {
-            I::linear_weight_backward(x.into_inner(), output_grad.into_inner())
-        })
+        CTensor::lazy(rank, node, move || I::linear_weight_backward(x.into_inner(), output_grad.into_inner()))
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = output_grad.rank;
@@ -106,88 +76,45 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             output_grad.device_handle(|p| I::float_device(p)),
             rules::inputs([output_grad.seq()]),
         );
-        CTensor::lazy(rank, node, move || {
-            I::linear_bias_backward(output_grad.into_inner())
-        })
+        CTensor::lazy(rank, node, move || I::linear_bias_backward(output_grad.into_inner()))
     }
-    fn conv1d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvOptions<1>,
-    ) -> FloatTensor<Self> {
+    fn conv1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<1>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv1d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv1d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv1d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv1d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv1d_x_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<1>,
-    ) -> FloatTensor<Self> {
+    fn conv1d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv1d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv1d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv1d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv1d_x_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv1d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv1d_weight_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<1>,
-    ) -> FloatTensor<Self> {
+    fn conv1d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv1d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv1d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv1d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv1d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
         let rule = op_table::conv1d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
@@ -199,84 +126,43 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             I::conv1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
-    fn conv2d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvOptions<2>,
-    ) -> FloatTensor<Self> {
+    fn conv2d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<2>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv2d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv2d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv2d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv2d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv2d_x_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<2>,
-    ) -> FloatTensor<Self> {
+    fn conv2d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv2d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv2d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv2d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv2d_x_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv2d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv2d_weight_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<2>,
-    ) -> FloatTensor<Self> {
+    fn conv2d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv2d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv2d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv2d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv2d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
         let rule = op_table::conv2d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
@@ -342,84 +228,43 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             rank,
         )
     }
-    fn conv3d(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-        options: ConvOptions<3>,
-    ) -> FloatTensor<Self> {
+    fn conv3d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<3>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv3d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv3d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv3d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv3d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv3d_x_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<3>,
-    ) -> FloatTensor<Self> {
+    fn conv3d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv3d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv3d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv3d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv3d_x_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv3d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv3d_weight_backward(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvOptions<3>,
-    ) -> FloatTensor<Self> {
+    fn conv3d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv3d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv3d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv3d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv3d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
         let rule = op_table::conv3d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
@@ -438,34 +283,19 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose1d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv_transpose1d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose1d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose1d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv_transpose1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv_transpose1d_x_backward(
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvTransposeOptions<1>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose1d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<1>) -> FloatTensor<Self> {
         let rank = weight.rank;
-        let rule =
-            op_table::conv_transpose1d_x_backward(weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv_transpose1d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose1d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
@@ -482,45 +312,26 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose1d_weight_backward(
-            x.meta(),
-            weight.meta(),
-            output_grad.meta(),
-            &options,
-        );
+        let rule = op_table::conv_transpose1d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose1d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv_transpose1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv_transpose1d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv_transpose1d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
+        let rule = op_table::conv_transpose1d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose1d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose1d_bias_backward(
-                x.into_inner(),
-                bias.into_inner(),
-                output_grad.into_inner(),
-            )
+            I::conv_transpose1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
     fn conv_transpose2d(
@@ -530,34 +341,19 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose2d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv_transpose2d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose2d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose2d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv_transpose2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv_transpose2d_x_backward(
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvTransposeOptions<2>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose2d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<2>) -> FloatTensor<Self> {
         let rank = weight.rank;
-        let rule =
-            op_table::conv_transpose2d_x_backward(weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv_transpose2d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose2d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
@@ -574,45 +370,26 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose2d_weight_backward(
-            x.meta(),
-            weight.meta(),
-            output_grad.meta(),
-            &options,
-        );
+        let rule = op_table::conv_transpose2d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose2d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv_transpose2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv_transpose2d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv_transpose2d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
+        let rule = op_table::conv_transpose2d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose2d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose2d_bias_backward(
-                x.into_inner(),
-                bias.into_inner(),
-                output_grad.into_inner(),
-            )
+            I::conv_transpose2d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
     fn conv_transpose3d(
@@ -622,34 +399,19 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose3d(
-            x.meta(),
-            weight.meta(),
-            bias.as_ref().map(CTensor::meta),
-            &options,
-        );
+        let rule = op_table::conv_transpose3d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose3d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose3d(
-                x.into_inner(),
-                weight.into_inner(),
-                bias.map(|t| t.into_inner()),
-                options,
-            )
+            I::conv_transpose3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
-    fn conv_transpose3d_x_backward(
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-        options: ConvTransposeOptions<3>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose3d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<3>) -> FloatTensor<Self> {
         let rank = weight.rank;
-        let rule =
-            op_table::conv_transpose3d_x_backward(weight.meta(), output_grad.meta(), &options);
+        let rule = op_table::conv_transpose3d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose3d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
@@ -666,79 +428,39 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule = op_table::conv_transpose3d_weight_backward(
-            x.meta(),
-            weight.meta(),
-            output_grad.meta(),
-            &options,
-        );
+        let rule = op_table::conv_transpose3d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose3d_weight_backward(
-                x.into_inner(),
-                weight.into_inner(),
-                output_grad.into_inner(),
-                options,
-            )
+            I::conv_transpose3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
-    fn conv_transpose3d_bias_backward(
-        x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn conv_transpose3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let rule =
-            op_table::conv_transpose3d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
+        let rule = op_table::conv_transpose3d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose3d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
         );
         CTensor::lazy(rank, node, move || {
-            I::conv_transpose3d_bias_backward(
-                x.into_inner(),
-                bias.into_inner(),
-                output_grad.into_inner(),
-            )
+            I::conv_transpose3d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
-    fn unfold4d(
-        x: FloatTensor<Self>,
-        kernel_size: [usize; 2],
-        options: UnfoldOptions,
-    ) -> FloatTensor<Self> {
+    fn unfold4d(x: FloatTensor<Self>, kernel_size: [usize; 2], options: UnfoldOptions) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("unfold4d", rules::inputs([x.seq()]));
-        log.float::<I>(
-            rank,
-            I::unfold4d(x.into_inner_for("unfold4d"), kernel_size, options),
-        )
+        log.float::<I>(rank, I::unfold4d(x.into_inner_for("unfold4d"), kernel_size, options))
     }
-    fn avg_pool1d(
-        x: FloatTensor<Self>,
-        kernel_size: usize,
-        stride: usize,
-        padding: usize,
-        count_include_pad: bool,
-        ceil_mode: bool,
-    ) -> FloatTensor<Self> {
+    fn avg_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("avg_pool1d", rules::inputs([x.seq()]));
         log.float::<I>(
             rank,
-            I::avg_pool1d(
-                x.into_inner_for("avg_pool1d"),
-                kernel_size,
-                stride,
-                padding,
-                count_include_pad,
-                ceil_mode,
-            ),
+            I::avg_pool1d(x.into_inner_for("avg_pool1d"), kernel_size, stride, padding, count_include_pad, ceil_mode),
         )
     }
     fn avg_pool1d_backward(
@@ -777,14 +499,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let log = Eager::new("avg_pool2d", rules::inputs([x.seq()]));
         log.float::<I>(
             rank,
-            I::avg_pool2d(
-                x.into_inner_for("avg_pool2d"),
-                kernel_size,
-                stride,
-                padding,
-                count_include_pad,
-                ceil_mode,
-            ),
+            I::avg_pool2d(x.into_inner_for("avg_pool2d"), kernel_size, stride, padding, count_include_pad, ceil_mode),
         )
     }
     fn avg_pool2d_backward(
@@ -814,20 +529,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("adaptive_avg_pool2d", rules::inputs([x.seq()]));
-        log.float::<I>(
-            rank,
-            I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size),
-        )
+        log.float::<I>(rank, I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size))
     }
-    fn adaptive_avg_pool2d_backward(
-        x: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn adaptive_avg_pool2d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new(
-            "adaptive_avg_pool2d_backward",
-            rules::inputs([x.seq(), grad.seq()]),
-        );
+        let log = Eager::new("adaptive_avg_pool2d_backward", rules::inputs([x.seq(), grad.seq()]));
         log.float::<I>(
             rank,
             I::adaptive_avg_pool2d_backward(
@@ -839,20 +545,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("adaptive_avg_pool1d", rules::inputs([x.seq()]));
-        log.float::<I>(
-            rank,
-            I::adaptive_avg_pool1d(x.into_inner_for("adaptive_avg_pool1d"), output_size),
-        )
+        log.float::<I>(rank, I::adaptive_avg_pool1d(x.into_inner_for("adaptive_avg_pool1d"), output_size))
     }
-    fn adaptive_avg_pool1d_backward(
-        x: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
+    fn adaptive_avg_pool1d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new(
-            "adaptive_avg_pool1d_backward",
-            rules::inputs([x.seq(), grad.seq()]),
-        );
+        let log = Eager::new("adaptive_avg_pool1d_backward", rules::inputs([x.seq(), grad.seq()]));
         log.float::<I>(
             rank,
             I::adaptive_avg_pool1d_backward(
@@ -861,26 +558,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             ),
         )
     }
-    fn max_pool1d(
-        x: FloatTensor<Self>,
-        kernel_size: usize,
-        stride: usize,
-        padding: usize,
-        dilation: usize,
-        ceil_mode: bool,
-    ) -> FloatTensor<Self> {
+    fn max_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("max_pool1d", rules::inputs([x.seq()]));
         log.float::<I>(
             rank,
-            I::max_pool1d(
-                x.into_inner_for("max_pool1d"),
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-            ),
+            I::max_pool1d(x.into_inner_for("max_pool1d"), kernel_size, stride, padding, dilation, ceil_mode),
         )
     }
     fn max_pool1d_with_indices(
@@ -893,14 +576,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> MaxPool1dWithIndices<Self> {
         let rank = x.rank;
         forward::max_pool_with_indices_1d(
-            I::max_pool1d_with_indices(
-                x.into_inner_for("max_pool1d_with_indices"),
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-            ),
+            I::max_pool1d_with_indices(x.into_inner_for("max_pool1d_with_indices"), kernel_size, stride, padding, dilation, ceil_mode),
             rank,
         )
     }
@@ -941,14 +617,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let log = Eager::new("max_pool2d", rules::inputs([x.seq()]));
         log.float::<I>(
             rank,
-            I::max_pool2d(
-                x.into_inner_for("max_pool2d"),
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-            ),
+            I::max_pool2d(x.into_inner_for("max_pool2d"), kernel_size, stride, padding, dilation, ceil_mode),
         )
     }
     fn max_pool2d_with_indices(
@@ -961,14 +630,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     ) -> MaxPool2dWithIndices<Self> {
         let rank = x.rank;
         forward::max_pool_with_indices_2d(
-            I::max_pool2d_with_indices(
-                x.into_inner_for("max_pool2d_with_indices"),
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-            ),
+            I::max_pool2d_with_indices(x.into_inner_for("max_pool2d_with_indices"), kernel_size, stride, padding, dilation, ceil_mode),
             rank,
         )
     }
@@ -997,24 +659,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             rank,
         )
     }
-    fn interpolate(
-        x: FloatTensor<Self>,
-        output_size: [usize; 2],
-        options: InterpolateOptions,
-    ) -> FloatTensor<Self> {
+    fn interpolate(x: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("interpolate", rules::inputs([x.seq()]));
-        log.float::<I>(
-            rank,
-            I::interpolate(x.into_inner_for("interpolate"), output_size, options),
-        )
+        log.float::<I>(rank, I::interpolate(x.into_inner_for("interpolate"), output_size, options))
     }
-    fn interpolate_backward(
-        x: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        output_size: [usize; 2],
-        options: InterpolateOptions,
-    ) -> FloatTensor<Self> {
+    fn interpolate_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
         let rank = x.rank;
         let log = Eager::new("interpolate_backward", rules::inputs([x.seq(), grad.seq()]));
         log.float::<I>(
@@ -1058,35 +708,16 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             ),
         )
     }
-    fn layer_norm(
-        tensor: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: Option<FloatTensor<Self>>,
-        epsilon: f64,
-    ) -> FloatTensor<Self> {
+    fn layer_norm(tensor: FloatTensor<Self>, gamma: FloatTensor<Self>, beta: Option<FloatTensor<Self>>, epsilon: f64) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let rule = op_table::layer_norm(
-            tensor.meta(),
-            gamma.meta(),
-            beta.as_ref().map(CTensor::meta),
-            &epsilon,
-        );
+        let rule = op_table::layer_norm(tensor.meta(), gamma.meta(), beta.as_ref().map(CTensor::meta), &epsilon);
         let node = rule.record(
             "layer_norm",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([
-                tensor.seq(),
-                gamma.seq(),
-                beta.as_ref().and_then(CTensor::seq),
-            ]),
+            rules::inputs([tensor.seq(), gamma.seq(), beta.as_ref().and_then(CTensor::seq)]),
         );
         CTensor::lazy(rank, node, move || {
-            I::layer_norm(
-                tensor.into_inner(),
-                gamma.into_inner(),
-                beta.map(|t| t.into_inner()),
-                epsilon,
-            )
+            I::layer_norm(tensor.into_inner(), gamma.into_inner(), beta.map(|t| t.into_inner()), epsilon)
         })
     }
     fn ctc_loss(
@@ -1099,12 +730,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = log_probs.rank;
         let log = Eager::new(
             "ctc_loss",
-            rules::inputs([
-                log_probs.seq(),
-                targets.seq(),
-                input_lengths.seq(),
-                target_lengths.seq(),
-            ]),
+            rules::inputs([log_probs.seq(), targets.seq(), input_lengths.seq(), target_lengths.seq()]),
         );
         log.float::<I>(
             rank,
@@ -1131,13 +757,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = _log_probs.rank;
         let log = Eager::new(
             "ctc_loss_backward",
-            rules::inputs([
-                _log_probs.seq(),
-                _targets.seq(),
-                _input_lengths.seq(),
-                _target_lengths.seq(),
-                _grad_loss.seq(),
-            ]),
+            rules::inputs([_log_probs.seq(), _targets.seq(), _input_lengths.seq(), _target_lengths.seq(), _grad_loss.seq()]),
         );
         log.float::<I>(
             rank,
@@ -1151,11 +771,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             ),
         )
     }
-    fn rfft(
-        signal: FloatTensor<Self>,
-        dim: usize,
-        n: Option<usize>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rank = signal.rank;
         let log = Eager::new("rfft", rules::inputs([signal.seq()]));
         {
@@ -1163,25 +779,9 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
             (log.clone().float::<I>(rank, a), log.float::<I>(rank, b))
         }
     }
-    fn irfft(
-        spectrum_re: FloatTensor<Self>,
-        spectrum_im: FloatTensor<Self>,
-        dim: usize,
-        n: Option<usize>,
-    ) -> FloatTensor<Self> {
+    fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> {
         let rank = spectrum_re.rank;
-        let log = Eager::new(
-            "irfft",
-            rules::inputs([spectrum_re.seq(), spectrum_im.seq()]),
-        );
-        log.float::<I>(
-            rank,
-            I::irfft(
-                spectrum_re.into_inner_for("irfft"),
-                spectrum_im.into_inner_for("irfft"),
-                dim,
-                n,
-            ),
-        )
+        let log = Eager::new("irfft", rules::inputs([spectrum_re.seq(), spectrum_im.seq()]));
+        log.float::<I>(rank, I::irfft(spectrum_re.into_inner_for("irfft"), spectrum_im.into_inner_for("irfft"), dim, n))
     }
 }

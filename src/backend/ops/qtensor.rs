@@ -20,11 +20,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = device.rank;
         CTensor::new(I::q_from_data(data, &device.inner), rank)
     }
-    fn quantize(
-        tensor: FloatTensor<Self>,
-        scheme: &QuantScheme,
-        qparams: QuantizationParametersPrimitive<Self>,
-    ) -> QuantizedTensor<Self> {
+    fn quantize(tensor: FloatTensor<Self>, scheme: &QuantScheme, qparams: QuantizationParametersPrimitive<Self>) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(
             I::quantize(
@@ -39,18 +35,12 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::quantize_dynamic(tensor.into_inner_for("quantize_dynamic"), scheme),
-            rank,
-        )
+        CTensor::new(I::quantize_dynamic(tensor.into_inner_for("quantize_dynamic"), scheme), rank)
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("dequantize", rules::inputs([tensor.seq()]));
-        log.float::<I>(
-            rank,
-            I::dequantize(tensor.into_inner_for("dequantize"), dtype),
-        )
+        log.float::<I>(rank, I::dequantize(tensor.into_inner_for("dequantize"), dtype))
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
@@ -58,36 +48,22 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
         let rank = device.rank;
-        CTensor::new(
-            I::q_to_device(tensor.into_inner_for("q_to_device"), &device.inner),
-            rank,
-        )
+        CTensor::new(I::q_to_device(tensor.into_inner_for("q_to_device"), &device.inner), rank)
     }
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_reshape(tensor.into_inner_for("q_reshape"), shape),
-            rank,
-        )
+        CTensor::new(I::q_reshape(tensor.into_inner_for("q_reshape"), shape), rank)
     }
-    fn q_into_data(
-        tensor: QuantizedTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    fn q_into_data(tensor: QuantizedTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         I::q_into_data(tensor.into_inner_for("q_into_data"))
     }
     fn q_detach(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(I::q_detach(tensor.into_inner_for("q_detach")), rank)
     }
-    fn q_set_require_grad(
-        tensor: QuantizedTensor<Self>,
-        _require_grad: bool,
-    ) -> QuantizedTensor<Self> {
+    fn q_set_require_grad(tensor: QuantizedTensor<Self>, _require_grad: bool) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_set_require_grad(tensor.into_inner_for("q_set_require_grad"), _require_grad),
-            rank,
-        )
+        CTensor::new(I::q_set_require_grad(tensor.into_inner_for("q_set_require_grad"), _require_grad), rank)
     }
     fn q_is_require_grad(_tensor: &QuantizedTensor<Self>) -> bool {
         I::q_is_require_grad(&_tensor.inner_for("q_is_require_grad"))
@@ -100,16 +76,9 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(I::q_transpose(tensor.into_inner_for("q_transpose")), rank)
     }
-    fn q_swap_dims(
-        tensor: QuantizedTensor<Self>,
-        dim1: usize,
-        dim2: usize,
-    ) -> QuantizedTensor<Self> {
+    fn q_swap_dims(tensor: QuantizedTensor<Self>, dim1: usize, dim2: usize) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_swap_dims(tensor.into_inner_for("q_swap_dims"), dim1, dim2),
-            rank,
-        )
+        CTensor::new(I::q_swap_dims(tensor.into_inner_for("q_swap_dims"), dim1, dim2), rank)
     }
     fn q_permute(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
@@ -119,78 +88,37 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(I::q_flip(tensor.into_inner_for("q_flip"), axes), rank)
     }
-    fn q_select(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-    ) -> QuantizedTensor<Self> {
+    fn q_select(tensor: QuantizedTensor<Self>, dim: usize, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_select(
-                tensor.into_inner_for("q_select"),
-                dim,
-                indices.into_inner_for("q_select"),
-            ),
-            rank,
-        )
+        CTensor::new(I::q_select(tensor.into_inner_for("q_select"), dim, indices.into_inner_for("q_select")), rank)
     }
     fn q_slice(tensor: QuantizedTensor<Self>, slices: &[Slice]) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
         CTensor::new(I::q_slice(tensor.into_inner_for("q_slice"), slices), rank)
     }
-    fn q_gather(
-        dim: usize,
-        tensor: QuantizedTensor<Self>,
-        indices: IntTensor<Self>,
-    ) -> QuantizedTensor<Self> {
+    fn q_gather(dim: usize, tensor: QuantizedTensor<Self>, indices: IntTensor<Self>) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_gather(
-                dim,
-                tensor.into_inner_for("q_gather"),
-                indices.into_inner_for("q_gather"),
-            ),
-            rank,
-        )
+        CTensor::new(I::q_gather(dim, tensor.into_inner_for("q_gather"), indices.into_inner_for("q_gather")), rank)
     }
-    fn q_repeat_dim(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        times: usize,
-    ) -> QuantizedTensor<Self> {
+    fn q_repeat_dim(tensor: QuantizedTensor<Self>, dim: usize, times: usize) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_repeat_dim(tensor.into_inner_for("q_repeat_dim"), dim, times),
-            rank,
-        )
+        CTensor::new(I::q_repeat_dim(tensor.into_inner_for("q_repeat_dim"), dim, times), rank)
     }
     fn q_add(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_add(lhs.into_inner_for("q_add"), rhs.into_inner_for("q_add")),
-            rank,
-        )
+        forward::primitive(I::q_add(lhs.into_inner_for("q_add"), rhs.into_inner_for("q_add")), rank)
     }
     fn q_add_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_add_scalar(lhs.into_inner_for("q_add_scalar"), rhs),
-            rank,
-        )
+        forward::primitive(I::q_add_scalar(lhs.into_inner_for("q_add_scalar"), rhs), rank)
     }
     fn q_clamp_min(tensor: QuantizedTensor<Self>, min: Scalar) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
-        forward::primitive(
-            I::q_clamp_min(tensor.into_inner_for("q_clamp_min"), min),
-            rank,
-        )
+        forward::primitive(I::q_clamp_min(tensor.into_inner_for("q_clamp_min"), min), rank)
     }
     fn q_clamp_max(tensor: QuantizedTensor<Self>, max: Scalar) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
-        forward::primitive(
-            I::q_clamp_max(tensor.into_inner_for("q_clamp_max"), max),
-            rank,
-        )
+        forward::primitive(I::q_clamp_max(tensor.into_inner_for("q_clamp_max"), max), rank)
     }
     fn q_clamp(tensor: QuantizedTensor<Self>, min: Scalar, max: Scalar) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
@@ -198,53 +126,32 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_sub(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_sub(lhs.into_inner_for("q_sub"), rhs.into_inner_for("q_sub")),
-            rank,
-        )
+        forward::primitive(I::q_sub(lhs.into_inner_for("q_sub"), rhs.into_inner_for("q_sub")), rank)
     }
     fn q_sub_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_sub_scalar(lhs.into_inner_for("q_sub_scalar"), rhs),
-            rank,
-        )
+        forward::primitive(I::q_sub_scalar(lhs.into_inner_for("q_sub_scalar"), rhs), rank)
     }
     fn q_mul(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_mul(lhs.into_inner_for("q_mul"), rhs.into_inner_for("q_mul")),
-            rank,
-        )
+        forward::primitive(I::q_mul(lhs.into_inner_for("q_mul"), rhs.into_inner_for("q_mul")), rank)
     }
     fn q_mul_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_mul_scalar(lhs.into_inner_for("q_mul_scalar"), rhs),
-            rank,
-        )
+        forward::primitive(I::q_mul_scalar(lhs.into_inner_for("q_mul_scalar"), rhs), rank)
     }
     fn q_div(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_div(lhs.into_inner_for("q_div"), rhs.into_inner_for("q_div")),
-            rank,
-        )
+        forward::primitive(I::q_div(lhs.into_inner_for("q_div"), rhs.into_inner_for("q_div")), rank)
     }
     fn q_div_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_div_scalar(lhs.into_inner_for("q_div_scalar"), rhs),
-            rank,
-        )
+        forward::primitive(I::q_div_scalar(lhs.into_inner_for("q_div_scalar"), rhs), rank)
     }
     fn q_matmul(lhs: TensorPrimitive<Self>, rhs: TensorPrimitive<Self>) -> TensorPrimitive<Self> {
         let rank = forward::primitive_rank(&lhs);
         forward::primitive(
-            I::q_matmul(
-                forward::primitive_inner(lhs, "q_matmul"),
-                forward::primitive_inner(rhs, "q_matmul"),
-            ),
+            I::q_matmul(forward::primitive_inner(lhs, "q_matmul"), forward::primitive_inner(rhs, "q_matmul")),
             rank,
         )
     }
@@ -270,10 +177,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
-        forward::primitive(
-            I::q_prod_dim(tensor.into_inner_for("q_prod_dim"), dim),
-            rank,
-        )
+        forward::primitive(I::q_prod_dim(tensor.into_inner_for("q_prod_dim"), dim), rank)
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
@@ -281,10 +185,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
-        forward::primitive(
-            I::q_mean_dim(tensor.into_inner_for("q_mean_dim"), dim),
-            rank,
-        )
+        forward::primitive(I::q_mean_dim(tensor.into_inner_for("q_mean_dim"), dim), rank)
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
@@ -316,31 +217,19 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_powf(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_powf(lhs.into_inner_for("q_powf"), rhs.into_inner_for("q_powf")),
-            rank,
-        )
+        forward::primitive(I::q_powf(lhs.into_inner_for("q_powf"), rhs.into_inner_for("q_powf")), rank)
     }
     fn q_powi(lhs: QuantizedTensor<Self>, rhs: IntTensor<Self>) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_powi(lhs.into_inner_for("q_powi"), rhs.into_inner_for("q_powi")),
-            rank,
-        )
+        forward::primitive(I::q_powi(lhs.into_inner_for("q_powi"), rhs.into_inner_for("q_powi")), rank)
     }
     fn q_powi_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
         let rank = lhs.rank;
-        forward::primitive(
-            I::q_powi_scalar(lhs.into_inner_for("q_powi_scalar"), rhs),
-            rank,
-        )
+        forward::primitive(I::q_powi_scalar(lhs.into_inner_for("q_powi_scalar"), rhs), rank)
     }
     fn q_powf_scalar(tensor: QuantizedTensor<Self>, value: Scalar) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
-        forward::primitive(
-            I::q_powf_scalar(tensor.into_inner_for("q_powf_scalar"), value),
-            rank,
-        )
+        forward::primitive(I::q_powf_scalar(tensor.into_inner_for("q_powf_scalar"), value), rank)
     }
     fn q_sqrt(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         let rank = tensor.rank;
@@ -380,37 +269,17 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_cat(tensors: Vec<QuantizedTensor<Self>>, dim: usize) -> QuantizedTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        CTensor::new(
-            I::q_cat(
-                tensors
-                    .into_iter()
-                    .map(|t| t.into_inner_for("q_cat"))
-                    .collect(),
-                dim,
-            ),
-            rank,
-        )
+        CTensor::new(I::q_cat(tensors.into_iter().map(|t| t.into_inner_for("q_cat")).collect(), dim), rank)
     }
     fn q_argmax(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_argmax", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::q_argmax(tensor.into_inner_for("q_argmax"), dim, out_dtype),
-        )
+        log.int::<I>(rank, I::q_argmax(tensor.into_inner_for("q_argmax"), dim, out_dtype))
     }
-    fn q_argtopk(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        k: usize,
-        out_dtype: IntDType,
-    ) -> IntTensor<Self> {
+    fn q_argtopk(tensor: QuantizedTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_argtopk", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::q_argtopk(tensor.into_inner_for("q_argtopk"), dim, k, out_dtype),
-        )
+        log.int::<I>(rank, I::q_argtopk(tensor.into_inner_for("q_argtopk"), dim, k, out_dtype))
     }
     fn q_topk(tensor: QuantizedTensor<Self>, dim: usize, k: usize) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
@@ -419,10 +288,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     fn q_argmin(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_argmin", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::q_argmin(tensor.into_inner_for("q_argmin"), dim, out_dtype),
-        )
+        log.int::<I>(rank, I::q_argmin(tensor.into_inner_for("q_argmin"), dim, out_dtype))
     }
     fn q_max(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
@@ -432,19 +298,11 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(I::q_max_dim(tensor.into_inner_for("q_max_dim"), dim), rank)
     }
-    fn q_max_dim_with_indices(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        out_dtype: IntDType,
-    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_max_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("q_max_dim_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) = I::q_max_dim_with_indices(
-                tensor.into_inner_for("q_max_dim_with_indices"),
-                dim,
-                out_dtype,
-            );
+            let (a, b) = I::q_max_dim_with_indices(tensor.into_inner_for("q_max_dim_with_indices"), dim, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
         }
     }
@@ -456,19 +314,11 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         let rank = tensor.rank;
         CTensor::new(I::q_min_dim(tensor.into_inner_for("q_min_dim"), dim), rank)
     }
-    fn q_min_dim_with_indices(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        out_dtype: IntDType,
-    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_min_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("q_min_dim_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) = I::q_min_dim_with_indices(
-                tensor.into_inner_for("q_min_dim_with_indices"),
-                dim,
-                out_dtype,
-            );
+            let (a, b) = I::q_min_dim_with_indices(tensor.into_inner_for("q_min_dim_with_indices"), dim, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
         }
     }
@@ -478,90 +328,43 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_max_abs_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_max_abs_dim(tensor.into_inner_for("q_max_abs_dim"), dim),
-            rank,
-        )
+        CTensor::new(I::q_max_abs_dim(tensor.into_inner_for("q_max_abs_dim"), dim), rank)
     }
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_any", rules::inputs([tensor.seq()]));
         log.bool::<I>(rank, I::q_any(tensor.into_inner_for("q_any"), out_dtype))
     }
-    fn q_any_dim(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn q_any_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_any_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::q_any_dim(tensor.into_inner_for("q_any_dim"), dim, out_dtype),
-        )
+        log.bool::<I>(rank, I::q_any_dim(tensor.into_inner_for("q_any_dim"), dim, out_dtype))
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_all", rules::inputs([tensor.seq()]));
         log.bool::<I>(rank, I::q_all(tensor.into_inner_for("q_all"), out_dtype))
     }
-    fn q_all_dim(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        out_dtype: BoolDType,
-    ) -> BoolTensor<Self> {
+    fn q_all_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_all_dim", rules::inputs([tensor.seq()]));
-        log.bool::<I>(
-            rank,
-            I::q_all_dim(tensor.into_inner_for("q_all_dim"), dim, out_dtype),
-        )
+        log.bool::<I>(rank, I::q_all_dim(tensor.into_inner_for("q_all_dim"), dim, out_dtype))
     }
-    fn q_sort(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        descending: bool,
-    ) -> QuantizedTensor<Self> {
+    fn q_sort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool) -> QuantizedTensor<Self> {
         let rank = tensor.rank;
-        CTensor::new(
-            I::q_sort(tensor.into_inner_for("q_sort"), dim, descending),
-            rank,
-        )
+        CTensor::new(I::q_sort(tensor.into_inner_for("q_sort"), dim, descending), rank)
     }
-    fn q_sort_with_indices(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        descending: bool,
-        out_dtype: IntDType,
-    ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+    fn q_sort_with_indices(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
         let log = Eager::new("q_sort_with_indices", rules::inputs([tensor.seq()]));
         {
-            let (a, b) = I::q_sort_with_indices(
-                tensor.into_inner_for("q_sort_with_indices"),
-                dim,
-                descending,
-                out_dtype,
-            );
+            let (a, b) = I::q_sort_with_indices(tensor.into_inner_for("q_sort_with_indices"), dim, descending, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
         }
     }
-    fn q_argsort(
-        tensor: QuantizedTensor<Self>,
-        dim: usize,
-        descending: bool,
-        out_dtype: IntDType,
-    ) -> IntTensor<Self> {
+    fn q_argsort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let log = Eager::new("q_argsort", rules::inputs([tensor.seq()]));
-        log.int::<I>(
-            rank,
-            I::q_argsort(
-                tensor.into_inner_for("q_argsort"),
-                dim,
-                descending,
-                out_dtype,
-            ),
-        )
+        log.int::<I>(rank, I::q_argsort(tensor.into_inner_for("q_argsort"), dim, descending, out_dtype))
     }
 }

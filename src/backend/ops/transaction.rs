@@ -16,9 +16,7 @@ use crate::backend::forward::{self, Eager};
 use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
 
 impl<I: Backend> TransactionOps<Self> for Collective<I> {
-    fn tr_execute(
-        transaction: TransactionPrimitive<Self>,
-    ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+    fn tr_execute(transaction: TransactionPrimitive<Self>) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
         I::tr_execute(forward::transaction::<I>(transaction))
     }
 }
