@@ -1,7 +1,9 @@
 //! GPU tests: the CubeCL bucket kernels on CubeCL's CUDA runtime against the host path, their
 //! bandwidth against the device's copy bandwidth, and the NCCL communicator (feature `cuda`). They are compiled always and, on a machine
 //! without a GPU, libcuda or libnccl (or without the feature), each says so on stderr and
-//! passes; `CF_REQUIRE_GPU=1` (what `scripts/gpu-run.sh` sets) turns that skip into a failure.
+//! passes; `CF_REQUIRE_GPU=1` (what `scripts/gpu-run.sh` sets) turns that skip into a failure,
+//! for the tests that need one GPU; those that need more (a group of NCCL processes, one GPU
+//! each) fail for want of them only where `CF_REQUIRE_GPUS` says the machine has that many.
 
 mod common;
 
@@ -12,7 +14,11 @@ fn gpu_or_skip(test: &str, gpus: usize, nccl: bool) -> bool {
     match why {
         None => true,
         Some(why) => {
-            if std::env::var("CF_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            let gpus_required = std::env::var("CF_REQUIRE_GPUS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(1);
+            if std::env::var("CF_REQUIRE_GPU").is_ok_and(|v| v == "1") && gpus <= gpus_required {
                 panic!("{test}: CF_REQUIRE_GPU=1 but {why}");
             }
             eprintln!("SKIPPED {test}: {why}");
@@ -510,6 +516,62 @@ mod nccl {
             "{err}"
         );
         assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A rank that joined the rendezvous and then ended before `ncclCommInitRank`: rank 0's
+    /// join fails naming it within the departure grace, not after its (long) timeout.
+    #[test]
+    fn a_rank_that_ends_before_nccl_init_is_named_by_the_peer_watch() {
+        use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous_watched};
+        if !gpu_or_skip("nccl init, peer departed", 1, true) {
+            return;
+        }
+        let port = super::common::free_port();
+        let cfg = move |r| RendezvousConfig::loopback(r, 2, port, Duration::from_secs(30));
+        let t0 = Instant::now();
+        let peer = std::thread::spawn(move || {
+            let (_, watch) = rendezvous_watched(&cfg(1), Vec::new).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            drop(watch);
+        });
+        let err = NcclComm::join(&cfg(0), Duration::from_secs(30))
+            .err()
+            .expect("init cannot complete without rank 1");
+        peer.join().unwrap();
+        assert!(
+            matches!(&err, NcclInitError::PeerDeparted { rank: 0, why } if why.contains("rank 1")),
+            "{err}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    }
+
+    /// The CLI of this build: `CF_CLI` where the binaries were carried to another machine
+    /// (`scripts/gpu-run.sh` sets it), else the one cargo built beside this test.
+    fn cli() -> String {
+        std::env::var("CF_CLI")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_collective-fusion").to_string())
+    }
+
+    const NCCL_RUN: [&str; 4] = ["--backend", "cuda", "--transport", "nccl"];
+
+    /// Fault table, NCCL row (two GPUs): two processes of `run --backend cuda --transport
+    /// nccl`, rank 1 killed with SIGKILL mid-run; rank 0 exits 1 within twice the timeout,
+    /// naming rank 1 (its rendezvous connection closed without a goodbye).
+    #[test]
+    fn a_rank_killed_mid_run_over_nccl_fails_the_other_naming_it() {
+        if !gpu_or_skip("nccl, a rank killed mid-run", 2, true) {
+            return;
+        }
+        super::common::kill::survivors_fail_naming(&cli(), &NCCL_RUN, 2, 1);
+    }
+
+    /// The same with rank 0 killed.
+    #[test]
+    fn rank_zero_killed_mid_run_over_nccl_fails_the_other_naming_it() {
+        if !gpu_or_skip("nccl, rank 0 killed mid-run", 2, true) {
+            return;
+        }
+        super::common::kill::survivors_fail_naming(&cli(), &NCCL_RUN, 2, 0);
     }
 }
 

@@ -5,8 +5,8 @@
 mod common;
 
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
+use common::kill::survivors_fail_naming;
 use common::{PROCESS_LIMIT, free_port, output_bounded, wait_bounded};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collective-fusion");
@@ -164,104 +164,12 @@ fn a_missing_launcher_variable_is_named() {
     assert!(err.contains("RANK is not set"), "{err}");
 }
 
-/// Starts `world` ranks of a long run whose collectives wait at most `timeout` seconds, kills
-/// rank `victim` with SIGKILL once a surviving rank finished its second step, and returns
-/// every survivor's rank, output and time from the kill to its exit.
-fn kill_mid_run(world: usize, victim: usize, timeout: u64) -> Vec<(usize, Output, Duration)> {
-    use std::io::BufRead;
-    let port = free_port().to_string();
-    let mut children: Vec<_> = (0..world)
-        .map(|r| {
-            Command::new(BIN)
-                .args(["run", "--model", "mlp", "--steps", "100000", "--batch", "2"])
-                .args(["--hidden-layers", "1", "--transport", "tcp"])
-                .args(["--timeout", &timeout.to_string()])
-                .env("CF_LOG", "info")
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    // Watch a survivor's log for its second step.
-    let watched = usize::from(victim == 0);
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stderr = children[watched].stderr.take().unwrap();
-    let mut log = Some(std::thread::spawn(move || {
-        let mut text = String::new();
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if line.contains("step done") && line.contains("step=2") {
-                let _ = tx.send(());
-            }
-            text.push_str(&line);
-            text.push('\n');
-        }
-        text
-    }));
-    let started = rx.recv_timeout(PROCESS_LIMIT);
-    children[victim].kill().unwrap();
-    let killed_at = Instant::now();
-    let _ = children[victim].wait();
-    let mut out = Vec::new();
-    for (r, c) in children.into_iter().enumerate() {
-        if r == victim {
-            continue;
-        }
-        let mut o = wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}"));
-        let took = killed_at.elapsed();
-        if let (true, Some(l)) = (r == watched, log.take()) {
-            o.stderr = l.join().unwrap_or_default().into_bytes();
-            if o.stderr.is_empty() {
-                o.stderr = b"(no stderr)".to_vec();
-            }
-        }
-        out.push((r, o, took));
-    }
-    assert!(started.is_ok(), "no step finished: {:?}", out);
-    out
-}
-
-/// Fault table: a rank killed mid-run fails every other rank within twice the timeout, each
-/// exiting with an error that names the rank.
-fn survivors_fail_naming(victim: usize) {
-    let timeout = 3;
-    for (r, o, took) in kill_mid_run(3, victim, timeout) {
-        let err = String::from_utf8_lossy(&o.stderr);
-        let last = err
-            .lines()
-            .filter(|l| !l.contains(" INFO "))
-            .collect::<Vec<_>>()
-            .join("\n");
-        assert_eq!(
-            o.status.code(),
-            Some(1),
-            "rank {r} after rank {victim} was killed:\n{last}"
-        );
-        assert!(last.contains("error: "), "rank {r}:\n{last}");
-        assert!(
-            last.contains(&format!("rank {victim}")),
-            "rank {r} names rank {victim}:\n{last}"
-        );
-        assert!(
-            took <= Duration::from_secs(2 * timeout + 5),
-            "rank {r} took {took:?} to fail after rank {victim} was killed:\n{last}"
-        );
-    }
-}
-
 #[test]
 fn a_rank_killed_mid_run_fails_the_others_naming_it() {
-    survivors_fail_naming(1);
+    survivors_fail_naming(BIN, &["--transport", "tcp"], 3, 1);
 }
 
 #[test]
 fn rank_zero_killed_mid_run_fails_the_others_naming_it() {
-    survivors_fail_naming(0);
+    survivors_fail_naming(BIN, &["--transport", "tcp"], 3, 0);
 }

@@ -16,6 +16,7 @@
 //! - `nccl` (feature `cuda`): the NCCL communicator, libraries loaded at run time.
 //! - [`tcp`]: one rank per process over TCP (a star through rank 0, in-process arithmetic).
 //! - [`rendezvous`]: multi-process start-up: rank 0 shares bytes (the NCCL id) over TCP.
+//! - [`peer_watch`]: the rendezvous connections kept open: which ranks departed, and how.
 
 pub mod agree;
 pub mod buffer;
@@ -29,6 +30,7 @@ pub mod host;
 pub mod inprocess;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod peer_watch;
 pub mod probe;
 pub mod recording;
 pub mod rendezvous;

@@ -48,7 +48,8 @@ use super::comm::{
 };
 use super::comm_thread::CommThread;
 use super::grad::{CudaMemory, DeviceBucket};
-use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
+use super::peer_watch::PeerWatch;
+use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous_watched};
 use crate::graph::DType;
 use crate::graph::ReduceOp;
 
@@ -108,7 +109,21 @@ pub enum NcclInitError {
         /// How long it waited.
         waited: Duration,
     },
+    /// A rank of the group departed (its process ended) while this one joined: the
+    /// `ncclCommInitRank` it waits in cannot complete.
+    #[error("NCCL: rank {rank}: ncclCommInitRank cannot complete: {why}")]
+    PeerDeparted {
+        /// The rank reporting.
+        rank: usize,
+        /// Which rank departed, and how ([`Departure`](super::peer_watch::Departure)).
+        why: String,
+    },
 }
+
+/// How long a collective (or `ncclCommInitRank`) may still complete after this process learnt
+/// that one of its ranks departed, before it fails naming that rank: a peer that ends right
+/// after its last collective does not fail the others' copy of it.
+pub const DEPARTURE_GRACE: Duration = Duration::from_secs(2);
 
 /// A fresh NCCL unique id (what rank 0 shares), as bytes.
 pub fn unique_id() -> Result<Vec<u8>, NcclInitError> {
@@ -234,9 +249,44 @@ impl Drop for RawComm {
 struct Control {
     aborted: AtomicBool,
     reason: Mutex<String>,
+    /// The group's rendezvous connections, when it was joined through one: which rank
+    /// departed, for a wait NCCL cannot end on its own.
+    peers: Option<PeerWatch>,
 }
 
 impl Control {
+    /// A departure of a rank of the group, [`DEPARTURE_GRACE`] after this process learnt of it.
+    fn departed(&self) -> Option<super::peer_watch::Departure> {
+        self.peers.as_ref()?.departed_for(DEPARTURE_GRACE)
+    }
+
+    /// NCCL's error `why`, with the departure of a rank of the group if one is known (waiting
+    /// a moment for the peer watch, which learns of a process's end at about the time NCCL
+    /// does): NCCL's own text seldom says which rank failed.
+    fn explain(&self, why: String) -> String {
+        let Some(peers) = self.peers.as_ref() else {
+            return why;
+        };
+        let until = Instant::now() + Duration::from_millis(200);
+        loop {
+            if let Some(d) = peers.first_departure() {
+                return format!("{why} ({d})");
+            }
+            if Instant::now() >= until {
+                return why;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The ranks known to have departed (for a timeout's `missing`).
+    fn departed_ranks(&self) -> Vec<usize> {
+        self.peers
+            .as_ref()
+            .map(|p| p.departed().iter().map(|d| d.rank).collect())
+            .unwrap_or_default()
+    }
+
     /// Marks the rank aborted; the first reason given is the one later calls report.
     fn abort(&self, why: String) {
         if let Ok(mut r) = self.reason.lock()
@@ -325,6 +375,18 @@ impl NcclComm {
         id: &[u8],
         timeout: Duration,
     ) -> Result<Self, NcclInitError> {
+        Self::start(device, rank, world, id, timeout, None)
+    }
+
+    /// [`NcclComm::new`], with the group's peer watch when it was joined through a rendezvous.
+    fn start(
+        device: usize,
+        rank: usize,
+        world: usize,
+        id: &[u8],
+        timeout: Duration,
+        peers: Option<PeerWatch>,
+    ) -> Result<Self, NcclInitError> {
         if !nccl_available() {
             return Err(NcclInitError::Unavailable);
         }
@@ -342,6 +404,7 @@ impl NcclComm {
         let control = Arc::new(Control {
             aborted: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
+            peers,
         });
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), NcclInitError>>();
         let ctl = control.clone();
@@ -383,13 +446,33 @@ impl NcclComm {
             why: e.to_string(),
         })?;
         let t0 = Instant::now();
-        let failed = match ready_rx.recv_timeout(timeout) {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e),
-            Err(_) => Some(NcclInitError::InitTimeout {
-                rank,
-                waited: t0.elapsed(),
-            }),
+        let failed = loop {
+            let left = timeout.saturating_sub(t0.elapsed());
+            match ready_rx.recv_timeout(left.min(Duration::from_millis(100))) {
+                Ok(Ok(())) => break None,
+                Ok(Err(e)) => break Some(e),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    break Some(NcclInitError::Cuda {
+                        rank,
+                        what: "joining the group",
+                        why: "the comm thread ended without a word".into(),
+                    });
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
+                    break Some(NcclInitError::InitTimeout {
+                        rank,
+                        waited: t0.elapsed(),
+                    });
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(d) = control.departed() {
+                        break Some(NcclInitError::PeerDeparted {
+                            rank,
+                            why: d.to_string(),
+                        });
+                    }
+                }
+            }
         };
         if let Some(e) = failed {
             // `ncclCommInitRank` may still wait for a peer that never comes: do not wait on it.
@@ -465,13 +548,15 @@ impl NcclComm {
     }
 
     /// Joins the group `cfg` describes: rank 0's NCCL id is shared through the rendezvous, and
-    /// this rank joins on CUDA device `cfg.local_rank`.
+    /// this rank joins on CUDA device `cfg.local_rank`. The rendezvous connections stay open as
+    /// the group's [`PeerWatch`]: a collective still waiting [`DEPARTURE_GRACE`] after a rank's
+    /// process ended fails naming that rank, instead of waiting out its timeout.
     pub fn join(cfg: &RendezvousConfig, timeout: Duration) -> Result<Self, NcclInitError> {
         if !nccl_available() {
             return Err(NcclInitError::Unavailable);
         }
         let mut id_err = None;
-        let id = rendezvous(cfg, || match unique_id() {
+        let (id, peers) = rendezvous_watched(cfg, || match unique_id() {
             Ok(id) => id,
             Err(e) => {
                 id_err = Some(e);
@@ -481,7 +566,14 @@ impl NcclComm {
         if let Some(e) = id_err {
             return Err(e);
         }
-        NcclComm::new(cfg.local_rank, cfg.rank, cfg.world, &id, timeout)
+        NcclComm::start(
+            cfg.local_rank,
+            cfg.rank,
+            cfg.world,
+            &id,
+            timeout,
+            Some(peers),
+        )
     }
 }
 

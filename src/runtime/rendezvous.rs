@@ -28,6 +28,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+pub use super::peer_watch::PeerWatch;
+
 const MAGIC: &[u8; 4] = b"CFRV";
 const VERSION: u8 = 2;
 /// Bytes of a hello.
@@ -233,9 +235,34 @@ pub fn rendezvous(
 ) -> Result<Vec<u8>, RendezvousError> {
     cfg.check()?;
     if cfg.rank == 0 {
-        serve(cfg, payload())
+        serve(cfg, payload()).map(|(p, _)| p)
     } else {
-        join(cfg)
+        join(cfg).map(|(p, _)| p)
+    }
+}
+
+/// [`rendezvous`], keeping its connections open afterwards as a [`PeerWatch`]: which ranks
+/// are still there, for a transport that cannot tell which rank failed (NCCL).
+pub fn rendezvous_watched(
+    cfg: &RendezvousConfig,
+    payload: impl FnOnce() -> Vec<u8>,
+) -> Result<(Vec<u8>, PeerWatch), RendezvousError> {
+    cfg.check()?;
+    let watching = io("keeping the rendezvous connections as a peer watch");
+    if cfg.rank == 0 {
+        let (p, peers) = serve(cfg, payload())?;
+        let peers = peers
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, s)| s.map(|s| (r, s)))
+            .collect();
+        Ok((p, PeerWatch::rank_zero(cfg.world, peers).map_err(watching)?))
+    } else {
+        let (p, s) = join(cfg)?;
+        Ok((
+            p,
+            PeerWatch::peer(cfg.rank, cfg.world, s).map_err(watching)?,
+        ))
     }
 }
 
@@ -317,8 +344,13 @@ impl<const N: usize> HelloReader<N> {
     }
 }
 
-/// Rank 0: accept every peer's hello, then answer all.
-fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, RendezvousError> {
+/// Rank 0: accept every peer's hello, then answer all. Returns the payload and the peers'
+/// connections (by rank; none for rank 0).
+#[allow(clippy::type_complexity)]
+fn serve(
+    cfg: &RendezvousConfig,
+    payload: Vec<u8>,
+) -> Result<(Vec<u8>, Vec<Option<TcpStream>>), RendezvousError> {
     let start = Instant::now();
     let deadline = start + cfg.timeout;
     let addrs = cfg.resolve()?;
@@ -419,11 +451,12 @@ fn serve(cfg: &RendezvousConfig, payload: Vec<u8>) -> Result<Vec<u8>, Rendezvous
             answer(s, true, &payload).map_err(io(format!("answering rank {r}")))?;
         }
     }
-    Ok(payload)
+    Ok((payload, peers))
 }
 
-/// A peer: connect (retrying until rank 0 listens), say hello, read the answer.
-fn join(cfg: &RendezvousConfig) -> Result<Vec<u8>, RendezvousError> {
+/// A peer: connect (retrying until rank 0 listens), say hello, read the answer. Returns the
+/// payload and the connection to rank 0.
+fn join(cfg: &RendezvousConfig) -> Result<(Vec<u8>, TcpStream), RendezvousError> {
     let start = Instant::now();
     let deadline = start + cfg.timeout;
     let addrs = cfg.resolve()?;
@@ -482,7 +515,7 @@ fn join(cfg: &RendezvousConfig) -> Result<Vec<u8>, RendezvousError> {
         .read_exact(&mut body)
         .map_err(io(format!("rank {} reading rank 0's answer", cfg.rank)))?;
     match head[0] {
-        0 => Ok(body),
+        0 => Ok((body, stream)),
         _ => Err(RendezvousError::Remote(
             String::from_utf8_lossy(&body).into_owned(),
         )),
@@ -516,6 +549,78 @@ mod tests {
         for o in out {
             assert_eq!(o.unwrap(), vec![7u8; 128]);
         }
+    }
+
+    /// Waits (bounded) until `watch` knows of `n` departures.
+    fn departures(watch: &PeerWatch, n: usize) -> Vec<super::super::peer_watch::Departure> {
+        let t0 = Instant::now();
+        loop {
+            let d = watch.departed();
+            if d.len() >= n || t0.elapsed() > Duration::from_secs(10) {
+                return d;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The rendezvous connections as a peer watch: a rank whose connection closes without a
+    /// goodbye (as when its process is killed) is `Gone` on rank 0 and, through rank 0, on
+    /// the other peers; a rank that drops its watch has `Left`; nobody lists itself.
+    #[test]
+    fn the_peer_watch_tells_a_killed_rank_from_one_that_left() {
+        use super::super::peer_watch::DepartureKind::{Gone, Left};
+        let port = free_port();
+        let (w0, w1) = std::thread::scope(|s| {
+            let z = s.spawn(|| rendezvous_watched(&cfg(0, 3, port, 10_000), || vec![1, 2, 3]));
+            let one = s.spawn(|| rendezvous_watched(&cfg(1, 3, port, 10_000), Vec::new));
+            // Rank 2 joins by hand and then closes its connection without a goodbye.
+            let two = s.spawn(|| join(&cfg(2, 3, port, 10_000)));
+            let (p2, conn2) = two.join().unwrap().unwrap();
+            assert_eq!(p2, vec![1, 2, 3]);
+            let w0 = z.join().unwrap().unwrap().1;
+            let w1 = one.join().unwrap().unwrap();
+            assert_eq!(w1.0, vec![1, 2, 3]);
+            assert!(w0.departed().is_empty() && w1.1.departed().is_empty());
+            drop(conn2);
+            (w0, w1.1)
+        });
+        for w in [&w0, &w1] {
+            let d = departures(w, 1);
+            assert_eq!(d.len(), 1, "{d:?}");
+            assert_eq!((d[0].rank, d[0].kind), (2, Gone));
+            assert!(
+                d[0].to_string().contains("rank 2's process is gone"),
+                "{}",
+                d[0]
+            );
+        }
+        drop(w1);
+        let d = departures(&w0, 2);
+        assert_eq!(
+            d.iter().map(|d| (d.rank, d.kind)).collect::<Vec<_>>(),
+            [(1, Left), (2, Gone)]
+        );
+        assert_eq!(w0.first_departure().map(|d| d.rank), Some(2));
+        assert!(w0.departed_for(Duration::ZERO).is_some());
+        assert!(w0.departed_for(Duration::from_secs(3600)).is_none());
+    }
+
+    /// Rank 0 leaving (its watch dropped) is `Left` on a peer, not `Gone`.
+    #[test]
+    fn rank_zero_closing_its_watch_is_a_goodbye() {
+        use super::super::peer_watch::DepartureKind::Left;
+        let port = free_port();
+        let (w0, w1) = std::thread::scope(|s| {
+            let z = s.spawn(|| rendezvous_watched(&cfg(0, 2, port, 10_000), Vec::new));
+            let one = s.spawn(|| rendezvous_watched(&cfg(1, 2, port, 10_000), Vec::new));
+            (z.join().unwrap().unwrap().1, one.join().unwrap().unwrap().1)
+        });
+        drop(w0);
+        let d = departures(&w1, 1);
+        assert_eq!(
+            d.iter().map(|d| (d.rank, d.kind)).collect::<Vec<_>>(),
+            [(0, Left)]
+        );
     }
 
     /// A connection to rank 0 that retries until it listens.

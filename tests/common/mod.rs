@@ -3,6 +3,7 @@
 
 pub mod cube;
 pub mod kernels;
+pub mod kill;
 pub mod threads;
 
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};

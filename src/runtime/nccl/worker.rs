@@ -473,7 +473,7 @@ fn outcome<T>(
                 rank,
                 what,
                 waited: span.start.elapsed(),
-                missing: Vec::new(),
+                missing: control.departed_ranks(),
             })
         }
         Some(Err(Failure::Aborted)) => {
@@ -526,10 +526,13 @@ fn await_stream(
             Err(e) => return Err(Failure::Failed(format!("the comm stream failed: {e:?}"))),
         }
         if let Some(why) = comm.async_error() {
-            return Err(Failure::Failed(why));
+            return Err(Failure::Failed(control.explain(why)));
         }
         if control.aborted.load(Ordering::SeqCst) {
             return Err(Failure::Aborted);
+        }
+        if let Some(d) = control.departed() {
+            return Err(Failure::Failed(d.to_string()));
         }
         if Instant::now() >= deadline {
             return Err(Failure::Timeout);
