@@ -310,3 +310,51 @@ fn a_sum_with_negative_zeros_is_a_bit_exact_broadcast() {
         assert!(z.to_f64().iter().all(|x| *x == 0.0 && x.is_sign_negative()));
     }
 }
+
+/// Marking walks every float a module holds: BatchNorm's running statistics (a `RunningState`,
+/// not a parameter) start as rank 0's too, as PyTorch DDP broadcasts buffers when it wraps a
+/// model.
+#[test]
+fn running_statistics_start_as_rank_zero_statistics() {
+    use burn_core::tensor::Tensor;
+    use burn_nn::{BatchNorm, BatchNormConfig};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 2;
+    // Each rank's BatchNorm sees its own inputs twice, so its running mean and variance (one
+    // update behind, as Burn keeps them) are its own.
+    let norms: Vec<BatchNorm<B>> = (0..world)
+        .map(|r| {
+            let d = device(0);
+            let bn = BatchNormConfig::new(3).init::<B>(&d);
+            for k in 0..2 {
+                let (x, _) = synthetic_batch::<B>(r * 10 + k, (0, 4), 3 * 5, 1, &d);
+                let x: Tensor<B, 3> = x.reshape([4, 3, 5]) * (r as f32 + 1.0);
+                let _ = bn.forward(x).into_data();
+            }
+            bn.fork(&device(r as u32))
+        })
+        .collect();
+    let stats = |m: &BatchNorm<B>| bits(&module_weights::<B, BatchNorm<B>>(m));
+    let rank0 = stats(&norms[0]);
+    assert_ne!(
+        rank0,
+        stats(&norms[1]),
+        "the ranks' statistics differ before marking"
+    );
+    let devices = start(
+        world as u32,
+        InitialWeights::Broadcast,
+        Duration::from_secs(20),
+    );
+    let marked: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = norms
+            .into_iter()
+            .map(|m| s.spawn(move || stats(&mark_distributed::<B, BatchNorm<B>>(m).unwrap())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    Inner::close_communication_server(&devices[0]);
+    for (r, m) in marked.iter().enumerate() {
+        assert_eq!(m, &rank0, "rank {r}: running statistics after marking");
+    }
+}
