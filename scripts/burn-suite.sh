@@ -4,14 +4,16 @@
 # a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
-# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--unfused|--dispatch] [--baseline]
-#        [--include-ignored]
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--unfused|--dispatch|--cuda]
+#        [--baseline] [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
 #   --wgpu         the inner backend is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion
 #                  on; Mesa's lavapipe on a machine without a GPU) instead of NdArray
 #   --unfused      the inner backend is wgpu's `CubeBackend` without the fusion layer
 #   --dispatch     the inner backend is `burn::Dispatch` on its default device (wgpu here)
+#   --cuda         the inner backend is Burn's default CUDA backend (`burn_cuda::Cuda`, fusion
+#                  on), this crate built with its `cuda` feature: a machine with a GPU and cargo
 #   --baseline     also run the tensor suite on the inner backend alone; then the exit status
 #                  is 0 when Collective fails exactly the tests the inner backend fails alone
 #   --include-ignored  run the tests Burn marks #[ignore] too
@@ -24,7 +26,7 @@
 # Suites for other backends (f16, CubeCL, fusion) are left out.
 set -euo pipefail
 
-usage() { sed -n '7,17p' "$0" >&2; exit 2; }
+usage() { sed -n '7,19p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -33,6 +35,8 @@ BASELINE=0
 INNER=burn_ndarray::NdArray
 QUANT=""
 IGNORED=()
+CF_FEATURES=""
+CUDA_DEP=""
 for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
@@ -41,6 +45,11 @@ for a in "$@"; do
         --dispatch)
             INNER=burn_dispatch::Dispatch
             QUANT="burn_dispatch::Dispatch::default_quant_scheme(&Default::default())"
+            ;;
+        --cuda)
+            INNER=burn_cuda::Cuda
+            CF_FEATURES=', features = ["cuda"]'
+            CUDA_DEP='burn-cuda = { version = "=0.21.0", default-features = false, features = ["std", "fusion"] }'
             ;;
         --include-ignored) IGNORED=(--include-ignored) ;;
         -*) usage ;;
@@ -86,7 +95,8 @@ burn-wgpu = { version = "=0.21.0", default-features = false, features = ["std", 
 num-traits = "0.2.19"
 serial_test = "3.2.0"
 rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
-collective-fusion = { path = "$ROOT", default-features = false }
+collective-fusion = { path = "$ROOT", default-features = false$CF_FEATURES }
+$CUDA_DEP
 
 [dev-dependencies]
 ctor = "0.10.1"
