@@ -4,9 +4,9 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
-use common::kill::survivors_fail_naming;
+use common::kill::{rank_process, survivors_fail_naming};
 use common::{PROCESS_LIMIT, free_port, output_bounded, wait_bounded};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collective-fusion");
@@ -33,18 +33,13 @@ fn over_tcp(world: usize, extra: impl Fn(usize) -> Vec<String>) -> Vec<Output> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|r| {
-            Command::new(BIN)
-                .args(ARGS)
-                .args(["--transport", "tcp"])
-                .args(extra(r))
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+            let args: Vec<String> = ARGS
+                .into_iter()
+                .chain(["--transport", "tcp"])
+                .map(String::from)
+                .chain(extra(r))
+                .collect();
+            rank_process(BIN, &args, r, world, &port).spawn().unwrap()
         })
         .collect();
     children

@@ -21,21 +21,17 @@ pub fn kill_mid_run(
 ) -> Vec<(usize, Output, Duration)> {
     use std::io::BufRead;
     let port = free_port().to_string();
+    let args: Vec<String> = ["run", "--model", "mlp", "--steps", "100000", "--batch", "2"]
+        .into_iter()
+        .chain(["--hidden-layers", "1"])
+        .chain(transport.iter().copied())
+        .map(String::from)
+        .chain(["--timeout".to_string(), timeout.to_string()])
+        .collect();
     let mut children: Vec<_> = (0..world)
         .map(|r| {
-            Command::new(bin)
-                .args(["run", "--model", "mlp", "--steps", "100000", "--batch", "2"])
-                .args(["--hidden-layers", "1"])
-                .args(transport)
-                .args(["--timeout", &timeout.to_string()])
+            rank_process(bin, &args, r, world, &port)
                 .env("CF_LOG", "info")
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
@@ -79,6 +75,21 @@ pub fn kill_mid_run(
     }
     assert!(started.is_ok(), "no step finished: {:?}", out);
     out
+}
+
+/// The command of rank `r` of `world`: `bin args`, with the launcher's environment as torchrun
+/// sets it (`LOCAL_RANK` = `r`, rank 0 at `127.0.0.1:port`) and its output piped.
+pub fn rank_process(bin: &str, args: &[String], r: usize, world: usize, port: &str) -> Command {
+    let mut c = Command::new(bin);
+    c.args(args)
+        .env("RANK", r.to_string())
+        .env("LOCAL_RANK", r.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
 }
 
 /// [`kill_mid_run`] with a timeout of 3 s, then the check: every survivor exits with status 1
