@@ -16,15 +16,21 @@
 //! for its whole timeout and saying nothing). A rank on another machine that vanishes without
 //! its kernel closing the connection (a power cut) is not seen here; the timeouts still apply.
 //!
+//! Every link carries a heartbeat every [`HEARTBEAT`], so that a middlebox that reaps idle
+//! connections does not close one under a long job (which would read as a rank gone).
+//!
 //! Wire format, after the rendezvous answer: messages of 5 bytes, a kind (`B`: goodbye from the
-//! sender; `G`, `L`: from rank 0, the rank that follows is gone or left) and a rank `u32`
-//! (little endian).
+//! sender; `H`: heartbeat; `G`, `L`: from rank 0, the rank that follows is gone or left) and a
+//! rank `u32` (little endian).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How often each side of a link says it is there.
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// How a rank departed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,6 +150,10 @@ impl PeerWatch {
                 .name(format!("cf-watch-rank{r}"))
                 .spawn(move || watch(&sh, r, s))?;
         }
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("cf-watch-heartbeat".into())
+            .spawn(move || heartbeat(&sh))?;
         Ok(PeerWatch { shared })
     }
 
@@ -186,6 +196,7 @@ fn watch(shared: &Shared, from: usize, mut s: TcpStream) {
             Ok(()) => {
                 let named = u32::from_le_bytes([m[1], m[2], m[3], m[4]]) as usize;
                 match m[0] {
+                    b'H' => continue,
                     b'B' => (from, DepartureKind::Left),
                     b'G' if from == 0 => (named, DepartureKind::Gone),
                     b'L' if from == 0 => (named, DepartureKind::Left),
@@ -221,6 +232,23 @@ fn watch(shared: &Shared, from: usize, mut s: TcpStream) {
         if rank == from {
             // That connection is done.
             return;
+        }
+    }
+}
+
+/// Sends a heartbeat on every link every [`HEARTBEAT`] until the watch closes.
+fn heartbeat(shared: &Shared) {
+    let mut last = Instant::now();
+    while !shared.closing.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+        if last.elapsed() < HEARTBEAT {
+            continue;
+        }
+        last = Instant::now();
+        if let Ok(mut links) = shared.links.lock() {
+            for (_, l) in links.iter_mut() {
+                let _ = l.write_all(&message(b'H', shared.rank));
+            }
         }
     }
 }
