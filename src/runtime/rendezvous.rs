@@ -605,6 +605,29 @@ mod tests {
         assert!(w0.departed_for(Duration::from_secs(3600)).is_none());
     }
 
+    /// Heartbeats are no news; the connection closing after them is.
+    #[test]
+    fn heartbeats_keep_a_rank_present() {
+        use super::super::peer_watch::DepartureKind::Gone;
+        let port = free_port();
+        let (w0, mut conn1) = std::thread::scope(|s| {
+            let z = s.spawn(|| rendezvous_watched(&cfg(0, 2, port, 10_000), Vec::new));
+            let one = s.spawn(|| join(&cfg(1, 2, port, 10_000)));
+            (z.join().unwrap().unwrap().1, one.join().unwrap().unwrap().1)
+        });
+        for _ in 0..3 {
+            conn1.write_all(&[b'H', 1, 0, 0, 0]).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(w0.departed().is_empty(), "{:?}", w0.departed());
+        drop(conn1);
+        let d = departures(&w0, 1);
+        assert_eq!(
+            d.iter().map(|d| (d.rank, d.kind)).collect::<Vec<_>>(),
+            [(1, Gone)]
+        );
+    }
+
     /// Rank 0 leaving (its watch dropped) is `Left` on a peer, not `Gone`.
     #[test]
     fn rank_zero_closing_its_watch_is_a_goodbye() {
