@@ -42,7 +42,7 @@ export CF_CLI=$PWD/bin/collective-fusion
 
 timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
 rc=$?
-grep -E "^test |test result|SKIPPED|panicked" "$OUT/gpu-tests.log" | tail -40
+grep -E "^test |test result|SKIPPED|panicked|in a child process" "$OUT/gpu-tests.log" | tail -44
 record "GPU tests" "exit $rc, $(grep -c ' \.\.\. ok$' "$OUT/gpu-tests.log") passed, $(grep -c ' \.\.\. FAILED$' "$OUT/gpu-tests.log") failed"
 grep -A30 "pack bandwidth\|overlap\|overhead\|pinned staging" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
 
