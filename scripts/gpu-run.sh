@@ -37,7 +37,8 @@ export LD_LIBRARY_PATH="$libs:/usr/local/nvidia/lib64:/usr/lib/x86_64-linux-gnu:
 export CF_REQUIRE_GPU=1
 # Tests that need more GPUs than this machine has skip (and say so); the CLI they start is ours.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-export CF_REQUIRE_GPUS=${gpus:-1}
+[ "${gpus:-0}" -ge 1 ] 2>/dev/null || gpus=1
+export CF_REQUIRE_GPUS=$gpus
 export CF_CLI=$PWD/bin/collective-fusion
 
 timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1

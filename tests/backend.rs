@@ -1374,3 +1374,26 @@ fn a_recorded_measured_and_compiled_convnet_step_is_stable() {
         insta::assert_snapshot!(by_first_appearance(&print(&g)));
     });
 }
+
+/// A start-up failure is a typed error from `try_start_communication_server` (Burn's
+/// `start_communication_server`, which cannot return one, panics with its message), and
+/// leaves no server behind.
+#[test]
+fn a_start_up_failure_is_an_error_naming_what_was_given() {
+    use collective_fusion::runtime::transport::StartError;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = |r| CollectiveDevice::new(NdArrayDevice::Cpu, r);
+    let config = || DistributedConfig {
+        all_reduce_op: ReduceOperation::Mean,
+    };
+    let err = Inner::try_start_communication_server(&[d(0), d(0)], config())
+        .expect_err("rank 0 twice is no group");
+    assert!(
+        matches!(&err, StartError::Ranks { world: 2, given } if given == &[0, 0]),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[0, 0]"), "{err}");
+    // Nothing was started: a correct start then works.
+    Inner::try_start_communication_server(&[d(0), d(1)], config()).unwrap();
+    Inner::close_communication_server(&d(0));
+}

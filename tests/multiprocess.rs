@@ -139,8 +139,11 @@ fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
             .env("CF_RENDEZVOUS_TIMEOUT_MS", "500"),
     );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    // An error, not a panic: exit code 1 and `error:`.
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: "), "{err}");
     assert!(err.contains("rank(s) [1] of 2 never joined"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

@@ -27,6 +27,7 @@ use crate::runtime::HostBuffer;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::CollectiveDesc;
 use crate::runtime::exec::Workspace;
+use crate::runtime::transport::StartError;
 use crate::trace::{SpanKind, TraceSpan};
 
 /// How many gradient syncs (one per rank per step) completed in this process so far.
@@ -210,12 +211,11 @@ pub fn executed_step_order<I: Backend>(rank: usize) -> Option<Vec<usize>> {
     Some(ran.iter().filter_map(|s| at.get(s).copied()).collect())
 }
 
-/// This process's communicators for `devices`, as `options.transport` says; a start-up failure
-/// panics with the typed error's message.
+/// This process's communicators for `devices`, as `options.transport` says.
 fn communicators<D: 'static>(
     devices: &[CollectiveDevice<D>],
     options: &CollectiveOptions,
-) -> (usize, crate::runtime::transport::ByRank) {
+) -> Result<(usize, crate::runtime::transport::ByRank), StartError> {
     let given: Vec<u32> = devices.iter().map(|d| d.rank).collect();
     let cuda_index = |rank: u32| -> Option<usize> {
         let d = devices.iter().find(|d| d.rank == rank)?;
@@ -228,15 +228,22 @@ fn communicators<D: 'static>(
         std::any::type_name::<D>(),
         options.timeout,
     )
-    .unwrap_or_else(|e| panic!("collective-fusion: {e}"))
 }
 
-impl<I: Backend> DistributedBackend for Collective<I> {
-    fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
-        let options = CollectiveOptions::take::<I>().unwrap_or_else(|e| {
-            panic!("collective-fusion: start_communication_server: the environment: {e}")
-        });
-        let (world, mut comms) = communicators(devices, &options);
+impl<I: Backend> Collective<I> {
+    /// What [`DistributedBackend::start_communication_server`] does, with a start-up failure
+    /// (a rank that never joins, an unreachable rank 0, NCCL that cannot start, options in the
+    /// environment that do not parse) returned as a typed error instead of a panic: Burn's
+    /// trait method cannot return one, so it panics with this error's message.
+    ///
+    /// # Errors
+    /// [`StartError`], naming the rank, address or variable at fault.
+    pub fn try_start_communication_server(
+        devices: &[CollectiveDevice<I::Device>],
+        config: DistributedConfig,
+    ) -> Result<(), StartError> {
+        let options = CollectiveOptions::take::<I>()?;
+        let (world, mut comms) = communicators(devices, &options)?;
         let calls = comms
             .iter_mut()
             .map(|slot| {
@@ -299,6 +306,19 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         };
         lock(sessions()).insert(TypeId::of::<I>(), Arc::new(session));
         super::params::register_hook::<Collective<I>>(super::replicas::replicate::<I>);
+        Ok(())
+    }
+}
+
+impl<I: Backend> DistributedBackend for Collective<I> {
+    /// Starts this process's ranks' communicators (see
+    /// [`Collective::try_start_communication_server`]).
+    ///
+    /// # Panics
+    /// On a start-up failure, with the typed error's message.
+    fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
+        Self::try_start_communication_server(devices, config)
+            .unwrap_or_else(|e| panic!("collective-fusion: {e}"))
     }
 
     fn close_communication_server(_device: &Self::Device) {

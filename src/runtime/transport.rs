@@ -63,6 +63,9 @@ pub enum StartError {
         /// Its device type.
         device: String,
     },
+    /// The options in the environment (`CF_*`) do not parse.
+    #[error("start_communication_server: the environment: {0}")]
+    Environment(#[from] crate::config::ConfigError),
     /// Joining the group failed.
     #[error("start_communication_server: {0}")]
     Rendezvous(#[from] RendezvousError),

@@ -282,12 +282,13 @@ fn run_model<I: Backend, M: Net<B<I>>>(
         .collect();
     opts.collective.clone().install::<I>();
     let lazy_before: Vec<LazyStats> = local.iter().map(|r| lazy_stats(*r)).collect();
-    Collective::<I>::start_communication_server(
+    Collective::<I>::try_start_communication_server(
         &devices,
         DistributedConfig {
             all_reduce_op: ReduceOperation::Mean,
         },
-    );
+    )
+    .map_err(|e| e.to_string())?;
     <B<I> as Backend>::seed(&devices[0], opts.seed);
     let init = M::init(&devices[0], opts.model);
     // Parameters initialize lazily: materialize them before the ranks copy them.
@@ -411,6 +412,17 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
     }
     // In-process NCCL: a GPU per rank. One rank per process: the launcher's local rank. Other
     // in-process ranks share GPU 0 (a host communicator).
+    #[cfg(feature = "cuda")]
+    if matches!(
+        opts.backend,
+        RunBackend::Cuda | RunBackend::Dispatch(DispatchOn::Cuda)
+    ) && crate::runtime::nccl::device_count() == 0
+    {
+        return Err(format!(
+            "the {} backend: no CUDA device here (the CUDA driver cannot be loaded, or it sees no GPU)",
+            opts.backend.name()
+        ));
+    }
     #[cfg(feature = "cuda")]
     let gpu = |r: u32| match &opts.collective.transport {
         Transport::NcclLocal => r as usize,
