@@ -173,6 +173,11 @@ enum Command {
         /// Give up after this many milliseconds (default: CF_RENDEZVOUS_TIMEOUT_MS, else 60000).
         #[arg(long)]
         timeout_ms: Option<u64>,
+        /// Then stay joined this many milliseconds, watching the other ranks as an NCCL job does
+        /// (the rendezvous connections as a peer watch): a rank whose process ends without a
+        /// goodbye (killed, crashed) is an error naming it; ranks that finish are not.
+        #[arg(long)]
+        hold_ms: Option<u64>,
     },
 }
 
@@ -244,14 +249,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Run(a) => run_cmd(a),
         Command::Profile(a) => profile_cmd(a),
-        Command::Rendezvous { timeout_ms } => {
-            use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous};
+        Command::Rendezvous {
+            timeout_ms,
+            hold_ms,
+        } => {
+            use collective_fusion::runtime::peer_watch::DepartureKind;
+            use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous_watched};
             let mut cfg = RendezvousConfig::from_env(std::time::Duration::from_secs(60))?;
             if let Some(ms) = timeout_ms {
                 cfg.timeout = std::time::Duration::from_millis(ms);
             }
             let t0 = std::time::Instant::now();
-            let id = rendezvous(&cfg, || {
+            let (id, watch) = rendezvous_watched(&cfg, || {
                 // NCCL's own id where NCCL is there; else a random one of the same size.
                 #[cfg(feature = "cuda")]
                 if let Ok(id) = collective_fusion::runtime::nccl::unique_id() {
@@ -276,6 +285,22 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 t0.elapsed().as_millis(),
                 id.len()
             );
+            if let Some(ms) = hold_ms {
+                use std::io::Write as _;
+                let _ = std::io::stdout().flush();
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+                while std::time::Instant::now() < until {
+                    if let Some(d) = watch
+                        .departed()
+                        .into_iter()
+                        .find(|d| d.kind == DepartureKind::Gone)
+                    {
+                        return Err(format!("rank {}: {d}", cfg.rank).into());
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                println!("rank {}: every rank was there for {ms} ms", cfg.rank);
+            }
             Ok(())
         }
         Command::Plan {

@@ -5,6 +5,7 @@
 mod common;
 
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 use common::kill::{rank_process, survivors_fail_naming};
 use common::{PROCESS_LIMIT, free_port, output_bounded, wait_bounded};
@@ -170,4 +171,66 @@ fn a_rank_killed_mid_run_fails_the_others_naming_it() {
 #[test]
 fn rank_zero_killed_mid_run_fails_the_others_naming_it() {
     survivors_fail_naming(BIN, &["--transport", "tcp"], 3, 0);
+}
+
+/// The peer watch across real processes: three ranks join with `rendezvous --hold-ms` and
+/// stay; rank 1 is killed with SIGKILL; ranks 0 and 2 (which hears it from rank 0) exit 1
+/// within seconds, naming rank 1, instead of holding on.
+#[test]
+fn a_killed_process_is_named_by_the_peer_watch_of_every_other() {
+    use std::io::BufRead;
+    let port = free_port().to_string();
+    let args: Vec<String> = ["rendezvous", "--hold-ms", "60000"]
+        .map(String::from)
+        .to_vec();
+    let mut children: Vec<_> = (0..3)
+        .map(|r| rank_process(BIN, &args, r, 3, &port).spawn().unwrap())
+        .collect();
+    // Rank 0 prints its line once every rank joined.
+    let stdout = children[0].stdout.take().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("rank 0 of 3: joined"), "{line}");
+    std::thread::sleep(Duration::from_millis(200));
+    children[1].kill().unwrap();
+    let killed = Instant::now();
+    let _ = children[1].wait();
+    for (r, c) in children.into_iter().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        let o = wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}"));
+        let took = killed.elapsed();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "rank {r}: {err}");
+        assert!(
+            err.contains(&format!("error: rank {r}: rank 1's process is gone")),
+            "rank {r}: {err}"
+        );
+        assert!(took < Duration::from_secs(10), "rank {r} took {took:?}");
+    }
+}
+
+/// Ranks that all stay for the hold and then end say goodbye: every one exits 0.
+#[test]
+fn ranks_that_finish_together_are_no_departure() {
+    let port = free_port().to_string();
+    let args: Vec<String> = ["rendezvous", "--hold-ms", "500"]
+        .map(String::from)
+        .to_vec();
+    let children: Vec<_> = (0..3)
+        .map(|r| rank_process(BIN, &args, r, 3, &port).spawn().unwrap())
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let o = wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}"));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "rank {r}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.contains("every rank was there"), "rank {r}: {out}");
+    }
 }
