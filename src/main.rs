@@ -286,8 +286,6 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 id.len()
             );
             if let Some(ms) = hold_ms {
-                use std::io::Write as _;
-                let _ = std::io::stdout().flush();
                 let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
                 while std::time::Instant::now() < until {
                     if let Some(d) = watch

@@ -527,13 +527,27 @@ mod nccl {
         );
     }
 
-    #[test]
-    fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
-        if !gpu_or_skip("nccl init timeout", 1, true) {
-            return;
+    /// Whether to run the body of test `name` (`what` in a skip message) in this process: not
+    /// without a GPU (it is skipped), nor in the test binary itself, which runs it in a child
+    /// process instead ([`alone`]).
+    fn here_in_a_child(what: &str, name: &str) -> bool {
+        if !gpu_or_skip(what, 1, true) {
+            return false;
         }
         if std::env::var_os(NCCL_CHILD).is_none() {
-            return alone("nccl::a_rank_whose_peer_never_joins_times_out_instead_of_hanging");
+            alone(name);
+            return false;
+        }
+        true
+    }
+
+    #[test]
+    fn a_rank_whose_peer_never_joins_times_out_instead_of_hanging() {
+        if !here_in_a_child(
+            "nccl init timeout",
+            "nccl::a_rank_whose_peer_never_joins_times_out_instead_of_hanging",
+        ) {
+            return;
         }
         let id = unique_id().unwrap();
         let t0 = Instant::now();
@@ -553,11 +567,11 @@ mod nccl {
     #[test]
     fn a_rank_that_ends_before_nccl_init_is_named_by_the_peer_watch() {
         use collective_fusion::runtime::rendezvous::{RendezvousConfig, rendezvous_watched};
-        if !gpu_or_skip("nccl init, peer departed", 1, true) {
+        if !here_in_a_child(
+            "nccl init, peer departed",
+            "nccl::a_rank_that_ends_before_nccl_init_is_named_by_the_peer_watch",
+        ) {
             return;
-        }
-        if std::env::var_os(NCCL_CHILD).is_none() {
-            return alone("nccl::a_rank_that_ends_before_nccl_init_is_named_by_the_peer_watch");
         }
         let port = super::common::free_port();
         let cfg = move |r| RendezvousConfig::loopback(r, 2, port, Duration::from_secs(30));

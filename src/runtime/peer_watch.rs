@@ -177,7 +177,7 @@ impl PeerWatch {
     /// The first departure, once `grace` has passed since this process learnt of it: what a
     /// collective still waiting then fails with (the grace lets a collective its peers finished
     /// just before ending complete here too).
-    pub fn departed_for(&self, grace: std::time::Duration) -> Option<Departure> {
+    pub fn departed_for(&self, grace: Duration) -> Option<Departure> {
         self.first_departure().filter(|d| d.at.elapsed() >= grace)
     }
 }
