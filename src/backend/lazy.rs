@@ -190,15 +190,20 @@ impl Queue {
         self.uncount(picked)
     }
 
-    /// `taken`, counted off their threads' queued nodes.
+    /// `taken`, counted off their threads' queued nodes (one map update per run of nodes of
+    /// one thread, which is most often all of them).
     fn uncount(&mut self, taken: Vec<Queued>) -> Vec<Queued> {
-        for p in &taken {
-            if let Some(c) = self.per_thread.get_mut(&p.thread) {
-                *c -= 1;
+        let mut i = 0;
+        while i < taken.len() {
+            let thread = taken[i].thread;
+            let n = taken[i..].iter().take_while(|p| p.thread == thread).count();
+            if let Some(c) = self.per_thread.get_mut(&thread) {
+                *c = c.saturating_sub(n);
                 if *c == 0 {
-                    self.per_thread.remove(&p.thread);
+                    self.per_thread.remove(&thread);
                 }
             }
+            i += n;
         }
         taken
     }
@@ -209,6 +214,17 @@ pub(crate) struct Recorder {
     next: AtomicU64,
     queue: Mutex<Queue>,
     stats: Mutex<LazyStats>,
+}
+
+/// The calling thread's id, read once per thread (`thread::current()` costs a reference count
+/// each call, and every recorded op asks).
+fn this_thread() -> ThreadId {
+    thread_local! {
+        static ME: ThreadId = std::thread::current().id();
+    }
+    // A thread-local destructor that records (after `ME` is gone) asks the slow way.
+    ME.try_with(|me| *me)
+        .unwrap_or_else(|_| std::thread::current().id())
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -236,7 +252,7 @@ impl Recorder {
     /// that keeps a stream per thread (Burn's fusion) sees each thread's ops on its own stream.
     /// When the log no longer describes a node involved, everything up to `seq` runs.
     fn run_until(&self, seq: u64, why: ForceReason) {
-        let me = std::thread::current().id();
+        let me = this_thread();
         let picked = {
             let mut q = lock(&self.queue);
             let upto = q.pending.iter().take_while(|p| p.seq <= seq).count();
@@ -283,7 +299,7 @@ impl Recorder {
     /// `hoist-producers` pass (`passes/hoist_producers.rs`), applied as a gradient is forced. A
     /// queued node the log no longer describes cannot be told apart, so it runs in order.
     fn run_producers(&self, seq: u64, max_bytes: u64, why: ForceReason) {
-        let me = std::thread::current().id();
+        let me = this_thread();
         let picked = {
             let mut q = lock(&self.queue);
             let upto = q.pending.iter().take_while(|p| p.seq <= seq).count();
@@ -354,8 +370,9 @@ impl Recorder {
     /// half-made, and numbers are queued in order.
     fn push<P: Send + 'static>(&self, rec: Record, state: State<P>) -> Arc<Node<P>> {
         let pending = matches!(state, State::Pending(_));
-        let me = std::thread::current().id();
-        let (node, seq, own) = {
+        let me = this_thread();
+        let mut own_pending = 0;
+        let (node, seq) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
             let node = Arc::new(Node {
@@ -373,7 +390,9 @@ impl Recorder {
                     thread: me,
                     node: weak,
                 });
-                *q.per_thread.entry(me).or_default() += 1;
+                let own = q.per_thread.entry(me).or_default();
+                *own += 1;
+                own_pending = *own;
             }
             if q.log.len() == MAX_LOG {
                 q.log.pop_front();
@@ -387,9 +406,9 @@ impl Recorder {
                 dtype: rec.dtype,
                 flops: rec.flops,
             });
-            (node, seq, q.per_thread.get(&me).copied().unwrap_or(0))
+            (node, seq)
         };
-        if own > MAX_PENDING {
+        if own_pending > MAX_PENDING {
             self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
         }
         node
