@@ -193,17 +193,14 @@ impl Queue {
     /// `taken`, counted off their threads' queued nodes (one map update per run of nodes of
     /// one thread, which is most often all of them).
     fn uncount(&mut self, taken: Vec<Queued>) -> Vec<Queued> {
-        let mut i = 0;
-        while i < taken.len() {
-            let thread = taken[i].thread;
-            let n = taken[i..].iter().take_while(|p| p.thread == thread).count();
+        for run in taken.chunk_by(|a, b| a.thread == b.thread) {
+            let thread = run[0].thread;
             if let Some(c) = self.per_thread.get_mut(&thread) {
-                *c = c.saturating_sub(n);
+                *c -= run.len();
                 if *c == 0 {
                     self.per_thread.remove(&thread);
                 }
             }
-            i += n;
         }
         taken
     }
@@ -371,8 +368,7 @@ impl Recorder {
     fn push<P: Send + 'static>(&self, rec: Record, state: State<P>) -> Arc<Node<P>> {
         let pending = matches!(state, State::Pending(_));
         let me = this_thread();
-        let mut own_pending = 0;
-        let (node, seq) = {
+        let (node, seq, own) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
             let node = Arc::new(Node {
@@ -383,7 +379,7 @@ impl Recorder {
                 dtype: rec.dtype,
                 state: Mutex::new(state),
             });
-            if pending {
+            let own = if pending {
                 let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
                 q.pending.push_back(Queued {
                     seq,
@@ -392,8 +388,10 @@ impl Recorder {
                 });
                 let own = q.per_thread.entry(me).or_default();
                 *own += 1;
-                own_pending = *own;
-            }
+                *own
+            } else {
+                0
+            };
             if q.log.len() == MAX_LOG {
                 q.log.pop_front();
             }
@@ -406,9 +404,9 @@ impl Recorder {
                 dtype: rec.dtype,
                 flops: rec.flops,
             });
-            (node, seq)
+            (node, seq, own)
         };
-        if own_pending > MAX_PENDING {
+        if own > MAX_PENDING {
             self.run_until(seq - (MAX_PENDING as u64) / 2, ForceReason::Bound);
         }
         node
