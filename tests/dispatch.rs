@@ -18,7 +18,7 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, mark_distributed, sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
 };
 use collective_fusion::train::{module_weights, synthetic_batch};
 
@@ -63,14 +63,15 @@ fn train(mut m: Mlp, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f3
     module_weights::<A, Mlp>(&m)
 }
 
-/// 2 ranks on `device`, against one rank on the concatenated batch.
-fn equals_one_rank(device: DispatchDevice) {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+/// 2 ranks on `device` (gradients packed on the device when `device_buckets` and the device
+/// can): each rank's final weights and rank 0's sync counters.
+fn two_ranks(device: &DispatchDevice, device_buckets: bool) -> (Vec<f32>, SyncStats) {
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(device.clone(), r))
         .collect();
     CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
+        device_buckets,
         ..CollectiveOptions::default()
     }
     .install::<Dispatch>();
@@ -102,6 +103,14 @@ fn equals_one_rank(device: DispatchDevice) {
         "every step synced its gradients: {stats:?}"
     );
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    (ranks.into_iter().next().unwrap_or_default(), stats)
+}
+
+/// 2 ranks on `device`, against one rank on the concatenated batch.
+fn equals_one_rank(device: DispatchDevice) -> SyncStats {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (weights, stats) = two_ranks(&device, true);
+    let devices: Vec<Dev> = vec![CollectiveDevice::new(device, 0)];
     let reference = train(
         init(&devices[0]),
         (0, WORLD as usize * ROWS),
@@ -110,7 +119,7 @@ fn equals_one_rank(device: DispatchDevice) {
     );
     let initial = module_weights::<A, Mlp>(&init(&devices[0]));
     let mut moved = 0.0f64;
-    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
+    for (i, ((a, b), w0)) in weights.iter().zip(&reference).zip(&initial).enumerate() {
         let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
         // Two half-batch means averaged against one mean: f32 rounding apart.
         assert!(
@@ -120,11 +129,14 @@ fn equals_one_rank(device: DispatchDevice) {
         moved += (b - w0).abs();
     }
     assert!(moved > 1e-3, "training did not move the weights");
+    stats
 }
 
 #[test]
 fn an_mlp_on_two_dispatch_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
-    equals_one_rank(DispatchDevice::NdArray(NdArrayDevice::Cpu));
+    let stats = equals_one_rank(DispatchDevice::NdArray(NdArrayDevice::Cpu));
+    // NdArray's tensors are host memory: the host path packs them.
+    assert_eq!(stats.device_buckets, 0, "{stats:?}");
 }
 
 #[test]
@@ -132,5 +144,19 @@ fn an_mlp_on_two_dispatch_wgpu_ranks_equals_one_rank_on_the_concatenated_batch()
     if common::cube::wgpu_client().is_none() {
         return;
     }
-    equals_one_rank(DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice));
+    let device = DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice);
+    let stats = equals_one_rank(device.clone());
+    // Packed on the device by Dispatch's own ops, read to the host once per bucket.
+    assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
+    // The same bits as the host path, which reads every gradient on its own.
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (on_device, _) = two_ranks(&device, true);
+    let (on_host, host_stats) = two_ranks(&device, false);
+    assert_eq!(host_stats.device_buckets, 0, "{host_stats:?}");
+    let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&on_device),
+        bits(&on_host),
+        "device pack against host pack"
+    );
 }

@@ -353,7 +353,7 @@ fn run_command_trains_on_wgpu_ranks_with_device_buckets_and_views() {
     assert!(copies.starts_with("run mlp on wgpu · 2 ranks"), "{copies}");
     assert!(copies.contains("ranks agree: yes"), "{copies}");
     assert!(
-        copies.contains("buckets packed by the kernels on the gradients' buffers"),
+        copies.contains("buckets packed on the gradients' device"),
         "{copies}"
     );
     assert!(

@@ -4,14 +4,16 @@
 //! its tensor's handle ([`CubeGrad`]), its bucket is packed and unpacked by the CubeCL kernels on
 //! those buffers, and the reduced gradient is written back as a new tensor of the same runtime,
 //! device, shape and dtype (for a fused backend: registered with its fusion client, as the fusion
-//! layer registers data it is given). Any other inner backend keeps the host path.
+//! layer registers data it is given). `burn::Dispatch` on a GPU device keeps its gradients as its
+//! own tensors, packed with its ops ([`ops_grad`](super::ops_grad)); any other inner backend
+//! keeps the host path.
 //!
 //! A fused gradient is resolved to its `CubeTensor` through the fusion client, which runs the
 //! fused work queued before it (what any read of it would do) but copies nothing to the host.
 
 use std::any::Any;
 
-use burn_backend::TensorMetadata;
+use burn_backend::{Backend, TensorMetadata};
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
@@ -20,6 +22,7 @@ use burn_fusion::{FusionTensor, NoOp};
 use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 
 use super::distributed::graph_dtype;
+use super::ops_grad::OpsGrad;
 use crate::runtime::cube::CubeGrad;
 use crate::runtime::grad::DeviceGrad;
 
@@ -109,28 +112,48 @@ fn tensor_of<R: CubeRuntime, P: 'static>(
     Ok(as_p(out))
 }
 
-/// The gradient `p` as a device gradient, when it is a tensor of a CubeCL runtime this crate
-/// knows, fused or not; a non-contiguous one is made contiguous first (a copy on the device).
-pub(crate) fn device_grad<P: 'static>(p: &P) -> Option<Box<dyn DeviceGrad>> {
+/// The gradient `p` as a device gradient: when it is a tensor of a CubeCL runtime this crate
+/// knows, fused or not, its handle (a non-contiguous one is made contiguous first, a copy on the
+/// device); when `I` is `Dispatch` on a device other than NdArray's (wgpu, CUDA), its own tensor
+/// ([`OpsGrad`]), packed with the backend's ops.
+pub(crate) fn device_grad<I: Backend>(p: &I::FloatTensorPrimitive) -> Option<Box<dyn DeviceGrad>> {
     #[cfg(feature = "cuda")]
-    if let Some(g) = grad_of::<cubecl::cuda::CudaRuntime, P>(p) {
+    if let Some(g) = grad_of::<cubecl::cuda::CudaRuntime, _>(p) {
         return Some(g);
     }
-    grad_of::<cubecl::wgpu::WgpuRuntime, P>(p)
+    if let Some(g) = grad_of::<cubecl::wgpu::WgpuRuntime, _>(p) {
+        return Some(g);
+    }
+    let device = I::float_device(p);
+    match (&device as &dyn Any).downcast_ref::<burn_dispatch::DispatchDevice>() {
+        // NdArray's tensors are in host memory already: the host path reads them for free.
+        Some(burn_dispatch::DispatchDevice::NdArray(_)) | None => None,
+        Some(_) => OpsGrad::<I>::new(p).map(|g| Box::new(g) as Box<dyn DeviceGrad>),
+    }
 }
 
 /// A tensor like `like` (its runtime, device, shape and dtype; fused if it is) holding the device
-/// gradient `g`; `Err(g)` when `g` is not of `like`'s runtime.
-pub(crate) fn tensor_from<P: 'static>(
-    like: &P,
+/// gradient `g`; `Err(g)` when `g` is not of `like`'s backend.
+pub(crate) fn tensor_from<I: Backend>(
+    like: &I::FloatTensorPrimitive,
     g: Box<dyn DeviceGrad>,
-) -> Result<P, Box<dyn DeviceGrad>> {
+) -> Result<I::FloatTensorPrimitive, Box<dyn DeviceGrad>> {
     #[cfg(feature = "cuda")]
-    let g = match tensor_of::<cubecl::cuda::CudaRuntime, P>(like, g) {
+    let g = match tensor_of::<cubecl::cuda::CudaRuntime, _>(like, g) {
         Ok(p) => return Ok(p),
         Err(g) => g,
     };
-    tensor_of::<cubecl::wgpu::WgpuRuntime, P>(like, g)
+    let g = match tensor_of::<cubecl::wgpu::WgpuRuntime, _>(like, g) {
+        Ok(p) => return Ok(p),
+        Err(g) => g,
+    };
+    if !g.as_any().is::<OpsGrad<I>>() {
+        return Err(g);
+    }
+    match g.into_any().downcast::<OpsGrad<I>>() {
+        Ok(g) => Ok(g.into_tensor(like.shape())),
+        Err(_) => unreachable!("checked just above"),
+    }
 }
 
 /// The CUDA device index of a rank's device, where it is a CUDA device (Burn's CUDA backend or

@@ -90,8 +90,9 @@ pub struct SyncStats {
     /// is a parameter the other ranks reduced and updated while this rank, which has no
     /// gradient for it, did not.
     pub zero_filled: u64,
-    /// Buckets packed and unpacked by the CubeCL kernels on the gradients' device buffers
-    /// (see [`CollectiveOptions::device_buckets`]); the rest were packed in host memory.
+    /// Buckets packed and unpacked on the gradients' device (by the CubeCL kernels on their
+    /// buffers, or by `Dispatch`'s own ops; see [`CollectiveOptions::device_buckets`]); the
+    /// rest were packed in host memory.
     pub device_buckets: u64,
     /// Collectives the communicator reduced in place in device memory (NCCL on the gradients'
     /// GPU: nothing crossed to the host): device-packed buckets, and device copies of the

@@ -28,6 +28,7 @@ mod forward;
 mod lazy;
 mod op_table;
 mod ops;
+mod ops_grad;
 mod options;
 mod params;
 mod planner;

@@ -30,11 +30,14 @@ pub struct CollectiveOptions {
     pub check_finite: bool,
     /// What a step does about a parameter whose gradient did not arrive on some rank.
     pub unused: UnusedParameters,
-    /// Keep the gradients of a CubeCL inner backend (Burn's wgpu or CUDA backend, without its
-    /// fusion layer) in their device buffers: a bucket is packed and unpacked by the CubeCL
-    /// kernels on those buffers and crosses to the host communicator as one flat buffer. Off,
-    /// or for any other inner backend, every gradient is read into host memory on arrival. A
-    /// step under [`no_sync`](super::no_sync), or with `check_finite`, reads gradients into host memory anyway.
+    /// Keep the gradients of a device inner backend on the device: for Burn's wgpu or CUDA
+    /// backend (fused or not) a bucket is packed and unpacked by the CubeCL kernels on the
+    /// gradients' buffers; for `burn::Dispatch` on a GPU device, by Dispatch's own tensor ops
+    /// (flatten, scale, cast, concatenate; slice back). Either way a bucket crosses to a host
+    /// communicator as one flat buffer, read on the communicator's thread. Off, or for a host
+    /// inner backend (NdArray, Dispatch's NdArray device), every gradient is read into host
+    /// memory on arrival. A step under [`no_sync`](super::no_sync), or with `check_finite`,
+    /// reads gradients into host memory anyway.
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,

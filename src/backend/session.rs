@@ -397,7 +397,7 @@ impl<I: Backend> Session<I> {
             && !st.no_sync
             && !st.accumulated.contains_key(&name);
         let grad = match on_device
-            .then(|| super::device::device_grad(&inner))
+            .then(|| super::device::device_grad::<I>(&inner))
             .flatten()
         {
             Some(g) => Grad::Device(g),
@@ -603,7 +603,7 @@ impl<I: Backend> Session<I> {
                 Grad::Device(g) => {
                     // The reduced gradient, in a new buffer of the tensor's own device.
                     let like = t.inner_for("gradient write-back");
-                    match super::device::tensor_from(&like, g).map_err(|g| g.read()) {
+                    match super::device::tensor_from::<I>(&like, g).map_err(|g| g.read()) {
                         Ok(p) => {
                             t.set(p);
                             continue;

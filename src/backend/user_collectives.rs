@@ -382,7 +382,7 @@ pub(super) fn all_reduce<I: Backend>(
     let grad = match s
         .options
         .device_buckets
-        .then(|| super::device::device_grad(&inner))
+        .then(|| super::device::device_grad::<I>(&inner))
         .flatten()
     {
         Some(g) => Grad::Device(g),
@@ -459,11 +459,13 @@ pub(super) fn all_reduce<I: Backend>(
         };
         let buf = match reduced {
             Grad::Host(b) => b,
-            Grad::Device(g) => match super::device::tensor_from(&inner, g).map_err(|g| g.read()) {
-                Ok(p) => return p,
-                Err(Ok(b)) => b,
-                Err(Err(e)) => s.fail(rank, format!("all_reduce: {e}")),
-            },
+            Grad::Device(g) => {
+                match super::device::tensor_from::<I>(&inner, g).map_err(|g| g.read()) {
+                    Ok(p) => return p,
+                    Err(Ok(b)) => b,
+                    Err(Err(e)) => s.fail(rank, format!("all_reduce: {e}")),
+                }
+            }
         };
         I::float_from_data(from_host(buf, shape), &device)
     });

@@ -254,7 +254,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if s0.device_buckets + s0.device_collectives + s0.view_grads > 0 {
         writeln!(
             out,
-            "device (rank {}): {} buckets packed by the kernels on the gradients' buffers, {} collectives reduced in place in device memory, {} gradients handed back as views of their bucket",
+            "device (rank {}): {} buckets packed on the gradients' device, {} collectives reduced in place in device memory, {} gradients handed back as views of their bucket",
             report.local_ranks[0], s0.device_buckets, s0.device_collectives, s0.view_grads
         )?;
     }

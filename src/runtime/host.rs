@@ -41,13 +41,23 @@ pub enum KernelError {
     },
 }
 
-fn label(layout: &BucketLayout) -> String {
+pub(crate) fn label(layout: &BucketLayout) -> String {
     layout
         .bucket
         .map_or_else(|| "(unbucketed)".to_string(), |b| format!("b{b}"))
 }
 
 fn check(layout: &BucketLayout, members: &[&HostBuffer]) -> Result<(), KernelError> {
+    check_members(layout, members.iter().map(|m| (m.len(), m.dtype())))
+}
+
+/// Checks that `members` (each one's element count and dtype, in layout order) are the
+/// layout's; an error names the first that is not. Every bucket kernel, host or device, checks
+/// its members with it.
+pub(crate) fn check_members(
+    layout: &BucketLayout,
+    members: impl ExactSizeIterator<Item = (usize, crate::graph::DType)>,
+) -> Result<(), KernelError> {
     if members.len() != layout.members.len() {
         return Err(KernelError::Member {
             bucket: label(layout),
@@ -57,16 +67,34 @@ fn check(layout: &BucketLayout, members: &[&HostBuffer]) -> Result<(), KernelErr
             got: format!("{} members", members.len()),
         });
     }
-    for (i, (m, l)) in members.iter().zip(&layout.members).enumerate() {
-        if m.len() as u64 != l.numel || m.dtype().name() != l.dtype {
+    for (i, ((len, dtype), l)) in members.zip(&layout.members).enumerate() {
+        if len as u64 != l.numel || dtype.name() != l.dtype {
             return Err(KernelError::Member {
                 bucket: label(layout),
                 index: i,
                 param: l.param.clone().unwrap_or_else(|| "-".into()),
                 expected: format!("{}[{}]", l.dtype, l.numel),
-                got: format!("{}[{}]", m.dtype(), m.len()),
+                got: format!("{dtype}[{len}]"),
             });
         }
+    }
+    Ok(())
+}
+
+/// Checks that a reduced flat buffer of `len` elements of `dtype` is the layout's.
+pub(crate) fn check_flat(
+    layout: &BucketLayout,
+    len: usize,
+    dtype: crate::graph::DType,
+) -> Result<(), KernelError> {
+    if len as u64 != layout.numel || dtype.name() != layout.wire_dtype {
+        return Err(KernelError::Member {
+            bucket: label(layout),
+            index: 0,
+            param: "(the flat buffer)".into(),
+            expected: format!("{}[{}]", layout.wire_dtype, layout.numel),
+            got: format!("{dtype}[{len}]"),
+        });
     }
     Ok(())
 }
@@ -182,15 +210,7 @@ pub fn unpack(
         let shared: Vec<&HostBuffer> = members.iter().map(|m| &**m).collect();
         check(layout, &shared)?;
     }
-    if buffer.len() as u64 != layout.numel || buffer.dtype().name() != layout.wire_dtype {
-        return Err(KernelError::Member {
-            bucket: label(layout),
-            index: 0,
-            param: "(the flat buffer)".into(),
-            expected: format!("{}[{}]", layout.wire_dtype, layout.numel),
-            got: format!("{}[{}]", buffer.dtype(), buffer.len()),
-        });
-    }
+    check_flat(layout, buffer.len(), buffer.dtype())?;
     for (i, m) in members.iter_mut().enumerate() {
         with_host_buffer!(buffer, b => with_host_buffer!(&mut **m, o => unpack_typed(layout, b, o, i)));
     }
