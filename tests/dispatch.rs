@@ -160,3 +160,63 @@ fn an_mlp_on_two_dispatch_wgpu_ranks_equals_one_rank_on_the_concatenated_batch()
         "device pack against host pack"
     );
 }
+
+/// The user's all-reduces of Dispatch tensors on its wgpu device, issued back to back (one
+/// coalesced bucket, packed with Dispatch's ops) and alone: every rank gets the mean, in the
+/// tensor's own shape.
+#[test]
+fn user_all_reduces_of_dispatch_wgpu_tensors_give_the_mean_in_their_shape() {
+    use burn_core::tensor::TensorData;
+    use collective_fusion::backend::{DistributedContext, all_reduce};
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let device = DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice);
+    for coalesce in [true, false] {
+        CollectiveOptions {
+            timeout: std::time::Duration::from_secs(60),
+            coalesce_user_collectives: coalesce,
+            ..CollectiveOptions::default()
+        }
+        .install::<Dispatch>();
+        let devices: Vec<Dev> = (0..WORLD)
+            .map(|r| CollectiveDevice::new(device.clone(), r))
+            .collect();
+        let ctx = DistributedContext::<Inner>::start(&devices, ReduceOperation::Mean);
+        let out: Vec<(Vec<f32>, Vec<usize>, f32)> = std::thread::scope(|s| {
+            let devices = &devices;
+            let ranks: Vec<_> = (0..WORLD as usize)
+                .map(|r| {
+                    s.spawn(move || {
+                        let d = &devices[r];
+                        let k = (r + 1) as f32;
+                        let m: Tensor<Inner, 2> = Tensor::from_data(
+                            TensorData::new((0..6).map(|i| i as f32 * k).collect(), [2, 3]),
+                            d,
+                        );
+                        let v: Tensor<Inner, 1> =
+                            Tensor::from_data(TensorData::new(vec![10.0 * k], [1]), d);
+                        // Both issued before either is read.
+                        let m = all_reduce(m, ReduceOperation::Mean, devices);
+                        let v = all_reduce(v, ReduceOperation::Mean, devices);
+                        let (m, v) = (m.resolve(), v.resolve());
+                        let shape = m.dims().to_vec();
+                        let m = m.into_data().to_vec::<f32>().expect("f32");
+                        let v = v.into_data().to_vec::<f32>().expect("f32")[0];
+                        (m, shape, v)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (m, shape, v)) in out.iter().enumerate() {
+            // The mean of i and 2i is 1.5i; of 10 and 20, 15.
+            let want: Vec<f32> = (0..6).map(|i| 1.5 * i as f32).collect();
+            assert_eq!(m, &want, "rank {r}, coalesce {coalesce}");
+            assert_eq!(shape, &[2, 3], "rank {r}, coalesce {coalesce}");
+            assert_eq!(*v, 15.0, "rank {r}, coalesce {coalesce}");
+        }
+        drop(ctx);
+    }
+}

@@ -80,6 +80,10 @@ pub(crate) struct RunArgs {
     /// they already are rank 0's.
     #[arg(long, value_enum, default_value = "broadcast")]
     initial_weights: InitialWeightsArg,
+    /// Read every gradient into host memory as it arrives and pack there, even on a device
+    /// backend (`CollectiveOptions::device_buckets` off), to compare with the device pack.
+    #[arg(long)]
+    host_pack: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -174,6 +178,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
                 InitialWeightsArg::Verify => InitialWeights::Verify,
             },
             probe_link: true,
+            device_buckets: !a.host_pack,
             ..CollectiveOptions::default()
         },
     };
