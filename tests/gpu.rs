@@ -765,6 +765,28 @@ mod training {
         close(&fused, &bare, "unfused");
     }
 
+    /// `Collective<Dispatch>` on Dispatch's CUDA device: its gradients are packed on the GPU by
+    /// Dispatch's own ops (burn-dispatch keeps the CubeCL tensor out of reach), and the step
+    /// ends where `Collective<Cuda>`'s does.
+    #[test]
+    fn a_collective_dispatch_cuda_training_step_packs_on_the_device_and_matches_cuda() {
+        if !gpu_or_skip("Collective<Dispatch> on CUDA training", 1, false) {
+            return;
+        }
+        use burn_dispatch::{Dispatch, DispatchDevice};
+        let init = initial_weights(6);
+        let (dispatch, dispatch_stats) = steps::<Dispatch>(
+            DispatchDevice::Cuda(CudaDevice::default()),
+            init.clone(),
+            Transport::InProcess,
+            false,
+        );
+        let (cuda, _) = steps::<Cuda>(CudaDevice::default(), init, Transport::InProcess, false);
+        assert!(dispatch_stats.device_buckets >= 3, "{dispatch_stats:?}");
+        assert_eq!(dispatch_stats.view_grads, 0, "{dispatch_stats:?}");
+        close(&dispatch, &cuda, "cuda");
+    }
+
     /// The child's part of the kernel comparison on CUDA, run only with `CF_KERNEL_PROBE` set
     /// (as the test below runs it).
     #[test]
