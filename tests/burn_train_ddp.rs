@@ -2,10 +2,12 @@
 //! `Autodiff<Collective<NdArray>>` over 4 CPU ranks: burn-train starts the communication server,
 //! forks the model to every rank's device, and each worker's backward syncs its gradients
 //! through this crate's compiled, bucketed sync. The same over `Collective<Dispatch>`, Burn's
-//! runtime-selected backend, on its NdArray device.
+//! runtime-selected backend, on its NdArray device and on its wgpu device.
 
 // `#[derive(Module)]` writes `burn::…` paths.
 extern crate burn_core as burn;
+
+mod common;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedConfig, ReduceOperation};
@@ -113,6 +115,18 @@ fn burn_train_ddp_strategy_trains_on_four_cpu_ranks() {
 fn burn_train_ddp_strategy_trains_on_four_dispatch_ranks() {
     ddp_trains_on_four_ranks::<burn_dispatch::Dispatch>(burn_dispatch::DispatchDevice::NdArray(
         NdArrayDevice::Cpu,
+    ));
+}
+
+/// On Dispatch's wgpu device (Mesa's software Vulkan in CI): the gradients stay Dispatch
+/// tensors and are packed with Dispatch's ops, on burn-train's worker threads.
+#[test]
+fn burn_train_ddp_strategy_trains_on_four_dispatch_wgpu_ranks() {
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    ddp_trains_on_four_ranks::<burn_dispatch::Dispatch>(burn_dispatch::DispatchDevice::Wgpu(
+        burn_wgpu::WgpuDevice::DefaultDevice,
     ));
 }
 
