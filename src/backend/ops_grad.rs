@@ -340,7 +340,7 @@ mod tests {
             (DType::BF16, DType::BF16),
             (DType::F16, DType::F32),
         ];
-        let lens = [5, 16, 1, 33];
+        let lens = [5, 16, 0, 1, 33];
         let mut ran = 0;
         for (dtype, wire) in cases {
             let runs = |d: DType| B::supports_dtype(device, float_dtype(d).expect("float").into());
