@@ -277,43 +277,7 @@ mod tests {
     use burn_ndarray::{NdArray, NdArrayDevice};
 
     use super::*;
-    use crate::codegen::layout::MemberLayout;
     use crate::runtime::host;
-
-    /// Members of `dtype` with `lens` elements, packed to `wire` at 16-byte member alignment
-    /// (gaps between members and a tail), as the planner lays a bucket out.
-    fn layout(dtype: DType, wire: DType, lens: &[usize], scale_div: Option<u32>) -> BucketLayout {
-        let align = (16 / wire.size()).max(1);
-        let mut at = 0u64;
-        let members: Vec<MemberLayout> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| {
-                let m = MemberLayout {
-                    param: Some(format!("p{i}")),
-                    offset: at,
-                    numel: n as u64,
-                    dtype: dtype.name().to_string(),
-                };
-                at = (at + n as u64).div_ceil(align) * align;
-                m
-            })
-            .collect();
-        let numel = at + align;
-        let used: u64 = lens.iter().map(|&n| n as u64).sum();
-        BucketLayout {
-            bucket: Some(0),
-            reduce: "sum".into(),
-            scale_div,
-            group: 0,
-            wire_dtype: wire.name().to_string(),
-            members,
-            numel,
-            padding: numel - used,
-            bytes: numel * wire.size(),
-            member_bytes: used * dtype.size(),
-        }
-    }
 
     fn member(dtype: DType, n: usize, seed: usize) -> HostBuffer {
         let v: Vec<f64> = (0..n)
@@ -341,6 +305,7 @@ mod tests {
             (DType::F16, DType::F32),
         ];
         let lens = [5, 16, 0, 1, 33];
+        let sizes = lens.map(|n: usize| n as u64);
         let mut ran = 0;
         for (dtype, wire) in cases {
             let runs = |d: DType| B::supports_dtype(device, float_dtype(d).expect("float").into());
@@ -348,7 +313,8 @@ mod tests {
                 continue;
             }
             for scale_div in [None, Some(3), Some(4)] {
-                let l = layout(dtype, wire, &lens, scale_div);
+                // Gaps between members and a tail of padding, as the planner lays them out.
+                let l = BucketLayout::of_sizes(&sizes, dtype, wire, scale_div, 16);
                 let host: Vec<HostBuffer> = lens
                     .iter()
                     .enumerate()
@@ -430,7 +396,7 @@ mod tests {
 
     #[test]
     fn a_member_that_is_not_the_layouts_is_an_error_naming_it() {
-        let l = layout(DType::F32, DType::F32, &[4, 8], None);
+        let l = BucketLayout::of_sizes(&[4, 8], DType::F32, DType::F32, None, 16);
         let d = NdArrayDevice::Cpu;
         let a = OpsGrad::<NdArray>::new(&tensor::<NdArray>(&member(DType::F32, 4, 0), &d))
             .expect("f32");

@@ -91,35 +91,78 @@ pub(crate) fn layout_of(
     } else {
         1
     };
-    let mut offset: u64 = 0;
-    let mut members = Vec::with_capacity(members_vals.len());
-    let mut member_bytes = 0;
-    let mut data: u64 = 0;
-    for v in &members_vals {
+    let members = members_vals.iter().map(|v| {
         let t = graph.ty(*v);
-        offset = offset.next_multiple_of(align);
-        data += t.numel();
-        members.push(MemberLayout {
-            param: param_of(graph, *v),
-            offset,
-            numel: t.numel(),
-            dtype: t.dtype.name().to_string(),
-        });
-        offset += t.numel();
-        member_bytes += t.bytes();
+        (param_of(graph, *v), t.numel(), t.dtype)
+    });
+    let mut l = BucketLayout::place(members, wire, scale_div, align);
+    l.bucket = bucket;
+    l.reduce = reduce.name().to_string();
+    l.group = group.0;
+    l
+}
+
+impl BucketLayout {
+    /// A bucket of members of `sizes` elements of `member` each (parameters `p0`, `p1`, ...),
+    /// laid out as codegen lays out a pack with `align_bytes` (one member: no padding): bucket
+    /// 0, group 0, summed. For tests, benches and one-off copies.
+    pub fn of_sizes(
+        sizes: &[u64],
+        member: DType,
+        wire: DType,
+        scale_div: Option<u32>,
+        align_bytes: u64,
+    ) -> BucketLayout {
+        let align = if sizes.len() > 1 {
+            (align_bytes / wire.size()).max(1)
+        } else {
+            1
+        };
+        let members = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (Some(format!("p{i}")), n, member));
+        BucketLayout::place(members, wire, scale_div, align)
     }
-    let numel = offset.next_multiple_of(align);
-    BucketLayout {
-        bucket,
-        reduce: reduce.name().to_string(),
-        scale_div,
-        group: group.0,
-        wire_dtype: wire.name().to_string(),
-        numel,
-        padding: numel - data,
-        bytes: numel * wire.size(),
-        member_bytes,
-        members,
+
+    /// Members in this order, each at a multiple of `align` elements, the tail padded to one.
+    fn place(
+        members: impl Iterator<Item = (Option<String>, u64, DType)>,
+        wire: DType,
+        scale_div: Option<u32>,
+        align: u64,
+    ) -> BucketLayout {
+        let mut offset: u64 = 0;
+        let mut placed = Vec::new();
+        let mut member_bytes = 0;
+        let mut data: u64 = 0;
+        for (param, numel, dtype) in members {
+            offset = offset.next_multiple_of(align);
+            data = data.saturating_add(numel);
+            placed.push(MemberLayout {
+                param,
+                offset,
+                numel,
+                dtype: dtype.name().to_string(),
+            });
+            offset += numel;
+            member_bytes = numel
+                .saturating_mul(dtype.size())
+                .saturating_add(member_bytes);
+        }
+        let numel = offset.next_multiple_of(align);
+        BucketLayout {
+            bucket: Some(0),
+            reduce: ReduceOp::Sum.name().to_string(),
+            scale_div,
+            group: 0,
+            wire_dtype: wire.name().to_string(),
+            numel,
+            padding: numel - data,
+            bytes: numel * wire.size(),
+            member_bytes,
+            members: placed,
+        }
     }
 }
 

@@ -492,25 +492,10 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
             return Ok(None);
         }
         // A bucket of one member at offset 0, no scale, no cast: the pack kernel is the copy.
-        let n = self.len as u64;
-        let bytes = n * self.dtype.size();
-        let layout = BucketLayout {
-            bucket: None,
-            reduce: "sum".into(),
-            scale_div: None,
-            group: 0,
-            wire_dtype: self.dtype.name().to_string(),
-            members: vec![crate::codegen::layout::MemberLayout {
-                param: None,
-                offset: 0,
-                numel: n,
-                dtype: self.dtype.name().to_string(),
-            }],
-            numel: n,
-            padding: 0,
-            bytes,
-            member_bytes: bytes,
-        };
+        let mut layout =
+            BucketLayout::of_sizes(&[self.len as u64], self.dtype, self.dtype, None, 0);
+        layout.bucket = None;
+        layout.members[0].param = None;
         match pack(&self.client, &layout, &[self.member()], None) {
             Ok(handle) => Ok(Some(Box::new(CubeBucket {
                 client: self.client.clone(),
@@ -535,28 +520,8 @@ impl<R: Runtime> DeviceGrad for CubeGrad<R> {
         views: bool,
     ) -> Result<Unpacked, KernelError> {
         let what = || format!("unpacking {}", label(layout));
-        if reduced.len() as u64 != layout.numel || reduced.dtype().name() != layout.wire_dtype {
-            return Err(device_error(
-                what(),
-                format!(
-                    "the reduced bucket is {}[{}], the layout is {}[{}]",
-                    reduced.dtype(),
-                    reduced.len(),
-                    layout.wire_dtype,
-                    layout.numel
-                ),
-            ));
-        }
-        if members.len() != layout.members.len() {
-            return Err(device_error(
-                what(),
-                format!(
-                    "{} members given, the layout has {}",
-                    members.len(),
-                    layout.members.len()
-                ),
-            ));
-        }
+        super::host::check_flat(layout, reduced.len(), reduced.dtype())?;
+        super::host::check_members(layout, members.iter().map(|m| (m.len(), m.dtype())))?;
         let flat = match reduced {
             Packed::Host(b) => self.client.create_from_slice(b.as_bytes()),
             Packed::Device(d) => match d.as_any().downcast_ref::<CubeBucket<R>>() {

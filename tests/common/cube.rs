@@ -2,7 +2,7 @@
 //! (`tests/cube_kernels.rs`) and the CUDA ones (`tests/gpu.rs`) run the same checks.
 #![allow(dead_code)]
 
-use collective_fusion::codegen::layout::{BucketLayout, MemberLayout};
+use collective_fusion::codegen::layout::BucketLayout;
 use collective_fusion::graph::DType;
 use collective_fusion::runtime::HostBuffer;
 use collective_fusion::runtime::cube::{self, DeviceMember};
@@ -41,32 +41,7 @@ pub fn aligned_layout(
     scale_div: Option<u32>,
     align_bytes: u64,
 ) -> BucketLayout {
-    let align = (align_bytes / wire.size()).max(1);
-    let mut offset = 0;
-    let mut members = Vec::new();
-    for (i, n) in sizes.iter().enumerate() {
-        offset = u64::next_multiple_of(offset, align);
-        members.push(MemberLayout {
-            param: Some(format!("p{i}")),
-            offset,
-            numel: *n,
-            dtype: member.name().to_string(),
-        });
-        offset += n;
-    }
-    let numel = offset.next_multiple_of(align);
-    BucketLayout {
-        bucket: Some(0),
-        reduce: "sum".into(),
-        scale_div,
-        group: 0,
-        wire_dtype: wire.name().to_string(),
-        members,
-        numel,
-        padding: numel - sizes.iter().sum::<u64>(),
-        bytes: numel * wire.size(),
-        member_bytes: sizes.iter().sum::<u64>() * member.size(),
-    }
+    BucketLayout::of_sizes(sizes, member, wire, scale_div, align_bytes)
 }
 
 fn random(n: u64, seed: u64) -> Vec<f64> {
