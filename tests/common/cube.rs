@@ -30,18 +30,7 @@ pub fn wgpu_client() -> Option<ComputeClient<cubecl::wgpu::WgpuRuntime>> {
 
 /// A layout of members with these sizes, aligned as the codegen aligns them.
 pub fn layout(sizes: &[u64], member: DType, wire: DType, scale_div: Option<u32>) -> BucketLayout {
-    aligned_layout(sizes, member, wire, scale_div, 16)
-}
-
-/// As [`layout`], members `align_bytes` apart.
-pub fn aligned_layout(
-    sizes: &[u64],
-    member: DType,
-    wire: DType,
-    scale_div: Option<u32>,
-    align_bytes: u64,
-) -> BucketLayout {
-    BucketLayout::of_sizes(sizes, member, wire, scale_div, align_bytes)
+    BucketLayout::of_sizes(sizes, member, wire, scale_div, 16)
 }
 
 fn random(n: u64, seed: u64) -> Vec<f64> {
@@ -589,7 +578,7 @@ pub fn check_bucket_views<R: Runtime>(client: &ComputeClient<R>) {
         (512, DType::F32, false),
         (512, DType::F16, true),
     ] {
-        let l = aligned_layout(&sizes, DType::F32, wire, None, align_bytes);
+        let l = BucketLayout::of_sizes(&sizes, DType::F32, wire, None, align_bytes);
         let case = format!("{align_bytes}-byte members, wire {wire}, views {views}");
         let Some(flat) = members[0].pack(&l, &members, None).unwrap() else {
             eprintln!("skipped {case}: the device does not run {wire}");
