@@ -21,7 +21,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use collective_fusion::codegen::layout::{BucketLayout, MemberLayout};
+use collective_fusion::codegen::layout::BucketLayout;
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
@@ -124,26 +124,9 @@ fn allreduce(c: &mut Criterion) {
 }
 
 fn layout(total: usize, members: usize) -> BucketLayout {
-    let each = total / members;
-    BucketLayout {
-        bucket: Some(0),
-        reduce: "sum".into(),
-        scale_div: Some(4),
-        group: 0,
-        wire_dtype: "f32".into(),
-        members: (0..members)
-            .map(|i| MemberLayout {
-                param: None,
-                offset: (i * each) as u64,
-                numel: each as u64,
-                dtype: "f32".into(),
-            })
-            .collect(),
-        numel: (each * members) as u64,
-        padding: 0,
-        bytes: (each * members * 4) as u64,
-        member_bytes: (each * members * 4) as u64,
-    }
+    // Members back to back (4-byte alignment: no padding), prescaled for 4 ranks.
+    let sizes = vec![(total / members) as u64; members];
+    BucketLayout::of_sizes(&sizes, DType::F32, DType::F32, Some(4), 4)
 }
 
 fn pack(c: &mut Criterion) {
