@@ -203,6 +203,7 @@ impl std::hash::Hash for CompileConfig {
             world,
             alpha_us,
             alpha_busy_us,
+            interference_us,
             busbw_gbs,
             compute_tflops,
             mem_gbs,
@@ -213,6 +214,7 @@ impl std::hash::Hash for CompileConfig {
             x.to_bits().hash(h);
         }
         alpha_busy_us.map(f64::to_bits).hash(h);
+        interference_us.map(f64::to_bits).hash(h);
         verify.hash(h);
         print_after.hash(h);
         disabled_passes.hash(h);

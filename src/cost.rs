@@ -36,6 +36,13 @@ pub struct SystemProfile {
     /// Absent: `alpha_us` throughout.
     #[serde(default)]
     pub alpha_busy_us: Option<f64>,
+    /// Compute time one all-reduce that starts while the step's compute still runs takes from
+    /// that compute, microseconds: where communication and compute share the cores (CPU ranks,
+    /// more threads than cores), the communicator's thread runs on time the backward needed,
+    /// so each collective under the backward delays the rest of it. Absent: none (a GPU's
+    /// compute does not wait for the communicator's thread).
+    #[serde(default)]
+    pub interference_us: Option<f64>,
     /// All-reduce bus bandwidth at large sizes, GB/s (10^9 bytes per second).
     pub busbw_gbs: f64,
     /// Sustained compute throughput of one device, TFLOP/s.
@@ -95,7 +102,10 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
         let busy = p
             .alpha_busy_us
             .map(|a| ("alpha_busy_us", a, 0.0, 1e7, "µs"));
-        for (field, v, lo, hi, unit) in checks.into_iter().chain(busy) {
+        let interference = p
+            .interference_us
+            .map(|a| ("interference_us", a, 0.0, 1e7, "µs"));
+        for (field, v, lo, hi, unit) in checks.into_iter().chain(busy).chain(interference) {
             if !(v.is_finite() && v >= lo && v <= hi) {
                 return Err(LinkError::Invalid {
                     name: name.to_string(),
@@ -189,6 +199,16 @@ impl CostModel {
         alpha * 1e-6 + bytes as f64 * 2.0 * (n - 1.0) / n / (self.system.busbw_gbs * 1e9)
     }
 
+    /// Seconds of compute an all-reduce over `ranks` ranks takes from the compute beside it:
+    /// the system's `interference_us` when it starts while the step's compute still runs
+    /// (`busy`), else none.
+    pub fn interference_secs(&self, ranks: u32, busy: bool) -> f64 {
+        match self.system.interference_us {
+            Some(t) if busy && ranks > 1 => t * 1e-6,
+            _ => 0.0,
+        }
+    }
+
     /// Seconds for `flops` of compute.
     pub fn compute_secs(&self, flops: u64) -> f64 {
         flops as f64 / (self.system.compute_tflops * 1e12)
@@ -218,7 +238,11 @@ pub struct StepTimes {
     pub compute_end: f64,
     /// Packs and unpacks after [`StepTimes::compute_end`].
     pub tail_copies: f64,
-    /// Time the compute stream waited for communication: `total - compute - copies - host`.
+    /// Compute-stream time the collectives under the compute took from it
+    /// ([`SystemProfile::interference_us`]).
+    pub interference: f64,
+    /// Time the compute stream waited for communication: `total - compute - copies - host -
+    /// interference`.
     pub waits: f64,
     /// Number of collectives launched.
     pub collectives: usize,
@@ -381,6 +405,10 @@ fn simulate_inner(
     // A collective that starts before the compute of the step is over pays the system's busy
     // alpha (see `SystemProfile::alpha_busy_us`).
     let busy_until = busy_until(graph, model);
+    // Compute still to run after the node at hand: a collective that starts before
+    // `t_compute + remaining` runs beside compute (and takes some of its time, see
+    // `SystemProfile::interference_us`).
+    let mut remaining = busy_until;
     let mut launch = |bytes: u64, n: u32, t_compute: f64, at: f64, st: &mut StepTimes| -> f64 {
         let start = t_compute.max(t_comm).max(at);
         let d = model.all_reduce_secs_at(bytes, n, start < busy_until);
@@ -403,6 +431,7 @@ fn simulate_inner(
         match graph.op(id) {
             Op::Compute { flops, .. } => {
                 let d = model.compute_secs(*flops);
+                remaining -= d;
                 record(SpanKind::Compute, label(id), t_compute, t_compute + d);
                 t_compute += d;
                 st.compute += d;
@@ -442,12 +471,20 @@ fn simulate_inner(
             Op::GradSync { group, .. } | Op::AllReduceStart { group, .. } => {
                 let end = launch(bytes_in(id), ranks(*group), t_compute, at, &mut st);
                 finish[id.index()] = end;
-                record(
-                    SpanKind::AllReduce,
-                    label(id),
-                    end - st.last_collective,
-                    end,
-                );
+                let start = end - st.last_collective;
+                record(SpanKind::AllReduce, label(id), start, end);
+                // Run beside the compute, it takes some of the compute's time.
+                let d = model.interference_secs(ranks(*group), start < t_compute + remaining);
+                if d > 0.0 {
+                    record(
+                        SpanKind::Compute,
+                        format!("interference of {}", label(id)),
+                        t_compute,
+                        t_compute + d,
+                    );
+                    t_compute += d;
+                    st.interference += d;
+                }
             }
             Op::AllReduceDone { .. } | Op::Sync => {
                 let before = t_compute;
@@ -477,6 +514,6 @@ fn simulate_inner(
         st.host = facts.handback;
     }
     st.total = t_compute;
-    st.waits = (st.total - st.compute - st.copies - st.host).max(0.0);
+    st.waits = (st.total - st.compute - st.copies - st.host - st.interference).max(0.0);
     Ok(st)
 }

@@ -488,6 +488,7 @@ impl MeasuredProfile {
             world,
             alpha_us,
             alpha_busy_us: busy,
+            interference_us: None,
             busbw_gbs,
             compute_tflops: MEASURED_TFLOPS,
             mem_gbs: fallback.mem_gbs,

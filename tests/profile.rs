@@ -586,6 +586,61 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
     );
 }
 
+/// A collective under the backward that takes compute time from it (`interference_us`, the
+/// CPU ranks' shared cores) delays the rest of the backward in the simulator, and the `cost`
+/// policy, pricing the same, stops splitting gradients into collectives that run beside it.
+#[test]
+fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
+    use collective_fusion::cost::simulate;
+    use collective_fusion::graph::{DType, TensorType};
+    use collective_fusion::measure::{LinkFit, MeasuredProfile};
+    use collective_fusion::passes::compile;
+    let link = LinkFit {
+        alpha_us: 50.0,
+        busbw_gbs: 1.0,
+        sizes: 2,
+        samples: 2,
+    };
+    // Eight gradients of 4 KiB, one every 1000 us, the backward over at 7000 us.
+    let ty = TensorType::new(DType::F32, &[1024]);
+    let entries: Vec<(String, TensorType)> =
+        (0..8).map(|i| (format!("g{i}"), ty.clone())).collect();
+    let run = |interference: Option<f64>, policy: BucketPolicy| {
+        let profile = MeasuredProfile {
+            ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
+            link: Some(link),
+            alpha_split_us: [Some(50.0), Some(50.0)],
+        };
+        let mut g = profile.segment(2, ReduceOp::Mean, &entries);
+        let mut cfg = CompileConfig::default();
+        cfg.bucket.policy = policy;
+        let mut system = profile.system_profile(2, &cfg.cost.system);
+        system.interference_us = interference;
+        cfg.cost = CostModel::new(system);
+        compile(&mut g, &cfg).unwrap();
+        simulate(&g, &cfg.cost).unwrap()
+    };
+    // One per gradient: the seven launched under the backward each delay it by 400 us.
+    let free = run(None, BucketPolicy::PerParam);
+    let taxed = run(Some(400.0), BucketPolicy::PerParam);
+    assert_eq!(taxed.collectives, 8);
+    assert!(
+        (taxed.interference * 1e6 - 7.0 * 400.0).abs() < 1e-3,
+        "{taxed:?}"
+    );
+    assert!(
+        (taxed.total - free.total - taxed.interference).abs() < 1e-9,
+        "{taxed:?} against {free:?}"
+    );
+    // Free beside the backward, the cost policy overlaps; charged, it waits for the end.
+    let overlapped = run(None, BucketPolicy::Cost);
+    assert!(overlapped.collectives > 1, "{overlapped:?}");
+    let planned = run(Some(400.0), BucketPolicy::Cost);
+    assert_eq!(planned.collectives, 1, "{planned:?}");
+    assert_eq!(planned.interference, 0.0, "{planned:?}");
+    assert!(planned.total < taxed.total, "{planned:?} against {taxed:?}");
+}
+
 /// `predict_measured` lines the ranks' steps up by their start: a peer that had the last
 /// gradient later than this rank makes this rank wait for it at the sync point, and the
 /// measured hand-back follows.

@@ -22,9 +22,12 @@
 //!   ready time comes from the compute before it; a bucket of several tensors is packed on the
 //!   compute stream when its last member is ready (delaying what follows) and unpacked at the
 //!   sync point, a single tensor is reduced in place; the communication stream is serial:
-//!   `f(j) = min_s max(ready(j) + packs so far, f(s-1)) + allreduce(bytes(s..=j))`, an
+//!   `f(j) = min_s max(ready(j) + delays so far, f(s-1)) + allreduce(bytes(s..=j))`, an
 //!   all-reduce that starts before the segment's compute is over paying the system's busy
-//!   alpha where it has one ([`crate::cost::SystemProfile::alpha_busy_us`]). The program
+//!   alpha where it has one ([`crate::cost::SystemProfile::alpha_busy_us`]) and delaying the
+//!   compute after it by the system's interference where it has one
+//!   ([`crate::cost::SystemProfile::interference_us`]: the delays are packs and
+//!   interference). The program
 //!   runs twice (judging a prefix by when the step would end, and by when its last all-reduce
 //!   finishes), and the policy keeps the best, by the predicted end of the step ([`step_end`]),
 //!   of those two, DDP's partition and one bucket per tensor (ties go to fewer buckets), so it is
@@ -199,6 +202,7 @@ pub fn plan_buckets(
                     config.cap_bytes,
                     |b, start| cost.all_reduce_secs_at(b, ranks, start < busy_until),
                     |b| cost.copy_secs(b),
+                    |at| cost.interference_secs(ranks, at < busy_until),
                 )
             }
         };
@@ -271,7 +275,11 @@ pub fn ddp_partition(sizes: &[u64], lo: &[usize], first: u64, cap: u64) -> Vec<R
 /// judged two ways (by when the step would end; by when the last all-reduce finishes), DDP's
 /// partition with limits `first` and `cap`, and one bucket per tensor. `ready[i]` is when tensor
 /// `i` is ready if no pack ran before it, `allreduce(bytes, start)` the predicted time of one
-/// all-reduce of `bytes` that starts at `start`, `copy(bytes)` that of a pack or an unpack.
+/// all-reduce of `bytes` that starts at `start`, `copy(bytes)` that of a pack or an unpack,
+/// `interference(at)` the compute-stream time an all-reduce takes from the compute it runs
+/// beside (see [`crate::cost::SystemProfile::interference_us`]), `at` its start on the
+/// compute's own clock (less the delays packs and interference added before it: against the
+/// `ready` times, whether compute still runs).
 #[allow(clippy::too_many_arguments)]
 pub fn cost_partition(
     sizes: &[u64],
@@ -281,16 +289,22 @@ pub fn cost_partition(
     cap: u64,
     allreduce: impl Fn(u64, f64) -> f64,
     copy: impl Fn(u64) -> f64,
+    interference: impl Fn(f64) -> f64,
 ) -> Vec<Range<usize>> {
+    let costs = Costs {
+        allreduce: &allreduce,
+        copy: &copy,
+        interference: &interference,
+    };
     let candidates = [
-        dp_partition(sizes, ready, lo, cap, &allreduce, &copy, true),
-        dp_partition(sizes, ready, lo, cap, &allreduce, &copy, false),
+        dp_partition(sizes, ready, lo, cap, &costs, true),
+        dp_partition(sizes, ready, lo, cap, &costs, false),
         ddp_partition(sizes, lo, first, cap),
         (0..sizes.len()).map(|i| i..i + 1).collect(),
     ];
     let mut best: Option<(f64, usize, Vec<Range<usize>>)> = None;
     for c in candidates {
-        let end = step_end(sizes, ready, &c, &allreduce, &copy);
+        let end = step_end(sizes, ready, &c, &costs);
         let better = match &best {
             None => true,
             Some((e, n, _)) => {
@@ -305,17 +319,29 @@ pub fn cost_partition(
     best.map(|b| b.2).unwrap_or_default()
 }
 
+/// What the cost policy prices a partition with (see [`cost_partition`]).
+#[derive(Clone, Copy)]
+pub struct Costs<'a> {
+    /// An all-reduce of `bytes` that starts at `start`.
+    pub allreduce: &'a dyn Fn(u64, f64) -> f64,
+    /// A pack or an unpack of `bytes`.
+    pub copy: &'a dyn Fn(u64) -> f64,
+    /// The compute an all-reduce takes from the compute beside it, given its start on the
+    /// compute's own clock (see [`cost_partition`]).
+    pub interference: &'a dyn Fn(f64) -> f64,
+}
+
 /// When a step with buckets `parts` ends, as the schedule runs it: each bucket of several
 /// tensors is packed on the compute stream once its last member is ready (delaying everything
-/// after it) and launched on a serial communication stream; at the sync point the compute stream
-/// waits for each bucket in launch order and unpacks the packed ones.
-pub fn step_end(
-    sizes: &[u64],
-    ready: &[f64],
-    parts: &[Range<usize>],
-    allreduce: impl Fn(u64, f64) -> f64,
-    copy: impl Fn(u64) -> f64,
-) -> f64 {
+/// after it) and launched on a serial communication stream, delaying the compute beside it by
+/// its interference; at the sync point the compute stream waits for each bucket in launch order
+/// and unpacks the packed ones.
+pub fn step_end(sizes: &[u64], ready: &[f64], parts: &[Range<usize>], costs: &Costs<'_>) -> f64 {
+    let Costs {
+        allreduce,
+        copy,
+        interference,
+    } = costs;
     let mut delay = 0.0;
     let mut link = 0.0f64;
     let mut done: Vec<(f64, f64)> = Vec::with_capacity(parts.len());
@@ -328,6 +354,7 @@ pub fn step_end(
         delay += unpack;
         let start = (ready[j] + delay).max(link);
         link = start + allreduce(bytes, start);
+        delay += interference(start - delay);
         done.push((link, unpack));
     }
     let mut t = ready.last().copied().unwrap_or(0.0) + delay;
@@ -344,15 +371,19 @@ fn dp_partition(
     ready: &[f64],
     lo: &[usize],
     cap: u64,
-    allreduce: impl Fn(u64, f64) -> f64,
-    copy: impl Fn(u64) -> f64,
+    costs: &Costs<'_>,
     by_end: bool,
 ) -> Vec<Range<usize>> {
+    let Costs {
+        allreduce,
+        copy,
+        interference,
+    } = costs;
     #[derive(Clone, Copy)]
     struct Best {
         /// When the last all-reduce of the prefix finishes.
         finish: f64,
-        /// Compute-stream delay the prefix's packs add.
+        /// Compute-stream delay the prefix's packs and interference add.
         delay: f64,
         /// Compute-stream time of the prefix's unpacks (at the sync point).
         unpacks: f64,
@@ -387,10 +418,11 @@ fn dp_partition(
             let prev = best[s];
             let packed = s < j;
             let copy_secs = if packed { copy(bytes) } else { 0.0 };
-            let delay = prev.delay + copy_secs;
             let unpacks = prev.unpacks + copy_secs;
-            let start = (ready[j] + delay).max(prev.finish);
+            let shift = prev.delay + copy_secs;
+            let start = (ready[j] + shift).max(prev.finish);
             let finish = start + allreduce(bytes, start);
+            let delay = shift + interference(start - shift);
             let end = (finish + copy_secs).max(ready[j] + delay + unpacks);
             let c = Best {
                 finish,
@@ -511,6 +543,7 @@ mod tests {
             100,
             |b, _| 1.0 + b as f64 * 1e-3,
             |_| 0.0,
+            |_| 0.0,
         );
         assert_eq!(r, vec![0..3]);
     }
@@ -526,8 +559,32 @@ mod tests {
             1000,
             |b, _| 0.1 + b as f64 * 0.05,
             |_| 0.0,
+            |_| 0.0,
         );
         assert_eq!(r, vec![0..1, 1..2]);
+    }
+
+    #[test]
+    fn collectives_that_slow_the_compute_beside_them_are_fewer() {
+        // Three tensors ready at 0, 10 and 20, the backward over at 20; an all-reduce takes 3
+        // per tensor. Free beside the backward, one per tensor hides all but the last (ends at
+        // 23). When a collective under the backward takes 5 from the compute, one per tensor
+        // ends at 33 (the second and third ready at 15 and 30); two launches, the first at
+        // 10, end at 28 (the third ready at 25); one at the end, at 29.
+        let run = |tax: f64| {
+            cost_partition(
+                &[1, 1, 1],
+                &[0.0, 10.0, 20.0],
+                &[0; 3],
+                100,
+                100,
+                |b, _| 3.0 * b as f64,
+                |_| 0.0,
+                move |at| if at < 20.0 { tax } else { 0.0 },
+            )
+        };
+        assert_eq!(run(0.0), vec![0..1, 1..2, 2..3]);
+        assert_eq!(run(5.0), vec![0..2, 2..3]);
     }
 
     #[test]
@@ -537,7 +594,16 @@ mod tests {
         // when a collective costs 20 more while the backward runs, one bucket after it does.
         let run = |busy: f64| {
             let ar = move |b: u64, start: f64| if start < 10.0 { busy } else { 1.0 } + b as f64;
-            cost_partition(&[5, 5], &[0.0, 10.0], &[0; 2], 100, 100, ar, |_| 0.0)
+            cost_partition(
+                &[5, 5],
+                &[0.0, 10.0],
+                &[0; 2],
+                100,
+                100,
+                ar,
+                |_| 0.0,
+                |_| 0.0,
+            )
         };
         assert_eq!(run(1.0), vec![0..1, 1..2]);
         assert_eq!(run(20.0), vec![0..2]);
@@ -565,13 +631,22 @@ mod tests {
             let lo = vec![0; n];
             let ar = |b: u64, _| 0.02 + b as f64 * 2e-5;
             let cp = |b: u64| b as f64 * 4e-6;
-            let cost = cost_partition(&sizes, &ready, &lo, 2000, 8000, ar, cp);
-            let end = step_end(&sizes, &ready, &cost, ar, cp);
+            // Half the cases with interference under the backward.
+            let tax = if next() % 2 == 0 { 0.0 } else { 0.01 };
+            let busy_until = t;
+            let itf = move |at: f64| if at < busy_until { tax } else { 0.0 };
+            let cost = cost_partition(&sizes, &ready, &lo, 2000, 8000, ar, cp, itf);
+            let costs = Costs {
+                allreduce: &ar,
+                copy: &cp,
+                interference: &itf,
+            };
+            let end = step_end(&sizes, &ready, &cost, &costs);
             for other in [
                 ddp_partition(&sizes, &lo, 2000, 8000),
                 (0..n).map(|i| i..i + 1).collect(),
             ] {
-                assert!(end <= step_end(&sizes, &ready, &other, ar, cp) + 1e-12);
+                assert!(end <= step_end(&sizes, &ready, &other, &costs) + 1e-12);
             }
             // A partition of 0..n in order.
             assert_eq!(cost.first().map(|r| r.start), Some(0));
@@ -585,16 +660,49 @@ mod tests {
         // Two tensors ready at 0 and 1; all-reduce 1 + bytes; copy = bytes / 10.
         let ar = |b: u64, _| 1.0 + b as f64;
         let cp = |b: u64| b as f64 / 10.0;
+        let none = |_| 0.0;
+        let costs = Costs {
+            allreduce: &ar,
+            copy: &cp,
+            interference: &none,
+        };
         // Separately: launch at 0 (done 3), at 1 (done max(1, 3) + 3 = 6); no copies.
-        assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], ar, cp), 6.0);
+        assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], &costs), 6.0);
         // Together: pack 0.4 at 1, launch 1.4, done 6.4, unpack 0.4.
-        let together = step_end(&[2, 2], &[0.0, 1.0], &[Range { start: 0, end: 2 }], ar, cp);
+        let together = step_end(&[2, 2], &[0.0, 1.0], &[Range { start: 0, end: 2 }], &costs);
         assert!((together - 6.8).abs() < 1e-12, "{together}");
+        // A collective launched before the backward's end (at 1) that takes 0.5 from the
+        // compute beside it: the first one's launch at 0 delays the second's readiness to 1.5.
+        let tax = |at: f64| if at < 1.0 { 0.5 } else { 0.0 };
+        let taxed = Costs {
+            interference: &tax,
+            ..costs
+        };
+        // First at 0 (done 3, compute +0.5), second ready at 1.5, starts at 3, done 6.
+        assert_eq!(step_end(&[2, 2], &[0.0, 1.0], &[0..1, 1..2], &taxed), 6.0);
+        // Tensors ready at 0 and 4: without the tax, done 3 and 7; with it, the second is ready
+        // at 4.5 and done 7.5.
+        assert_eq!(step_end(&[2, 2], &[0.0, 4.0], &[0..1, 1..2], &costs), 7.0);
+        let tax4 = |at: f64| if at < 4.0 { 0.5 } else { 0.0 };
+        let taxed4 = Costs {
+            interference: &tax4,
+            ..costs
+        };
+        assert_eq!(step_end(&[2, 2], &[0.0, 4.0], &[0..1, 1..2], &taxed4), 7.5);
     }
 
     #[test]
     fn cost_respects_cap_and_floors() {
-        let r = cost_partition(&[5, 5, 5], &[0.0; 3], &[0, 1, 0], 6, 6, |_, _| 1.0, |_| 0.0);
+        let r = cost_partition(
+            &[5, 5, 5],
+            &[0.0; 3],
+            &[0, 1, 0],
+            6,
+            6,
+            |_, _| 1.0,
+            |_| 0.0,
+            |_| 0.0,
+        );
         assert!(r.iter().all(|x| x.start >= 1 || x.end <= 1), "{r:?}");
     }
 }
