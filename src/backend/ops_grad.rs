@@ -24,6 +24,7 @@ use super::distributed::{from_host, graph_dtype, read_host};
 use crate::codegen::layout::BucketLayout;
 use crate::graph::DType;
 use crate::runtime::HostBuffer;
+use crate::runtime::cube::device_error;
 use crate::runtime::grad::{DeviceBucket, DeviceGrad, Packed, Unpacked};
 use crate::runtime::host::{KernelError, check_flat, check_members, label};
 
@@ -45,13 +46,6 @@ fn float_dtype(d: DType) -> Option<FloatDType> {
         DType::BF16 => FloatDType::BF16,
         _ => return None,
     })
-}
-
-fn device_error(what: String, why: impl std::fmt::Display) -> KernelError {
-    KernelError::Device {
-        what,
-        why: why.to_string(),
-    }
 }
 
 impl<I: Backend> OpsGrad<I> {

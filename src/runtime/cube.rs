@@ -374,7 +374,8 @@ pub struct CubeGrad<R: Runtime> {
     pub dtype: DType,
 }
 
-fn device_error(what: String, why: impl std::fmt::Display) -> KernelError {
+/// A failed device operation: `what` was being done, `why` it failed.
+pub(crate) fn device_error(what: String, why: impl std::fmt::Display) -> KernelError {
     KernelError::Device {
         what,
         why: why.to_string(),
