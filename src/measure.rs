@@ -48,6 +48,8 @@ pub struct MeasuredCollective {
     pub end_us: f64,
     /// How long the compute stream waited for it (the part not overlapped).
     pub wait_us: f64,
+    /// CPU time this rank's communicator thread spent on it ([`CommSpan::cpu_us`](crate::runtime::comm::CommSpan::cpu_us)).
+    pub cpu_us: f64,
 }
 
 impl MeasuredCollective {
@@ -92,6 +94,10 @@ pub struct MeasuredStep {
     pub handback_us: f64,
     /// The sync returned: every gradient reduced and written back.
     pub end_us: f64,
+    /// Ranks of this process per CPU core: each rank's backward runs on a thread of its own,
+    /// so from one up the cores are all taken by the backward and a communicator thread's
+    /// work takes time from it ([`MeasuredStep::interference_us`]).
+    pub ranks_per_core: f64,
 }
 
 impl MeasuredStep {
@@ -166,6 +172,40 @@ impl MeasuredStep {
             sides[side].push((c.end_us - begin - bandwidth_us).max(0.0));
         }
         sides.map(median)
+    }
+}
+
+impl MeasuredStep {
+    /// The compute time one collective that began under the backward (before the sync point)
+    /// took from it, µs: where the ranks' backward passes take every core
+    /// ([`MeasuredStep::ranks_per_core`] at least one), each rank's communicator thread runs on
+    /// time some backward needed, so one collective costs the backward the median CPU time the
+    /// communicator spent on it times the ranks per core; with cores to spare, nothing. `None`
+    /// without collectives under the backward.
+    pub fn interference_us(&self) -> Option<f64> {
+        let cpu = median(
+            self.collectives
+                .iter()
+                .filter(|c| c.start_us < self.sync_us)
+                .map(|c| c.cpu_us)
+                .collect(),
+        )?;
+        Some(if self.ranks_per_core >= 1.0 {
+            cpu * self.ranks_per_core
+        } else {
+            0.0
+        })
+    }
+
+    /// The compute time the collectives that began before `t` (µs into the step) under the
+    /// backward took from it, at `interference_us` each.
+    pub fn interfered_before_us(&self, t: f64, interference_us: f64) -> f64 {
+        let n = self
+            .collectives
+            .iter()
+            .filter(|c| c.start_us < t.min(self.sync_us))
+            .count();
+        n as f64 * interference_us
     }
 }
 
@@ -343,6 +383,11 @@ pub struct MeasuredProfile {
     /// collective under the backward pays far more, and a plan made for the best case launches
     /// too many.
     pub alpha_split_us: [Option<f64>; 2],
+    /// The compute time one collective under the backward takes from it, µs
+    /// ([`MeasuredStep::interference_us`]); `None` when no collective ran under it. The ready
+    /// times are without it: what the backward would take with no collective beside it, so
+    /// that a plan is judged by the collectives it launches, not those of the plan measured.
+    pub interference_us: Option<f64>,
 }
 
 /// Compute nodes of a measured segment count nanoseconds as their `flops`, at this rate
@@ -355,28 +400,34 @@ impl MeasuredProfile {
     /// link fit and, with a link, the step's alpha split (`peers`: the same step on other ranks
     /// of this process, see [`MeasuredStep::alpha_split_us`]).
     pub fn from_step(step: &MeasuredStep, peers: &[MeasuredStep], link: Option<LinkFit>) -> Self {
-        let first = step.gradients.first().map_or(0.0, |g| g.ready_us);
+        let interference = step.interference_us();
+        let itf = interference.unwrap_or(0.0);
+        // Without the time the collectives before it took from the backward.
+        let ready = |g: &MeasuredGradient| g.ready_us - step.interfered_before_us(g.ready_us, itf);
+        let first = step.gradients.first().map_or(0.0, ready);
         MeasuredProfile {
             ready_us: step
                 .gradients
                 .iter()
-                .map(|g| (g.ready_us - first).max(0.0))
+                .map(|g| (ready(g) - first).max(0.0))
                 .collect(),
             link,
             alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
+            interference_us: interference,
         }
     }
 
     /// The numbers [`MeasuredProfile::encode`] writes after the ready times.
-    pub const TRAILER: usize = 4;
+    pub const TRAILER: usize = 5;
 
     /// As numbers (ready times, then alpha and bus bandwidth, zeros for no link, then the
-    /// alpha split, -1 for a side without), to share.
+    /// alpha split and the interference, -1 for one without), to share.
     pub fn encode(&self) -> Vec<f64> {
         let mut v = self.ready_us.clone();
         let l = self.link.map_or((0.0, 0.0), |l| (l.alpha_us, l.busbw_gbs));
         v.extend([l.0, l.1]);
         v.extend(self.alpha_split_us.map(|a| a.unwrap_or(-1.0)));
+        v.push(self.interference_us.unwrap_or(-1.0));
         v
     }
 
@@ -396,11 +447,12 @@ impl MeasuredProfile {
                 },
             ),
             alpha_split_us: [side(v[n + 2]), side(v[n + 3])],
+            interference_us: side(v[n + 4]),
         })
     }
 
-    /// Sides of the alpha split this profile lacks taken from `base` (a plan's earlier
-    /// profile): a side that had no collectives this time did not change.
+    /// Sides of the alpha split and the interference this profile lacks taken from `base` (a
+    /// plan's earlier profile): a side that had no collectives this time did not change.
     pub fn keep_missing(&mut self, base: &MeasuredProfile) {
         if self.link.is_none() {
             self.link = base.link;
@@ -408,6 +460,7 @@ impl MeasuredProfile {
         for (a, b) in self.alpha_split_us.iter_mut().zip(base.alpha_split_us) {
             *a = a.or(b);
         }
+        self.interference_us = self.interference_us.or(base.interference_us);
     }
 
     /// The fixed cost of one collective, µs, `[during the backward, after it]`, as planned: each
@@ -446,6 +499,7 @@ impl MeasuredProfile {
             .alpha_split_us
             .iter()
             .zip(&base.alpha_split_us)
+            .chain([(&self.interference_us, &base.interference_us)])
             .any(|(a, b)| a.is_some() && b.is_none());
         if self.ready_us.len() != base.ready_us.len() || news {
             return f64::INFINITY;
@@ -488,7 +542,7 @@ impl MeasuredProfile {
             world,
             alpha_us,
             alpha_busy_us: busy,
-            interference_us: None,
+            interference_us: self.interference_us,
             busbw_gbs,
             compute_tflops: MEASURED_TFLOPS,
             mem_gbs: fallback.mem_gbs,
@@ -600,6 +654,7 @@ mod tests {
                 samples: 6,
             }),
             alpha_split_us: [None; 2],
+            interference_us: None,
         }
     }
 
@@ -634,6 +689,7 @@ mod tests {
         // A collective under the backward that got 2 ms dearer moves a 10 ms step by a fifth.
         let split = |busy: f64| MeasuredProfile {
             alpha_split_us: [Some(busy), Some(20.0)],
+            interference_us: None,
             ..base.clone()
         };
         let d = split(3_000.0).drift(&split(1_000.0), small, 2);
@@ -686,6 +742,7 @@ mod tests {
             start_us: 0.0,
             end_us,
             wait_us,
+            cpu_us: 0.0,
         };
         let step = MeasuredStep {
             world: 2,
@@ -735,6 +792,67 @@ mod tests {
     }
 
     #[test]
+    fn interference_is_the_communicators_cpu_per_collective_where_the_cores_are_taken() {
+        let c = |start_us: f64, cpu_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 0,
+            launch_us: start_us,
+            start_us,
+            end_us: start_us + 10.0,
+            wait_us: 0.0,
+            cpu_us,
+        };
+        let g = |ready_us: f64| MeasuredGradient {
+            param: format!("g{ready_us}"),
+            bytes: 4,
+            ready_us,
+        };
+        // Three gradients at 100, 300 and 600; collectives began at 150 and 400 under the
+        // backward (20 and 40 us of the communicator's CPU) and one at 900, after the sync
+        // point (700), which does not count.
+        let step = MeasuredStep {
+            world: 4,
+            gradients: vec![g(100.0), g(300.0), g(600.0)],
+            collectives: vec![c(150.0, 20.0), c(400.0, 40.0), c(900.0, 1000.0)],
+            sync_us: 700.0,
+            end_us: 1000.0,
+            ranks_per_core: 2.0,
+            ..MeasuredStep::default()
+        };
+        // The median of 20 and 40, times two ranks per core.
+        assert_eq!(step.interference_us(), Some(60.0));
+        // Cores to spare: the communicator takes nothing from the backward.
+        let spare = MeasuredStep {
+            ranks_per_core: 0.5,
+            ..step.clone()
+        };
+        assert_eq!(spare.interference_us(), Some(0.0));
+        let none_under = MeasuredStep {
+            collectives: vec![c(900.0, 5.0)],
+            ..step.clone()
+        };
+        assert_eq!(none_under.interference_us(), None);
+        // The profile's ready times are without it: 300 less one collective's 60, 600 less
+        // two; from the first gradient.
+        let p = MeasuredProfile::from_step(&step, &[], None);
+        assert_eq!(p.interference_us, Some(60.0));
+        assert_eq!(p.ready_us, vec![0.0, 140.0, 380.0]);
+        // Shared and read back.
+        assert_eq!(MeasuredProfile::decode(&p.encode()), Some(p.clone()));
+        let without = MeasuredProfile {
+            interference_us: None,
+            ..p.clone()
+        };
+        assert_eq!(
+            MeasuredProfile::decode(&without.encode()),
+            Some(without.clone())
+        );
+        // Appearing is news: it re-plans.
+        assert!(p.drift(&without, 12, 4).is_infinite());
+        assert!(p.drift(&p, 12, 4) == 0.0);
+    }
+
+    #[test]
     fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
         let c = |launch_us: f64, end_us: f64| MeasuredCollective {
             collective: 0,
@@ -743,6 +861,7 @@ mod tests {
             start_us: launch_us,
             end_us,
             wait_us: 0.0,
+            cpu_us: 0.0,
         };
         let mine = MeasuredStep {
             world: 2,

@@ -300,13 +300,16 @@ pub fn predict_measured(
     policy: BucketPolicy,
 ) -> Result<StepTimes, ProfileError> {
     let first = step.gradients.first().map_or(step.sync_us, |g| g.ready_us);
-    // The compute before each gradient, without the packs that ran in it.
+    let interference = step.interference_us().unwrap_or(0.0);
+    // The compute before each gradient, without the packs that ran in it and the time the
+    // collectives beside it took (the compiled plan's own are simulated).
     let packed_before = |t: f64| -> f64 {
         step.copies
             .iter()
             .filter(|c| !c.unpack && c.end_us <= t)
             .map(|c| c.us)
-            .sum()
+            .sum::<f64>()
+            + step.interfered_before_us(t, interference)
     };
     let start = first - packed_before(first);
     let profile = MeasuredProfile {

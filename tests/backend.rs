@@ -1363,6 +1363,7 @@ fn a_recorded_measured_and_compiled_convnet_step_is_stable() {
                 samples: 16,
             }),
             alpha_split_us: [None; 2],
+            interference_us: None,
         };
         let mut config = CompileConfig {
             verify: true,

@@ -508,6 +508,7 @@ fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
         ready_us: vec![0.0, 1000.0],
         link: Some(link),
         alpha_split_us: [None; 2],
+        interference_us: None,
     };
     let ty = TensorType::new(DType::F32, &[1024]);
     let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
@@ -560,6 +561,7 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
             ready_us: vec![0.0, 1000.0],
             link: Some(link),
             alpha_split_us: [busy, Some(50.0)],
+            interference_us: None,
         };
         let mut g = profile.segment(2, ReduceOp::Mean, &entries);
         let mut cfg = CompileConfig::default();
@@ -610,6 +612,7 @@ fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
             ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
             link: Some(link),
             alpha_split_us: [Some(50.0), Some(50.0)],
+            interference_us: None,
         };
         let mut g = profile.segment(2, ReduceOp::Mean, &entries);
         let mut cfg = CompileConfig::default();

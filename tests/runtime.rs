@@ -268,6 +268,30 @@ fn a_rank_that_never_arrives_is_a_timeout_naming_rank_bucket_and_op() {
     ));
 }
 
+/// Each rank's communicator reports the CPU time its thread spent on a collective: what it
+/// takes from a backward on the same cores.
+#[test]
+fn an_in_process_collective_reports_its_communicators_cpu_time() {
+    let comms = InProcessGroup::ranks(2, Duration::from_secs(10));
+    let n = 1 << 20;
+    let pending: Vec<_> = comms
+        .iter()
+        .map(|c| {
+            c.all_reduce(HostBuffer::F32(vec![1.0; n]), desc(0, n as u64))
+                .unwrap()
+        })
+        .collect();
+    for (r, p) in pending.into_iter().enumerate() {
+        let (buf, span) = p.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(buf.to_f64()[n - 1], 2.0);
+        if cfg!(unix) {
+            // A 4 MiB reduction split between two threads takes some CPU on each.
+            assert!(span.cpu_us > 0.0, "rank {r}: {}", span.cpu_us);
+        }
+        assert!(span.cpu_us.is_finite() && span.cpu_us >= 0.0, "rank {r}");
+    }
+}
+
 #[test]
 fn ranks_calling_different_collectives_fail_on_every_rank_before_reducing() {
     let comms = InProcessGroup::ranks(2, Duration::from_secs(10));

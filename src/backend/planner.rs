@@ -84,6 +84,7 @@ impl<I: Backend> Session<I> {
                     ready_us: Vec::new(),
                     link: None,
                     alpha_split_us: [None; 2],
+                    interference_us: None,
                 },
             };
             let last = p.ready_us.last().copied().unwrap_or(0.0);

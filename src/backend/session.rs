@@ -622,7 +622,7 @@ impl<I: Backend> Session<I> {
 
     /// Ends a synced step: keeps its recorded graph, forgets its gradients.
     fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: super::lazy::StepLog) {
-        self.clock(rank).end_step(self.world);
+        self.clock(rank).end_step(self.world, self.clocks.len());
         let grads: Vec<SubmittedGradient<'_>> = st
             .submitted
             .iter()

@@ -78,7 +78,7 @@ impl StepClock {
 
     /// The sync returned: the step's measurements become [`StepClock::last`], its collectives
     /// join the link samples, and the next step starts now.
-    pub(super) fn end_step(&mut self, world: usize) {
+    pub(super) fn end_step(&mut self, world: usize, local_ranks: usize) {
         let end = Instant::now();
         let start = self.start.unwrap_or(end);
         let us = |t: Instant| micros_between(start, t);
@@ -103,6 +103,7 @@ impl StepClock {
                         .saturating_duration_since(t.wait_start)
                         .as_secs_f64()
                         * 1e6,
+                    cpu_us: t.comm.cpu_us,
                 }
             })
             .collect();
@@ -135,6 +136,7 @@ impl StepClock {
                 end.saturating_duration_since(h).as_secs_f64() * 1e6
             }),
             end_us: us(end),
+            ranks_per_core: local_ranks as f64 / cores() as f64,
         };
         self.link.add_step(&step);
         self.last = Some(step);
@@ -149,4 +151,10 @@ fn micros_between(from: Instant, t: Instant) -> f64 {
     } else {
         -(from.duration_since(t).as_secs_f64() * 1e6)
     }
+}
+
+/// CPU cores this process may run on.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }

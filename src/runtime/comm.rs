@@ -230,6 +230,44 @@ pub struct CommSpan {
     pub start: Instant,
     /// It finished on this rank.
     pub end: Instant,
+    /// CPU time the communicator's thread spent on it, µs: what it took from whatever else
+    /// runs on the same cores (0 where the communicator cannot tell, or spends none worth
+    /// counting: NCCL's work is on the GPU).
+    pub cpu_us: f64,
+}
+
+impl CommSpan {
+    /// From `start` to now, with the CPU time this thread used since `cpu_start` (a
+    /// [`thread_cpu_us`] reading).
+    pub fn until_now(start: Instant, cpu_start: Option<f64>) -> Self {
+        let cpu_us = match (cpu_start, thread_cpu_us()) {
+            (Some(a), Some(b)) => (b - a).max(0.0),
+            _ => 0.0,
+        };
+        CommSpan {
+            start,
+            end: Instant::now(),
+            cpu_us,
+        }
+    }
+}
+
+/// The CPU time the calling thread has used so far, µs; `None` where the platform does not say.
+pub fn thread_cpu_us() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; the call only writes it.
+        let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (r == 0).then(|| ts.tv_sec as f64 * 1e6 + ts.tv_nsec as f64 / 1e3)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
 }
 
 /// The outcome a communicator sends back for one collective: the reduced buffer (host memory

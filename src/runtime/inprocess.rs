@@ -21,7 +21,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::buffer::{Element, HostBuffer};
-use super::comm::{CollectiveDesc, CommError, CommSpan, Job};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Job, thread_cpu_us};
 use super::comm_thread::{CommThread, GroupState, QueuedComm};
 use crate::graph::ReduceOp;
 
@@ -436,10 +436,9 @@ impl InProcessGroup {
                         } = job;
                         let out = match contribution.into_host(rank, &what) {
                             Ok(mut buffer) => {
-                                sh.run(rank, seq as u64, &mut buffer, &what).map(|start| {
-                                    let end = Instant::now();
-                                    (buffer, CommSpan { start, end })
-                                })
+                                let cpu = thread_cpu_us();
+                                sh.run(rank, seq as u64, &mut buffer, &what)
+                                    .map(|start| (buffer, CommSpan::until_now(start, cpu)))
                             }
                             Err(e) => {
                                 // This rank will not arrive: the others stop waiting.

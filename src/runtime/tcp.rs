@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommSpan, Job};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Job, thread_cpu_us};
 use super::comm_thread::{CommThread, GroupState, QueuedComm};
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
 use crate::graph::{DType, ReduceOp};
@@ -479,6 +479,7 @@ fn run_root(
         return Err(e);
     }
     let started = Instant::now();
+    let cpu = thread_cpu_us();
     if !super::inprocess::reduce_in_rank_order(&mut bufs, what.op) {
         let e = CommError::Unsupported {
             rank: 0,
@@ -523,10 +524,7 @@ fn run_root(
         }
     }
     *buf = result;
-    Ok(CommSpan {
-        start: started,
-        end: Instant::now(),
-    })
+    Ok(CommSpan::until_now(started, cpu))
 }
 
 /// Rank 0's failure message after a failure status byte.
@@ -604,6 +602,7 @@ fn run_peer(
     let mut status = [FAILED];
     read_by(s, &mut status, deadline).map_err(lost)?;
     let started = Instant::now();
+    let cpu = thread_cpu_us();
     if status[0] != OK {
         return Err(aborted(s));
     }
@@ -615,10 +614,7 @@ fn run_peer(
     if commit[0] != OK {
         return Err(aborted(s));
     }
-    Ok(CommSpan {
-        start: started,
-        end: Instant::now(),
-    })
+    Ok(CommSpan::until_now(started, cpu))
 }
 
 #[cfg(test)]

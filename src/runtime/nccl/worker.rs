@@ -188,9 +188,11 @@ fn run_jobs(
         done,
     ) in issued
     {
+        // The CPU time of this thread is not counted: it waits on the GPU.
         let span = spans.next().flatten().unwrap_or(CommSpan {
             start,
             end: Instant::now(),
+            cpu_us: 0.0,
         });
         match job {
             NcclJob::Host {
@@ -563,7 +565,11 @@ fn device_spans(
             let span = before.and_then(|b| {
                 let end = seen.checked_sub(secs(after, done)?)?;
                 let start = end.checked_sub(secs(b, after)?)?;
-                Some(CommSpan { start, end })
+                Some(CommSpan {
+                    start,
+                    end,
+                    cpu_us: 0.0,
+                })
             });
             if e.is_some() {
                 before = Some(after);
