@@ -538,37 +538,49 @@ fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
     assert!((handed.waits - late.waits).abs() < 1e-12);
 }
 
+/// A link of 50 us and 1 GB/s, as fitted from two sizes.
+fn fitted_link() -> collective_fusion::measure::LinkFit {
+    collective_fusion::measure::LinkFit {
+        alpha_us: 50.0,
+        busbw_gbs: 1.0,
+        sizes: 2,
+        samples: 2,
+    }
+}
+
+/// `profile`'s segment of `entries` on 2 ranks, compiled under `policy` with the profile's
+/// measured system, as the measured plans are, and simulated.
+fn planned_and_simulated(
+    profile: &collective_fusion::measure::MeasuredProfile,
+    entries: &[(String, collective_fusion::graph::TensorType)],
+    policy: BucketPolicy,
+) -> collective_fusion::cost::StepTimes {
+    let mut g = profile.segment(2, ReduceOp::Mean, entries);
+    let mut cfg = CompileConfig::default();
+    cfg.bucket.policy = policy;
+    cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
+    collective_fusion::passes::compile(&mut g, &cfg).unwrap();
+    collective_fusion::cost::simulate(&g, &cfg.cost).unwrap()
+}
+
 /// A collective that starts while the step's compute runs pays the system's busy alpha, one
 /// that starts after it the plain alpha: the simulator and the `cost` policy read the same
 /// system, so the plan moves communication out of a backward pass that makes it dear.
 #[test]
 fn a_collective_under_the_backward_pays_the_busy_alpha() {
-    use collective_fusion::cost::simulate;
     use collective_fusion::graph::{DType, TensorType};
-    use collective_fusion::measure::{LinkFit, MeasuredProfile};
-    use collective_fusion::passes::compile;
-    let link = LinkFit {
-        alpha_us: 50.0,
-        busbw_gbs: 1.0,
-        sizes: 2,
-        samples: 2,
-    };
+    use collective_fusion::measure::MeasuredProfile;
     // Two gradients of 4 KiB, ready at 0 and 1000 us, the backward over at 1000 us.
     let ty = TensorType::new(DType::F32, &[1024]);
     let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
     let run = |busy: Option<f64>, policy: BucketPolicy| {
         let profile = MeasuredProfile {
             ready_us: vec![0.0, 1000.0],
-            link: Some(link),
+            link: Some(fitted_link()),
             alpha_split_us: [busy, Some(50.0)],
             interference_us: None,
         };
-        let mut g = profile.segment(2, ReduceOp::Mean, &entries);
-        let mut cfg = CompileConfig::default();
-        cfg.bucket.policy = policy;
-        cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
-        compile(&mut g, &cfg).unwrap();
-        simulate(&g, &cfg.cost).unwrap()
+        planned_and_simulated(&profile, &entries, policy)
     };
     let ar = 50.0 + 4096.0 / 1e3;
     // `a` at 0 pays 3000 us under the backward; `b` starts at its end, after the backward.
@@ -593,16 +605,8 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
 /// policy, pricing the same, stops splitting gradients into collectives that run beside it.
 #[test]
 fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
-    use collective_fusion::cost::simulate;
     use collective_fusion::graph::{DType, TensorType};
-    use collective_fusion::measure::{LinkFit, MeasuredProfile};
-    use collective_fusion::passes::compile;
-    let link = LinkFit {
-        alpha_us: 50.0,
-        busbw_gbs: 1.0,
-        sizes: 2,
-        samples: 2,
-    };
+    use collective_fusion::measure::MeasuredProfile;
     // Eight gradients of 4 KiB, one every 1000 us, the backward over at 7000 us.
     let ty = TensorType::new(DType::F32, &[1024]);
     let entries: Vec<(String, TensorType)> =
@@ -610,18 +614,11 @@ fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
     let run = |interference: Option<f64>, policy: BucketPolicy| {
         let profile = MeasuredProfile {
             ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
-            link: Some(link),
+            link: Some(fitted_link()),
             alpha_split_us: [Some(50.0), Some(50.0)],
-            interference_us: None,
+            interference_us: interference,
         };
-        let mut g = profile.segment(2, ReduceOp::Mean, &entries);
-        let mut cfg = CompileConfig::default();
-        cfg.bucket.policy = policy;
-        let mut system = profile.system_profile(2, &cfg.cost.system);
-        system.interference_us = interference;
-        cfg.cost = CostModel::new(system);
-        compile(&mut g, &cfg).unwrap();
-        simulate(&g, &cfg.cost).unwrap()
+        planned_and_simulated(&profile, &entries, policy)
     };
     // One per gradient: the seven launched under the backward each delay it by 400 us.
     let free = run(None, BucketPolicy::PerParam);
