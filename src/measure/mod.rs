@@ -1,0 +1,331 @@
+//! What a running step measured, and the link fitted to it.
+//!
+//! A rank of the Burn backend reads the clock once per gradient (when its value exists, at
+//! `submit_gradient_sync`) and a few times per collective (launch, the communicator's span, the
+//! compute stream's wait); nothing is synchronised for it. A step's measurements are a
+//! [`MeasuredStep`]; the collectives of many steps fit the alpha-beta link of the cost model
+//! ([`LinkSamples::fit`], in [`link`]). Times are microseconds from the start of the step: the
+//! end of the previous sync on that rank (for the first step, its first gradient).
+//!
+//! A [`MeasuredProfile`] (in [`profile`]: one rank's ready times and link) is what the backend
+//! compiles its plans from once a step has been measured: [`MeasuredProfile::segment`] is the
+//! sync segment with the measured time before each gradient as compute,
+//! [`MeasuredProfile::system_profile`] the cost model's system.
+//!
+//! Plain data: no device, no Burn; the backend fills it, `run` prints it, the cost model reads it.
+
+use std::fmt;
+
+pub mod link;
+pub mod profile;
+
+pub use link::{LinkFit, LinkSamples};
+pub use profile::{MEASURED_TFLOPS, MeasuredProfile};
+
+/// One gradient of a measured step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredGradient {
+    /// Its parameter.
+    pub param: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// When its value existed, µs from the start of the step.
+    pub ready_us: f64,
+}
+
+/// One collective of a measured step, µs from the start of the step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredCollective {
+    /// Plan collective id.
+    pub collective: u32,
+    /// Bytes each rank contributed.
+    pub bytes: u64,
+    /// This rank launched it.
+    pub launch_us: f64,
+    /// The communication stream was free for it and it had been launched: from here to `end_us`
+    /// is this rank's view of its duration (on the last rank to join, the link's cost).
+    pub start_us: f64,
+    /// Its result was on this rank.
+    pub end_us: f64,
+    /// How long the compute stream waited for it (the part not overlapped).
+    pub wait_us: f64,
+    /// CPU time this rank's communicator thread spent on it ([`CommSpan::cpu_us`](crate::runtime::comm::CommSpan::cpu_us)).
+    pub cpu_us: f64,
+}
+
+impl MeasuredCollective {
+    /// This rank's view of how long it took.
+    pub fn duration_us(&self) -> f64 {
+        (self.end_us - self.start_us).max(0.0)
+    }
+}
+
+/// One pack or unpack of a measured step: host (or device) copy work for communication.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredCopy {
+    /// The bucket's bytes.
+    pub bytes: u64,
+    /// An unpack (else a pack).
+    pub unpack: bool,
+    /// When it ended, µs from the start of the step.
+    pub end_us: f64,
+    /// How long it took, µs.
+    pub us: f64,
+}
+
+/// One synced step as a rank measured it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MeasuredStep {
+    /// Ranks in the group.
+    pub world: u32,
+    /// When the step started, µs from an epoch every rank of this process shares (the
+    /// process's first measured step): the ranks of one process line their steps up by it.
+    pub start_us: f64,
+    /// Gradients in the order they were submitted (ready order).
+    pub gradients: Vec<MeasuredGradient>,
+    /// Collectives in the order this rank finished waiting for them.
+    pub collectives: Vec<MeasuredCollective>,
+    /// The packs and unpacks it ran, in the order they ended.
+    pub copies: Vec<MeasuredCopy>,
+    /// The backward pass reached the sync point.
+    pub sync_us: f64,
+    /// The hand-back at the end of the sync: from the moment every collective was done to the
+    /// sync's return, writing the reduced gradients back into the tensors they came from
+    /// (host work the step spends per gradient, whatever the plan).
+    pub handback_us: f64,
+    /// The sync returned: every gradient reduced and written back.
+    pub end_us: f64,
+    /// Ranks of this process per CPU core: each rank's backward runs on a thread of its own,
+    /// so from one up the cores are all taken by the backward and a communicator thread's
+    /// work takes time from it ([`MeasuredStep::interference_us`]).
+    pub ranks_per_core: f64,
+}
+
+impl MeasuredStep {
+    /// Exposed communication: what the step spent at its sync point (the collectives not
+    /// hidden behind backward, the last packs and unpacks, the write-back).
+    pub fn exposed_us(&self) -> f64 {
+        (self.end_us - self.sync_us).max(0.0)
+    }
+
+    /// The part of [`Self::exposed_us`] spent waiting for collectives: the union of the waits
+    /// inside the sync point. The rest of it is host work at the sync point (packs, unpacks
+    /// and the write-back of the reduced gradients), which the simulator does not model.
+    pub fn waited_at_sync_us(&self) -> f64 {
+        let mut spans: Vec<(f64, f64)> = self
+            .collectives
+            .iter()
+            .map(|c| {
+                (
+                    (c.end_us - c.wait_us).max(self.sync_us),
+                    c.end_us.min(self.end_us),
+                )
+            })
+            .filter(|(a, b)| b > a)
+            .collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (mut total, mut reach) = (0.0, f64::NEG_INFINITY);
+        for (a, b) in spans {
+            let a = a.max(reach);
+            if b > a {
+                total += b - a;
+                reach = b;
+            }
+        }
+        total.min(self.exposed_us())
+    }
+
+    /// Busy time of the communication stream.
+    pub fn comm_us(&self) -> f64 {
+        self.collectives
+            .iter()
+            .map(MeasuredCollective::duration_us)
+            .sum()
+    }
+}
+
+impl MeasuredStep {
+    /// The fixed cost of one collective as this step's collectives paid it beyond `link`'s
+    /// bandwidth term, µs: the median over the collectives that began while the backward ran
+    /// (before the sync point), and over those that began after it; `None` for a side
+    /// without collectives. Each collective is timed from the moment every rank had launched
+    /// it (this rank and `peers`, the same step on other ranks of this process, lined up by
+    /// `start_us`; peers whose collectives do not line up are left out) and this rank's
+    /// communication stream was free, to its end, so the wait for a late rank is not in it.
+    pub fn alpha_split_us(&self, peers: &[MeasuredStep], link: &LinkFit) -> [Option<f64>; 2] {
+        let peers: Vec<&MeasuredStep> = peers
+            .iter()
+            .filter(|p| p.collectives.len() == self.collectives.len())
+            .collect();
+        let n = f64::from(self.world.max(1));
+        let wire = 2.0 * (n - 1.0) / n;
+        let mut sides: [Vec<f64>; 2] = Default::default();
+        let mut free = f64::NEG_INFINITY;
+        for (i, c) in self.collectives.iter().enumerate() {
+            let joined = peers
+                .iter()
+                .map(|p| p.start_us + p.collectives[i].launch_us - self.start_us)
+                .fold(c.launch_us, f64::max);
+            let begin = joined.max(free).min(c.end_us);
+            free = c.end_us;
+            let bandwidth_us = c.bytes as f64 * wire / (link.busbw_gbs * 1e3);
+            let side = usize::from(begin >= self.sync_us);
+            sides[side].push((c.end_us - begin - bandwidth_us).max(0.0));
+        }
+        sides.map(median)
+    }
+}
+
+impl MeasuredStep {
+    /// The compute time one collective that began under the backward (before the sync point)
+    /// took from it, µs: where the ranks' backward passes take every core
+    /// ([`MeasuredStep::ranks_per_core`] at least one), each rank's communicator thread runs on
+    /// time some backward needed, so one collective costs the backward the median CPU time the
+    /// communicator spent on it times the ranks per core; with cores to spare, nothing. `None`
+    /// without collectives under the backward.
+    pub fn interference_us(&self) -> Option<f64> {
+        let cpu = median(
+            self.collectives
+                .iter()
+                .filter(|c| c.start_us < self.sync_us)
+                .map(|c| c.cpu_us)
+                .collect(),
+        )?;
+        Some(if self.ranks_per_core >= 1.0 {
+            cpu * self.ranks_per_core
+        } else {
+            0.0
+        })
+    }
+
+    /// The compute time the collectives that began before `t` (µs into the step) under the
+    /// backward took from it, at `interference_us` each.
+    pub fn interfered_before_us(&self, t: f64, interference_us: f64) -> f64 {
+        let n = self
+            .collectives
+            .iter()
+            .filter(|c| c.start_us < t.min(self.sync_us))
+            .count();
+        n as f64 * interference_us
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+impl fmt::Display for MeasuredStep {
+    /// A short human summary (what `run` prints).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let first = self.gradients.first().map_or(0.0, |g| g.ready_us);
+        let last = self.gradients.last().map_or(0.0, |g| g.ready_us);
+        write!(
+            f,
+            "step {:.0} us: {} gradients ready from {:.0} to {:.0} us, sync point at {:.0} us; {} collectives, {:.0} us on the link, {:.0} us exposed",
+            self.end_us,
+            self.gradients.len(),
+            first,
+            last,
+            self.sync_us,
+            self.collectives.len(),
+            self.comm_us(),
+            self.exposed_us()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The waits inside the sync point, overlaps counted once; the rest of the exposed time
+    /// is host work.
+    #[test]
+    fn the_exposed_time_splits_into_waits_and_host_work() {
+        let c = |end_us: f64, wait_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 4,
+            launch_us: 0.0,
+            start_us: 0.0,
+            end_us,
+            wait_us,
+            cpu_us: 0.0,
+        };
+        let step = MeasuredStep {
+            world: 2,
+            gradients: Vec::new(),
+            // Waits [90, 110] (before the sync from 100 on), [105, 120] and [130, 135].
+            collectives: vec![c(110.0, 20.0), c(120.0, 15.0), c(135.0, 5.0)],
+            sync_us: 100.0,
+            end_us: 150.0,
+            ..MeasuredStep::default()
+        };
+        assert_eq!(step.exposed_us(), 50.0);
+        assert_eq!(step.waited_at_sync_us(), 25.0);
+    }
+
+    #[test]
+    fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
+        let c = |launch_us: f64, end_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 0,
+            launch_us,
+            start_us: launch_us,
+            end_us,
+            wait_us: 0.0,
+            cpu_us: 0.0,
+        };
+        let mine = MeasuredStep {
+            world: 2,
+            start_us: 0.0,
+            // Launched at 100 (the peer at 300) and ended at 700; then one that ended 50 us
+            // after it; then one launched at 990 and one at 1030, the sync point at 1000.
+            collectives: vec![
+                c(100.0, 700.0),
+                c(650.0, 750.0),
+                c(990.0, 1030.0),
+                c(1030.0, 1040.0),
+            ],
+            sync_us: 1000.0,
+            end_us: 1100.0,
+            ..MeasuredStep::default()
+        };
+        let peer = MeasuredStep {
+            // Started 100 us later: launched the first at 200 + 100 = 300 on this rank's clock,
+            // the second at 700 (after this rank's first ended), the rest early.
+            start_us: 100.0,
+            collectives: vec![c(200.0, 0.0), c(600.0, 0.0), c(0.0, 0.0), c(0.0, 0.0)],
+            ..mine.clone()
+        };
+        let link = LinkFit {
+            alpha_us: 1.0,
+            busbw_gbs: 1.0,
+            sizes: 2,
+            samples: 2,
+        };
+        // From the last launch (or the stream free): 700 - 300, 750 - 700, 1030 - 990 began
+        // before the sync point (median 50), 1040 - 1030 after it.
+        assert_eq!(
+            mine.alpha_split_us(std::slice::from_ref(&peer), &link),
+            [Some(50.0), Some(10.0)]
+        );
+        // Alone, the first counts from its own launch: [600, 50, 40] → 50; a peer with another
+        // number of collectives is left out.
+        let odd = MeasuredStep {
+            collectives: vec![c(0.0, 0.0)],
+            ..peer
+        };
+        assert_eq!(mine.alpha_split_us(&[odd], &link), [Some(50.0), Some(10.0)]);
+        assert_eq!(
+            MeasuredStep::default().alpha_split_us(&[], &link),
+            [None, None]
+        );
+    }
+}
