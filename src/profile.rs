@@ -279,8 +279,9 @@ pub fn compare_step(
 /// What goes in, all measured in that step (`peers`: the same step on the other ranks this
 /// process holds, when it holds several, lined up by `start_us`):
 /// - the compute: the time before each gradient and after the last one
-///   ([`MeasuredProfile::segment_until`]), less the packs the rank ran in it (the compiled
-///   plan's own packs are simulated);
+///   ([`MeasuredProfile::segment_until`]), less the packs the rank ran in it and the time the
+///   collectives beside it took ([`MeasuredStep::interference_us`]; the compiled plan's own
+///   packs and interference are simulated);
 /// - the copy bandwidth of the step's packs and unpacks after its sync point, or of all of
 ///   them when none ran there (else `config`'s system's);
 /// - the fixed cost of a collective while the backward runs and after it
@@ -303,7 +304,7 @@ pub fn predict_measured(
     let interference = step.interference_us().unwrap_or(0.0);
     // The compute before each gradient, without the packs that ran in it and the time the
     // collectives beside it took (the compiled plan's own are simulated).
-    let packed_before = |t: f64| -> f64 {
+    let not_backward_before = |t: f64| -> f64 {
         step.copies
             .iter()
             .filter(|c| !c.unpack && c.end_us <= t)
@@ -311,12 +312,12 @@ pub fn predict_measured(
             .sum::<f64>()
             + step.interfered_before_us(t, interference)
     };
-    let start = first - packed_before(first);
+    let start = first - not_backward_before(first);
     let profile = MeasuredProfile {
         ready_us: step
             .gradients
             .iter()
-            .map(|g| (g.ready_us - packed_before(g.ready_us) - start).max(0.0))
+            .map(|g| (g.ready_us - not_backward_before(g.ready_us) - start).max(0.0))
             .collect(),
         ..MeasuredProfile::from_step(step, peers, link)
     };
@@ -331,7 +332,8 @@ pub fn predict_measured(
         })
         .collect();
     let last = step.gradients.last().map_or(step.sync_us, |g| g.ready_us);
-    let tail = (step.sync_us - packed_before(step.sync_us)) - (last - packed_before(last));
+    let tail =
+        (step.sync_us - not_backward_before(step.sync_us)) - (last - not_backward_before(last));
     let mut g = profile.segment_until(step.world, reduce, &entries, tail.max(0.0));
     let mut cfg = config.clone();
     cfg.bucket.policy = policy;
