@@ -300,6 +300,12 @@ pub struct StepFacts {
     /// Host work after the last collective, seconds: handing the reduced gradients back to the
     /// tensors they came from. Exposed: nothing runs beside it.
     pub handback: f64,
+    /// Until when, seconds from the start of the simulated step, a collective pays the busy
+    /// alpha ([`SystemProfile::alpha_busy_us`]); `None`: until this rank's compute is over.
+    /// Where ranks share cores it is when their backward passes stop taking every core
+    /// ([`crate::measure::MeasuredStep::cores_free_us`]), which a rank's own compute does not
+    /// tell.
+    pub busy_until: Option<f64>,
 }
 
 /// [`simulate`] with the facts of a measured step.
@@ -402,13 +408,14 @@ fn simulate_inner(
     // When every rank has a node's inputs: a gradient when the last rank had it, anything
     // else when all its operands were.
     let mut everyone = vec![0.0f64; graph.node_bound()];
-    // A collective that starts before the compute of the step is over pays the system's busy
-    // alpha (see `SystemProfile::alpha_busy_us`).
-    let busy_until = busy_until(graph, model);
+    // A collective that starts before the compute of the step is over (or the facts' busy
+    // horizon) pays the system's busy alpha (see `SystemProfile::alpha_busy_us`).
+    let compute_until = busy_until(graph, model);
+    let busy_until = facts.busy_until.unwrap_or(compute_until);
     // Compute still to run after the node at hand: a collective that starts before
     // `t_compute + remaining` runs beside compute (and takes some of its time, see
     // `SystemProfile::interference_us`).
-    let mut remaining = busy_until;
+    let mut remaining = compute_until;
     let mut launch = |bytes: u64, n: u32, t_compute: f64, at: f64, st: &mut StepTimes| -> f64 {
         let start = t_compute.max(t_comm).max(at);
         let d = model.all_reduce_secs_at(bytes, n, start < busy_until);

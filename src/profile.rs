@@ -284,11 +284,12 @@ pub fn compare_step(
 ///   packs and interference are simulated);
 /// - the copy bandwidth of the step's packs and unpacks after its sync point, or of all of
 ///   them when none ran there (else `config`'s system's);
-/// - the fixed cost of a collective while the backward runs and after it
+/// - the fixed cost of a collective while the backward passes take every core and after
 ///   ([`MeasuredStep::alpha_split_us`] as [`MeasuredProfile::alphas_us`] plans it: a side
 ///   without collectives in this step takes the other's; the system's `alpha_busy_us` and
-///   `alpha_us`): on CPU ranks communication shares the cores with compute. The plan is
-///   compiled under it too, as the backend's measured plans are;
+///   `alpha_us`), and when that ends ([`MeasuredStep::cores_free_us`],
+///   [`StepFacts::busy_until`]): on CPU ranks communication shares the cores with compute.
+///   The plan is compiled under it too, as the backend's measured plans are;
 /// - when the last rank had each gradient ([`StepFacts::peer_ready`]): a collective waits
 ///   for every rank, and ranks that share cores are not in step;
 /// - the hand-back after the last collective ([`StepFacts::handback`]).
@@ -361,6 +362,7 @@ pub fn predict_measured(
     compile(&mut g, &cfg)?;
     let mut facts = StepFacts {
         handback: step.handback_us / 1e6,
+        busy_until: Some(((step.cores_free_us(peers) - first) / 1e6).max(0.0)),
         ..StepFacts::default()
     };
     for p in peers {

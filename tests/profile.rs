@@ -704,3 +704,44 @@ fn a_measured_step_is_predicted_with_its_peers_lined_up_by_their_start() {
     );
     assert_eq!(late.host, 50e-6);
 }
+
+/// Where the measured step says the cores freed before this rank's compute ended (the other
+/// ranks were done), a collective that starts after that pays the idle alpha, though this
+/// rank still computes (`StepFacts::busy_until`).
+#[test]
+fn a_collective_after_the_cores_freed_pays_the_idle_alpha() {
+    use collective_fusion::cost::{StepFacts, simulate_measured};
+    use collective_fusion::graph::{DType, TensorType};
+    use collective_fusion::measure::MeasuredProfile;
+    use collective_fusion::passes::compile;
+    // Two gradients of 4 KiB, ready at 0 and 1000 us, then 2000 us of compute; a collective
+    // costs 3000 us while the cores are taken, 50 us after.
+    let profile = MeasuredProfile {
+        ready_us: vec![0.0, 1000.0],
+        link: Some(fitted_link()),
+        alpha_split_us: [Some(3000.0), Some(50.0)],
+        interference_us: None,
+    };
+    let ty = TensorType::new(DType::F32, &[1024]);
+    let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
+    let mut g = profile.segment_until(2, ReduceOp::Mean, &entries, 2000.0);
+    let mut cfg = CompileConfig::default();
+    cfg.bucket.policy = BucketPolicy::PerParam;
+    cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
+    compile(&mut g, &cfg).unwrap();
+    let ar = 50e-6 + 4096.0 / 1e9;
+    // Busy until this rank's compute ends at 3000 us: `a` ends at 3000 + 4 us, `b` after it.
+    let own = simulate_measured(&g, &cfg.cost, &StepFacts::default()).unwrap();
+    assert!(
+        (own.at_sync() - (4096.0 / 1e9 + ar)).abs() < 1e-9,
+        "{own:?}"
+    );
+    // The cores free from the start: both are hidden under the compute.
+    let facts = StepFacts {
+        busy_until: Some(0.0),
+        ..StepFacts::default()
+    };
+    let freed = simulate_measured(&g, &cfg.cost, &facts).unwrap();
+    assert!(freed.at_sync() < 1e-9, "{freed:?}");
+    assert!((freed.comm - 2.0 * ar).abs() < 1e-9, "{freed:?}");
+}

@@ -292,6 +292,34 @@ fn an_in_process_collective_reports_its_communicators_cpu_time() {
     }
 }
 
+/// The in-process communicator tells every rank when the last one joined a collective: the
+/// link's time starts there, so a rank that called early does not count its wait for a late
+/// one as the link's (what the link fit and the probe read).
+#[test]
+fn an_in_process_collective_reports_when_the_last_rank_joined() {
+    let comms = InProcessGroup::ranks(2, Duration::from_secs(10));
+    let early_call = Instant::now();
+    let early = comms[0]
+        .all_reduce(HostBuffer::F32(vec![1.0; 16]), desc(0, 16))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let late_call = Instant::now();
+    let late = comms[1]
+        .all_reduce(HostBuffer::F32(vec![1.0; 16]), desc(0, 16))
+        .unwrap();
+    for (r, p) in [early, late].into_iter().enumerate() {
+        let (buf, span) = p.wait(Duration::from_secs(10)).unwrap();
+        assert_eq!(buf.to_f64(), vec![2.0; 16]);
+        let joined = span
+            .joined
+            .expect("the in-process group knows when all joined");
+        assert!(joined >= late_call, "rank {r}");
+        assert!(joined <= span.end, "rank {r}");
+        // The early rank's span from the join leaves its 50 ms wait out.
+        assert!(joined.duration_since(early_call) >= Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn ranks_calling_different_collectives_fail_on_every_rank_before_reducing() {
     let comms = InProcessGroup::ranks(2, Duration::from_secs(10));

@@ -84,13 +84,18 @@ impl StepClock {
         let us = |t: Instant| micros_between(start, t);
         let mut timings = std::mem::take(&mut self.collectives);
         // The communication stream runs collectives in launch order: one starts when it was
-        // launched and the one before it had finished.
+        // launched, the one before it had finished and (where the communicator tells) the last
+        // rank had joined it.
         timings.sort_by_key(|t| t.launched);
         let mut free = start;
         let collectives = timings
             .iter()
             .map(|t| {
-                let begin = t.launched.max(free).min(t.comm.end);
+                let begin = t
+                    .launched
+                    .max(free)
+                    .max(t.comm.joined.unwrap_or(t.launched))
+                    .min(t.comm.end);
                 free = t.comm.end;
                 MeasuredCollective {
                     collective: t.collective,

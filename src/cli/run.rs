@@ -289,7 +289,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
                     let [busy, idle] = m.alpha_split_us(&peers, l);
                     writeln!(
                         out,
-                        "fixed cost of a collective (rank {r0}, last step, what measured plans use): {} while the backward ran, {} after it; compute time one took from the backward beside it: {}",
+                        "fixed cost of a collective (rank {r0}, last step, what measured plans use): {} while the backward passes took every core, {} after; compute time one took from the backward beside it: {}",
                         side(busy),
                         side(idle),
                         side(m.interference_us())

@@ -42,8 +42,10 @@ pub struct MeasuredCollective {
     pub bytes: u64,
     /// This rank launched it.
     pub launch_us: f64,
-    /// The communication stream was free for it and it had been launched: from here to `end_us`
-    /// is this rank's view of its duration (on the last rank to join, the link's cost).
+    /// The communication stream was free for it, it had been launched and, where the
+    /// communicator tells ([`CommSpan::joined`](crate::runtime::comm::CommSpan::joined)), every
+    /// rank had joined it: from here to `end_us` is this rank's view of its duration (the
+    /// link's cost, where the communicator tells when the last rank joined or on that rank).
     pub start_us: f64,
     /// Its result was on this rank.
     pub end_us: f64,
@@ -146,13 +148,21 @@ impl MeasuredStep {
 
 impl MeasuredStep {
     /// The fixed cost of one collective as this step's collectives paid it beyond `link`'s
-    /// bandwidth term, µs: the median over the collectives that began while the backward ran
-    /// (before the sync point), and over those that began after it; `None` for a side
-    /// without collectives. Each collective is timed from the moment every rank had launched
-    /// it (this rank and `peers`, the same step on other ranks of this process, lined up by
-    /// `start_us`; peers whose collectives do not line up are left out) and this rank's
-    /// communication stream was free, to its end, so the wait for a late rank is not in it.
+    /// bandwidth term, µs: the mean over the collectives that began while the backward passes
+    /// took every core ([`MeasuredStep::cores_free_us`]), and over those that began after;
+    /// `None` for a side without collectives. Each collective is timed from the moment every
+    /// rank had launched it (this rank and `peers`, the same step on other ranks of this
+    /// process, lined up by `start_us`; peers whose collectives do not line up are left out)
+    /// and this rank's communication stream was free, to its end, so the wait for a late rank
+    /// is not in it, but the time the communicator threads took to be scheduled is.
+    ///
+    /// The mean, not the median: what the simulator needs of a side is how fast the stream
+    /// gets through a queue of collectives, and on shared cores that is bursty (a few
+    /// collectives at tens of µs, then one that waited milliseconds for its threads). The
+    /// median keeps the fast ones and predicted a backlog of many small collectives drained
+    /// by the sync point when it was not.
     pub fn alpha_split_us(&self, peers: &[MeasuredStep], link: &LinkFit) -> [Option<f64>; 2] {
+        let busy_until = self.cores_free_us(peers);
         let peers: Vec<&MeasuredStep> = peers
             .iter()
             .filter(|p| p.collectives.len() == self.collectives.len())
@@ -169,10 +179,41 @@ impl MeasuredStep {
             let begin = joined.max(free).min(c.end_us);
             free = c.end_us;
             let bandwidth_us = c.bytes as f64 * wire / (link.busbw_gbs * 1e3);
-            let side = usize::from(begin >= self.sync_us);
+            let side = usize::from(begin >= busy_until);
             sides[side].push((c.end_us - begin - bandwidth_us).max(0.0));
         }
-        sides.map(median)
+        sides.map(|v| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64))
+    }
+
+    /// When the backward passes of this process's ranks stop taking every core, µs into this
+    /// step: the moment fewer of them are still computing than the process has cores (a rank
+    /// computes until its last gradient; `peers` are the same step on the other ranks of this
+    /// process, lined up by `start_us`). Until then each collective needs every rank's
+    /// communicator thread to be given a core beside the backward passes, so it costs the busy
+    /// alpha; from then on the threads run at once ([`MeasuredStep::alpha_split_us`]). Ranks
+    /// that share cores are seldom in step: on 4 ranks and 2 cores the OS runs some ranks'
+    /// backward passes well ahead of the others', and collectives queued behind them drain fast
+    /// as soon as the third rank is done, long before the last rank's sync point. 0 with a core
+    /// for every rank; this rank's sync point where the cores are not known
+    /// ([`MeasuredStep::ranks_per_core`] 0).
+    pub fn cores_free_us(&self, peers: &[MeasuredStep]) -> f64 {
+        if self.ranks_per_core <= 0.0 {
+            return self.sync_us;
+        }
+        let local = 1 + peers.len();
+        let cores = (local as f64 / self.ranks_per_core).round().max(1.0) as usize;
+        // The ranks that must be done before fewer than `cores` still compute.
+        let Some(k) = (local + 1).checked_sub(cores).filter(|k| *k > 0) else {
+            return 0.0;
+        };
+        let mut ends: Vec<f64> = std::iter::once(self)
+            .chain(peers)
+            .map(|s| {
+                s.start_us - self.start_us + s.gradients.last().map_or(s.sync_us, |g| g.ready_us)
+            })
+            .collect();
+        ends.sort_by(f64::total_cmp);
+        ends[k - 1]
     }
 }
 
@@ -311,21 +352,85 @@ mod tests {
             samples: 2,
         };
         // From the last launch (or the stream free): 700 - 300, 750 - 700, 1030 - 990 began
-        // before the sync point (median 50), 1040 - 1030 after it.
+        // before the sync point (the cores are not known: mean 490 / 3), 1040 - 1030 after it.
         assert_eq!(
             mine.alpha_split_us(std::slice::from_ref(&peer), &link),
-            [Some(50.0), Some(10.0)]
+            [Some(490.0 / 3.0), Some(10.0)]
         );
-        // Alone, the first counts from its own launch: [600, 50, 40] → 50; a peer with another
+        // Alone, the first counts from its own launch: [600, 50, 40] → 230; a peer with another
         // number of collectives is left out.
         let odd = MeasuredStep {
             collectives: vec![c(0.0, 0.0)],
             ..peer
         };
-        assert_eq!(mine.alpha_split_us(&[odd], &link), [Some(50.0), Some(10.0)]);
+        assert_eq!(mine.alpha_split_us(&[odd], &link), [Some(230.0), Some(10.0)]);
         assert_eq!(
             MeasuredStep::default().alpha_split_us(&[], &link),
             [None, None]
+        );
+    }
+
+    #[test]
+    fn the_cores_free_up_when_fewer_ranks_compute_than_there_are_cores() {
+        let g = |ready_us: f64| MeasuredGradient {
+            param: "w".into(),
+            bytes: 4,
+            ready_us,
+        };
+        // Four ranks on two cores, their last gradients at 400, 100 + 50, 300 and 250 on this
+        // rank's clock (the second started 100 us later).
+        let rank = |start_us: f64, last: f64| MeasuredStep {
+            world: 4,
+            start_us,
+            gradients: vec![g(10.0), g(last)],
+            sync_us: 500.0,
+            end_us: 600.0,
+            ranks_per_core: 2.0,
+            ..MeasuredStep::default()
+        };
+        let mine = rank(0.0, 400.0);
+        let peers = [rank(100.0, 50.0), rank(0.0, 300.0), rank(0.0, 250.0)];
+        // Two cores: busy until the third rank is done (150, 250, then 300).
+        assert_eq!(mine.cores_free_us(&peers), 300.0);
+        // A core for every rank: never taken; cores unknown: this rank's sync point.
+        let spare = MeasuredStep {
+            ranks_per_core: 0.5,
+            ..mine.clone()
+        };
+        assert_eq!(spare.cores_free_us(&peers), 0.0);
+        let unknown = MeasuredStep {
+            ranks_per_core: 0.0,
+            ..mine.clone()
+        };
+        assert_eq!(unknown.cores_free_us(&peers), 500.0);
+        // The alpha split follows it: a collective begun at 350, before this rank's sync point
+        // but after the cores freed, is on the idle side.
+        let c = |launch_us: f64, end_us: f64| MeasuredCollective {
+            collective: 0,
+            bytes: 0,
+            launch_us,
+            start_us: launch_us,
+            end_us,
+            wait_us: 0.0,
+            cpu_us: 0.0,
+        };
+        let link = LinkFit {
+            alpha_us: 1.0,
+            busbw_gbs: 1.0,
+            sizes: 2,
+            samples: 2,
+        };
+        let with = |s: &MeasuredStep| MeasuredStep {
+            collectives: vec![c(100.0, 200.0), c(350.0, 360.0)],
+            ..s.clone()
+        };
+        assert_eq!(
+            with(&mine).alpha_split_us(&peers, &link),
+            [Some(100.0), Some(10.0)]
+        );
+        assert_eq!(
+            with(&unknown).alpha_split_us(&peers, &link),
+            [Some(55.0), None]
         );
     }
 }

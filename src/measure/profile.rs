@@ -15,9 +15,9 @@ pub struct MeasuredProfile {
     pub ready_us: Vec<f64>,
     /// The link, when there was one to fit.
     pub link: Option<LinkFit>,
-    /// The fixed cost of one collective, µs, as the step paid it `[while the backward ran,
-    /// after it]` ([`MeasuredStep::alpha_split_us`]); `None` for a side without collectives
-    /// (see [`MeasuredProfile::alphas_us`]). The link's own alpha is its best case (the fit takes the
+    /// The fixed cost of one collective, µs, as the step paid it `[while the backward passes
+    /// took every core, after]` ([`MeasuredStep::alpha_split_us`]); `None` for a side without
+    /// collectives (see [`MeasuredProfile::alphas_us`]). The link's own alpha is its best case (the fit takes the
     /// fastest run of each size); where communication shares the cores with compute, a
     /// collective under the backward pays far more, and a plan made for the best case launches
     /// too many.

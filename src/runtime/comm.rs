@@ -230,6 +230,10 @@ pub struct CommSpan {
     pub start: Instant,
     /// It finished on this rank.
     pub end: Instant,
+    /// The last rank joined it, where the communicator sees that moment itself (in-process:
+    /// the last arrival, under the group's lock); `None` where it cannot tell. From here to
+    /// `end` is what the link took, without the wait for a late rank.
+    pub joined: Option<Instant>,
     /// CPU time the communicator's thread spent on it, µs: what it took from whatever else
     /// runs on the same cores (0 where the communicator cannot tell, or spends none worth
     /// counting: NCCL's work is on the GPU).
@@ -240,6 +244,15 @@ impl CommSpan {
     /// From `start` to now, with the CPU time this thread used since `cpu_start` (a
     /// [`thread_cpu_us`] reading).
     pub fn until_now(start: Instant, cpu_start: Option<f64>) -> Self {
+        Self::joined_until_now(start, None, cpu_start)
+    }
+
+    /// [`CommSpan::until_now`], knowing when the last rank joined.
+    pub fn joined_until_now(
+        start: Instant,
+        joined: Option<Instant>,
+        cpu_start: Option<f64>,
+    ) -> Self {
         let cpu_us = match (cpu_start, thread_cpu_us()) {
             (Some(a), Some(b)) => (b - a).max(0.0),
             _ => 0.0,
@@ -247,6 +260,7 @@ impl CommSpan {
         CommSpan {
             start,
             end: Instant::now(),
+            joined,
             cpu_us,
         }
     }

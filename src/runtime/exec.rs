@@ -621,6 +621,7 @@ impl Execution {
                             whole = Some(whole.map_or(s, |w| CommSpan {
                                 start: w.start.min(s.start),
                                 end: w.end.max(s.end),
+                                joined: w.joined.max(s.joined),
                                 cpu_us: w.cpu_us + s.cpu_us,
                             }));
                             grads[slot as usize] = g;

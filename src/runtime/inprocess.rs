@@ -56,6 +56,8 @@ struct State {
     finished: usize,
     departed: usize,
     posted: Vec<Option<Posted>>,
+    /// The last rank of the collective now gathering arrived.
+    joined: Option<Instant>,
     aborted: Option<String>,
 }
 
@@ -118,14 +120,15 @@ impl InProcessShared {
         self.cv.notify_all();
     }
 
-    /// Runs collective number `seq` of `rank` on `buf`.
+    /// Runs collective number `seq` of `rank` on `buf`; returns when this rank saw every rank
+    /// arrived and when the last one did.
     fn run(
         &self,
         rank: usize,
         seq: u64,
         buf: &mut HostBuffer,
         what: &CollectiveDesc,
-    ) -> Result<Instant, CommError> {
+    ) -> Result<(Instant, Option<Instant>), CommError> {
         let t0 = Instant::now();
         let deadline = t0 + self.timeout;
         let aborted = |reason: &str| CommError::Aborted {
@@ -162,6 +165,7 @@ impl InProcessShared {
         });
         st.arrived += 1;
         if st.arrived == self.world {
+            st.joined = Some(Instant::now());
             self.cv.notify_all();
         }
         let world = self.world;
@@ -218,6 +222,7 @@ impl InProcessShared {
             .map(|p| p.as_ref().expect("arrived").ptr)
             .collect();
         let started = Instant::now();
+        let joined = st.joined;
         drop(st);
 
         let count = what.count as usize;
@@ -255,7 +260,7 @@ impl InProcessShared {
         let world = self.world;
         let (st, _) = self.wait_while(st, |st| st.finished < world, None);
         self.depart(st);
-        Ok(started)
+        Ok((started, joined))
     }
 
     fn depart(&self, mut st: MutexGuard<'_, State>) {
@@ -265,6 +270,7 @@ impl InProcessShared {
             st.finished = 0;
             st.departed = 0;
             st.posted.iter_mut().for_each(|p| *p = None);
+            st.joined = None;
             self.next_chunk.store(0, Ordering::Relaxed);
             st.round += 1;
             self.cv.notify_all();
@@ -419,6 +425,7 @@ impl InProcessGroup {
                 finished: 0,
                 departed: 0,
                 posted: (0..world).map(|_| None).collect(),
+                joined: None,
                 aborted: None,
             }),
             cv: Condvar::new(),
@@ -437,8 +444,11 @@ impl InProcessGroup {
                         let out = match contribution.into_host(rank, &what) {
                             Ok(mut buffer) => {
                                 let cpu = thread_cpu_us();
-                                sh.run(rank, seq as u64, &mut buffer, &what)
-                                    .map(|start| (buffer, CommSpan::until_now(start, cpu)))
+                                sh.run(rank, seq as u64, &mut buffer, &what).map(
+                                    |(start, joined)| {
+                                        (buffer, CommSpan::joined_until_now(start, joined, cpu))
+                                    },
+                                )
                             }
                             Err(e) => {
                                 // This rank will not arrive: the others stop waiting.

@@ -16,7 +16,12 @@ pub const LINK_PROBE: u32 = u32::MAX - 3_000_000;
 pub const PROBE_BYTES: [u64; 3] = [4 << 10, 1 << 20, 16 << 20];
 
 /// Runs each size of [`PROBE_BYTES`] twice (the second run starts with the ranks aligned by
-/// the first) and returns `(bytes, µs)` of every run, as this rank saw it.
+/// the first) and returns `(bytes, µs)` of every run, as this rank saw it: from the later of
+/// its call and the last rank's arrival (where the communicator tells,
+/// [`CommSpan::joined`](super::comm::CommSpan::joined)) to the result. The buffer of a size is
+/// written before its first run and reused by the second, so the probe times the link, not
+/// the first touch of fresh memory (a page fault per 4 KiB page, tens of milliseconds at
+/// 16 MiB where faults are dear).
 pub fn probe_link(
     comm: &dyn Communicator,
     timeout: Duration,
@@ -25,6 +30,8 @@ pub fn probe_link(
     let mut id = LINK_PROBE;
     for bytes in PROBE_BYTES {
         let count = (bytes / DType::F32.size()) as usize;
+        let mut buf = HostBuffer::zeros(DType::F32, count).unwrap_or_default();
+        buf.as_bytes_mut().fill(0);
         for _ in 0..2 {
             let what = CollectiveDesc {
                 collective: id,
@@ -35,11 +42,16 @@ pub fn probe_link(
                 params: vec!["(link probe)".to_string()],
             };
             id += 1;
-            let buf = HostBuffer::zeros(DType::F32, count).unwrap_or_default();
             let t0 = Instant::now();
-            comm.all_reduce(buf, what)?
+            let (back, span) = comm
+                .all_reduce(buf, what)?
                 .wait(super::comm::wait_bound(timeout))?;
-            out.push((bytes, t0.elapsed().as_secs_f64() * 1e6));
+            buf = back;
+            let from = span.joined.map_or(t0, |j| j.max(t0));
+            out.push((
+                bytes,
+                span.end.saturating_duration_since(from).as_secs_f64() * 1e6,
+            ));
         }
     }
     Ok(out)

@@ -192,6 +192,7 @@ fn run_jobs(
         let span = spans.next().flatten().unwrap_or(CommSpan {
             start,
             end: Instant::now(),
+            joined: None,
             cpu_us: 0.0,
         });
         match job {
@@ -568,6 +569,7 @@ fn device_spans(
                 Some(CommSpan {
                     start,
                     end,
+                    joined: None,
                     cpu_us: 0.0,
                 })
             });
