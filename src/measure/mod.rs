@@ -363,7 +363,10 @@ mod tests {
             collectives: vec![c(0.0, 0.0)],
             ..peer
         };
-        assert_eq!(mine.alpha_split_us(&[odd], &link), [Some(230.0), Some(10.0)]);
+        assert_eq!(
+            mine.alpha_split_us(&[odd], &link),
+            [Some(230.0), Some(10.0)]
+        );
         assert_eq!(
             MeasuredStep::default().alpha_split_us(&[], &link),
             [None, None]

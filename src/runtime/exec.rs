@@ -621,7 +621,11 @@ impl Execution {
                             whole = Some(whole.map_or(s, |w| CommSpan {
                                 start: w.start.min(s.start),
                                 end: w.end.max(s.end),
-                                joined: w.joined.max(s.joined),
+                                // The whole began on the link when its first call did.
+                                joined: match (w.joined, s.joined) {
+                                    (Some(a), Some(b)) => Some(a.min(b)),
+                                    (a, b) => a.or(b),
+                                },
                                 cpu_us: w.cpu_us + s.cpu_us,
                             }));
                             grads[slot as usize] = g;
