@@ -487,27 +487,18 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
     }
 }
 
-/// The facts of a measured step the simulator takes beyond the graph: a collective waits for
-/// the last rank to have its gradient, and the hand-back after the last collective is time at
-/// the sync point.
-#[test]
-fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
-    use collective_fusion::cost::{StepFacts, simulate_measured};
+/// Two gradients of 4 KiB (`a`, `b`) ready at 0 and 1000 us, then 2000 us of compute to the
+/// sync point, on 2 ranks over [`fitted_link`] with the fixed costs `alpha_split_us`: the
+/// measured segment compiled one collective per gradient, and the config it was compiled with.
+fn two_gradients_per_param(
+    alpha_split_us: [Option<f64>; 2],
+) -> (collective_fusion::graph::Graph, CompileConfig) {
     use collective_fusion::graph::{DType, TensorType};
-    use collective_fusion::measure::{LinkFit, MeasuredProfile};
-    use collective_fusion::passes::compile;
-    let link = LinkFit {
-        alpha_us: 50.0,
-        busbw_gbs: 1.0,
-        sizes: 2,
-        samples: 2,
-    };
-    // Two gradients of 4 KiB, ready at 0 and 1000 us, then 2000 us of compute to the sync
-    // point: alone, both all-reduces (about 54 us each) are hidden.
+    use collective_fusion::measure::MeasuredProfile;
     let profile = MeasuredProfile {
         ready_us: vec![0.0, 1000.0],
-        link: Some(link),
-        alpha_split_us: [None; 2],
+        link: Some(fitted_link()),
+        alpha_split_us,
         interference_us: None,
     };
     let ty = TensorType::new(DType::F32, &[1024]);
@@ -516,7 +507,18 @@ fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
     let mut cfg = CompileConfig::default();
     cfg.bucket.policy = BucketPolicy::PerParam;
     cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
-    compile(&mut g, &cfg).unwrap();
+    collective_fusion::passes::compile(&mut g, &cfg).unwrap();
+    (g, cfg)
+}
+
+/// The facts of a measured step the simulator takes beyond the graph: a collective waits for
+/// the last rank to have its gradient, and the hand-back after the last collective is time at
+/// the sync point.
+#[test]
+fn a_late_peer_and_the_hand_back_are_time_at_the_sync_point() {
+    use collective_fusion::cost::{StepFacts, simulate_measured};
+    // Alone, both all-reduces (about 54 us each) are hidden.
+    let (g, cfg) = two_gradients_per_param([None; 2]);
     let alone = simulate_measured(&g, &cfg.cost, &StepFacts::default()).unwrap();
     assert!((alone.compute_end - 3000e-6).abs() < 1e-9, "{alone:?}");
     assert!(alone.at_sync() < 1e-9, "{alone:?}");
@@ -711,24 +713,8 @@ fn a_measured_step_is_predicted_with_its_peers_lined_up_by_their_start() {
 #[test]
 fn a_collective_after_the_cores_freed_pays_the_idle_alpha() {
     use collective_fusion::cost::{StepFacts, simulate_measured};
-    use collective_fusion::graph::{DType, TensorType};
-    use collective_fusion::measure::MeasuredProfile;
-    use collective_fusion::passes::compile;
-    // Two gradients of 4 KiB, ready at 0 and 1000 us, then 2000 us of compute; a collective
-    // costs 3000 us while the cores are taken, 50 us after.
-    let profile = MeasuredProfile {
-        ready_us: vec![0.0, 1000.0],
-        link: Some(fitted_link()),
-        alpha_split_us: [Some(3000.0), Some(50.0)],
-        interference_us: None,
-    };
-    let ty = TensorType::new(DType::F32, &[1024]);
-    let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
-    let mut g = profile.segment_until(2, ReduceOp::Mean, &entries, 2000.0);
-    let mut cfg = CompileConfig::default();
-    cfg.bucket.policy = BucketPolicy::PerParam;
-    cfg.cost = CostModel::new(profile.system_profile(2, &cfg.cost.system));
-    compile(&mut g, &cfg).unwrap();
+    // A collective costs 3000 us while the cores are taken, 50 us after.
+    let (g, cfg) = two_gradients_per_param([Some(3000.0), Some(50.0)]);
     let ar = 50e-6 + 4096.0 / 1e9;
     // Busy until this rank's compute ends at 3000 us: `a` ends at 3000 + 4 us, `b` after it.
     let own = simulate_measured(&g, &cfg.cost, &StepFacts::default()).unwrap();

@@ -312,6 +312,16 @@ mod tests {
         assert_eq!(step.waited_at_sync_us(), 25.0);
     }
 
+    /// A link of 1 us and 1 GB/s: the bandwidth term of a collective of 0 bytes is 0.
+    fn unit_link() -> LinkFit {
+        LinkFit {
+            alpha_us: 1.0,
+            busbw_gbs: 1.0,
+            sizes: 2,
+            samples: 2,
+        }
+    }
+
     #[test]
     fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
         let c = |launch_us: f64, end_us: f64| MeasuredCollective {
@@ -345,12 +355,7 @@ mod tests {
             collectives: vec![c(200.0, 0.0), c(600.0, 0.0), c(0.0, 0.0), c(0.0, 0.0)],
             ..mine.clone()
         };
-        let link = LinkFit {
-            alpha_us: 1.0,
-            busbw_gbs: 1.0,
-            sizes: 2,
-            samples: 2,
-        };
+        let link = unit_link();
         // From the last launch (or the stream free): 700 - 300, 750 - 700, 1030 - 990 began
         // before the sync point (the cores are not known: mean 490 / 3), 1040 - 1030 after it.
         assert_eq!(
@@ -417,12 +422,7 @@ mod tests {
             wait_us: 0.0,
             cpu_us: 0.0,
         };
-        let link = LinkFit {
-            alpha_us: 1.0,
-            busbw_gbs: 1.0,
-            sizes: 2,
-            samples: 2,
-        };
+        let link = unit_link();
         let with = |s: &MeasuredStep| MeasuredStep {
             collectives: vec![c(100.0, 200.0), c(350.0, 360.0)],
             ..s.clone()
