@@ -322,9 +322,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
-        let c = |launch_us: f64, end_us: f64| MeasuredCollective {
+    /// A collective of 0 bytes launched (and started) at `launch_us`, ended at `end_us`.
+    fn launched(launch_us: f64, end_us: f64) -> MeasuredCollective {
+        MeasuredCollective {
             collective: 0,
             bytes: 0,
             launch_us,
@@ -332,7 +332,12 @@ mod tests {
             end_us,
             wait_us: 0.0,
             cpu_us: 0.0,
-        };
+        }
+    }
+
+    #[test]
+    fn a_collective_is_timed_from_the_last_rank_s_launch_and_split_at_the_sync_point() {
+        let c = launched;
         let mine = MeasuredStep {
             world: 2,
             start_us: 0.0,
@@ -413,15 +418,7 @@ mod tests {
         assert_eq!(unknown.cores_free_us(&peers), 500.0);
         // The alpha split follows it: a collective begun at 350, before this rank's sync point
         // but after the cores freed, is on the idle side.
-        let c = |launch_us: f64, end_us: f64| MeasuredCollective {
-            collective: 0,
-            bytes: 0,
-            launch_us,
-            start_us: launch_us,
-            end_us,
-            wait_us: 0.0,
-            cpu_us: 0.0,
-        };
+        let c = launched;
         let link = unit_link();
         let with = |s: &MeasuredStep| MeasuredStep {
             collectives: vec![c(100.0, 200.0), c(350.0, 360.0)],
