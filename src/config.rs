@@ -204,6 +204,7 @@ impl std::hash::Hash for CompileConfig {
             alpha_us,
             alpha_busy_us,
             interference_us,
+            busy_shift_us,
             busbw_gbs,
             compute_tflops,
             mem_gbs,
@@ -215,6 +216,7 @@ impl std::hash::Hash for CompileConfig {
         }
         alpha_busy_us.map(f64::to_bits).hash(h);
         interference_us.map(f64::to_bits).hash(h);
+        busy_shift_us.map(f64::to_bits).hash(h);
         verify.hash(h);
         print_after.hash(h);
         disabled_passes.hash(h);

@@ -43,6 +43,14 @@ pub struct SystemProfile {
     /// compute does not wait for the communicator's thread).
     #[serde(default)]
     pub interference_us: Option<f64>,
+    /// Where a collective stops paying `alpha_busy_us`, microseconds after the end of this
+    /// rank's compute (negative: before it). Ranks that share cores are seldom in step: the
+    /// cores come free once enough of the process's ranks are done with their backward passes,
+    /// which may be before this rank's last gradient or after it (a measured profile says when,
+    /// [`crate::measure::MeasuredStep::cores_free_us`]). Absent: 0, the end of this rank's
+    /// compute.
+    #[serde(default)]
+    pub busy_shift_us: Option<f64>,
     /// All-reduce bus bandwidth at large sizes, GB/s (10^9 bytes per second).
     pub busbw_gbs: f64,
     /// Sustained compute throughput of one device, TFLOP/s.
@@ -105,7 +113,15 @@ fn parse_profiles(name: &str, text: &str) -> Result<Vec<SystemProfile>, LinkErro
         let interference = p
             .interference_us
             .map(|a| ("interference_us", a, 0.0, 1e7, "µs"));
-        for (field, v, lo, hi, unit) in checks.into_iter().chain(busy).chain(interference) {
+        let shift = p
+            .busy_shift_us
+            .map(|a| ("busy_shift_us", a, -1e7, 1e7, "µs"));
+        for (field, v, lo, hi, unit) in checks
+            .into_iter()
+            .chain(busy)
+            .chain(interference)
+            .chain(shift)
+        {
             if !(v.is_finite() && v >= lo && v <= hi) {
                 return Err(LinkError::Invalid {
                     name: name.to_string(),
@@ -197,6 +213,15 @@ impl CostModel {
             _ => self.system.alpha_us,
         };
         alpha * 1e-6 + bytes as f64 * 2.0 * (n - 1.0) / n / (self.system.busbw_gbs * 1e9)
+    }
+
+    /// Until when a collective pays the busy alpha, seconds from the start of a step whose
+    /// compute is over at `compute_end`: then, moved by the system's `busy_shift_us`. A
+    /// horizon within a nanosecond of the step's start is its start (the cores free from the
+    /// first: the end and the shift are sums of microseconds that need not cancel exactly).
+    pub fn busy_horizon(&self, compute_end: f64) -> f64 {
+        let h = compute_end + self.system.busy_shift_us.unwrap_or(0.0) * 1e-6;
+        if h < 1e-9 { 0.0 } else { h }
     }
 
     /// Seconds of compute an all-reduce over `ranks` ranks takes from the compute beside it:
@@ -301,8 +326,9 @@ pub struct StepFacts {
     /// tensors they came from. Exposed: nothing runs beside it.
     pub handback: f64,
     /// Until when, seconds from the start of the simulated step, a collective pays the busy
-    /// alpha ([`SystemProfile::alpha_busy_us`]); `None`: until this rank's compute is over.
-    /// Where ranks share cores it is when their backward passes stop taking every core
+    /// alpha ([`SystemProfile::alpha_busy_us`]); `None`: the model's
+    /// [`CostModel::busy_horizon`] of this rank's compute. Where ranks share cores it is when
+    /// their backward passes stop taking every core
     /// ([`crate::measure::MeasuredStep::cores_free_us`]), which a rank's own compute does not
     /// tell.
     pub busy_until: Option<f64>,
@@ -408,10 +434,13 @@ fn simulate_inner(
     // When every rank has a node's inputs: a gradient when the last rank had it, anything
     // else when all its operands were.
     let mut everyone = vec![0.0f64; graph.node_bound()];
-    // A collective that starts before the compute of the step is over (or the facts' busy
-    // horizon) pays the system's busy alpha (see `SystemProfile::alpha_busy_us`).
+    // A collective that starts before the busy horizon (the facts', or the end of the step's
+    // compute moved by the system's shift) pays the system's busy alpha (see
+    // `SystemProfile::alpha_busy_us`).
     let compute_until = busy_until(graph, model);
-    let busy_until = facts.busy_until.unwrap_or(compute_until);
+    let busy_until = facts
+        .busy_until
+        .unwrap_or_else(|| model.busy_horizon(compute_until));
     // Compute still to run after the node at hand: a collective that starts before
     // `t_compute + remaining` runs beside compute (and takes some of its time, see
     // `SystemProfile::interference_us`).

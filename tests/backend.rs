@@ -1364,6 +1364,7 @@ fn a_recorded_measured_and_compiled_convnet_step_is_stable() {
             }),
             alpha_split_us: [None; 2],
             interference_us: None,
+            cores_free_us: None,
         };
         let mut config = CompileConfig {
             verify: true,

@@ -500,6 +500,7 @@ fn two_gradients_per_param(
         link: Some(fitted_link()),
         alpha_split_us,
         interference_us: None,
+        cores_free_us: None,
     };
     let ty = TensorType::new(DType::F32, &[1024]);
     let entries = vec![("a".to_string(), ty.clone()), ("b".to_string(), ty)];
@@ -581,6 +582,7 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
             link: Some(fitted_link()),
             alpha_split_us: [busy, Some(50.0)],
             interference_us: None,
+            cores_free_us: None,
         };
         planned_and_simulated(&profile, &entries, policy)
     };
@@ -602,6 +604,53 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
     );
 }
 
+/// Where the process's cores came free before this rank's backward was over (ranks that
+/// share cores out of step), a collective after that pays the idle alpha in the plan as in the
+/// measurement the split came from: the `cost` policy overlaps the end of the backward instead
+/// of waiting for it, and the simulator, reading the same system, predicts the step shorter.
+#[test]
+fn the_plan_pays_the_idle_alpha_once_the_cores_came_free() {
+    use collective_fusion::graph::{DType, TensorType};
+    use collective_fusion::measure::MeasuredProfile;
+    // Eight gradients of 4 KiB, one every 1000 us, the backward over at 7000 us; a
+    // collective costs 8000 us while every core computes (longer than the backward, so none
+    // can hide under it), 50 after.
+    let ty = TensorType::new(DType::F32, &[1024]);
+    let entries: Vec<(String, TensorType)> =
+        (0..8).map(|i| (format!("g{i}"), ty.clone())).collect();
+    let run = |cores_free: Option<f64>, policy: BucketPolicy| {
+        let profile = MeasuredProfile {
+            ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
+            link: Some(fitted_link()),
+            alpha_split_us: [Some(8000.0), Some(50.0)],
+            interference_us: None,
+            cores_free_us: cores_free,
+        };
+        let sys = profile.system_profile(2, &CostModel::default().system);
+        assert_eq!(sys.busy_shift_us, cores_free.map(|f| f - 7000.0));
+        planned_and_simulated(&profile, &entries, policy)
+    };
+    // Busy until the backward's end: one collective after it.
+    let busy = run(None, BucketPolicy::Cost);
+    assert_eq!(busy.collectives, 1, "{busy:?}");
+    // The cores free at 2000 us: what is ready after that goes out at once, at 50 us each.
+    let freed = run(Some(2000.0), BucketPolicy::Cost);
+    assert!(freed.collectives > 1, "{freed:?}");
+    assert!(freed.total < busy.total, "{freed:?} against {busy:?}");
+    // One per gradient, the cores free from the start: each at 50 us as it comes, the last
+    // ending 50 us and its bytes after the backward. Busy until the backward's end: g0 pays
+    // 8000 and the seven queued behind it start after the end, at 50 each.
+    let wire = 4096.0 / 1e3;
+    let idle = run(Some(0.0), BucketPolicy::PerParam);
+    assert!(
+        (idle.total * 1e6 - (7000.0 + 50.0 + wire)).abs() < 1e-3,
+        "{idle:?}"
+    );
+    let busy = run(None, BucketPolicy::PerParam);
+    let want = 8000.0 + wire + 7.0 * (50.0 + wire);
+    assert!((busy.total * 1e6 - want).abs() < 1e-3, "{busy:?}");
+}
+
 /// A collective under the backward that takes compute time from it (`interference_us`, the
 /// CPU ranks' shared cores) delays the rest of the backward in the simulator, and the `cost`
 /// policy, pricing the same, stops splitting gradients into collectives that run beside it.
@@ -619,6 +668,7 @@ fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
             link: Some(fitted_link()),
             alpha_split_us: [Some(50.0), Some(50.0)],
             interference_us: interference,
+            cores_free_us: None,
         };
         planned_and_simulated(&profile, &entries, policy)
     };

@@ -130,6 +130,55 @@ fn a_peer_that_never_calls_is_a_timeout_naming_it() {
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
+/// Rank 2 calls 100 ms after the others, 64 MiB each. Every rank's span says the last rank
+/// joined after that call and well before the end (rank 0 sees the header arrive; the peers
+/// hear from rank 0 how long before its answer that was), so the early ranks' link time leaves
+/// their wait out and keeps the transfer in.
+#[test]
+fn a_tcp_collective_reports_when_the_last_rank_joined() {
+    const N: usize = 16 << 20;
+    let all_connected = std::sync::Barrier::new(3);
+    let late_call = std::sync::OnceLock::new();
+    let out = on_tcp(3, Duration::from_secs(10), |c| {
+        let ones = HostBuffer::F32(vec![1.0; N]);
+        all_connected.wait();
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(100));
+            late_call.set(Instant::now()).unwrap();
+        }
+        let called = Instant::now();
+        let (buf, span) = c
+            .all_reduce(ones, desc(0, ReduceOp::Sum, DType::F32, N))
+            .unwrap()
+            .wait(Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(buf.to_f64(), vec![3.0; N]);
+        (called, span)
+    });
+    let late_call = *late_call.get().unwrap();
+    for (r, (called, span)) in out.into_iter().enumerate() {
+        let joined = span.joined.expect("TCP tells when the last rank joined");
+        assert!(joined >= late_call, "rank {r}");
+        assert!(joined <= span.end, "rank {r}");
+        if r < 2 {
+            assert!(
+                joined.duration_since(called) >= Duration::from_millis(100),
+                "rank {r}"
+            );
+        }
+        // It is the join, not the answer: rank 0 reads every header before any buffer, and
+        // moving 64 MiB three times and reducing it takes far longer than a header's trip
+        // (measured: joined 3–5 ms after the late call, the end 400 ms after, debug build).
+        let after = |t: Instant| t.duration_since(late_call);
+        assert!(
+            after(joined) * 4 < after(span.end),
+            "rank {r}: joined {:?} after the late call, ended {:?} after",
+            after(joined),
+            after(span.end)
+        );
+    }
+}
+
 #[test]
 fn ranks_that_call_different_collectives_fail_with_a_mismatch() {
     let out = on_tcp(2, Duration::from_secs(5), |c| {

@@ -85,6 +85,7 @@ impl<I: Backend> Session<I> {
                     link: None,
                     alpha_split_us: [None; 2],
                     interference_us: None,
+                    cores_free_us: None,
                 },
             };
             let last = p.ready_us.last().copied().unwrap_or(0.0);

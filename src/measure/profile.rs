@@ -27,6 +27,11 @@ pub struct MeasuredProfile {
     /// times are without it: what the backward would take with no collective beside it, so
     /// that a plan is judged by the collectives it launches, not those of the plan measured.
     pub interference_us: Option<f64>,
+    /// When the backward passes of the measured rank's process stopped taking every core, µs
+    /// on the ready times' clock ([`MeasuredStep::cores_free_us`], without the interference
+    /// before it); `None` where it was not measured. A collective that starts after it pays
+    /// the idle side of the alpha split: the same line the split was measured with.
+    pub cores_free_us: Option<f64>,
 }
 
 /// Compute nodes of a measured segment count nanoseconds as their `flops`, at this rate
@@ -44,6 +49,7 @@ impl MeasuredProfile {
         // Without the time the collectives before it took from the backward.
         let ready = |g: &MeasuredGradient| g.ready_us - step.interfered_before_us(g.ready_us, itf);
         let first = step.gradients.first().map_or(0.0, ready);
+        let free = step.cores_free_us(peers);
         MeasuredProfile {
             ready_us: step
                 .gradients
@@ -53,20 +59,23 @@ impl MeasuredProfile {
             link,
             alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
             interference_us: interference,
+            cores_free_us: (!step.gradients.is_empty())
+                .then(|| (free - step.interfered_before_us(free, itf) - first).max(0.0)),
         }
     }
 
     /// The numbers [`MeasuredProfile::encode`] writes after the ready times.
-    pub const TRAILER: usize = 5;
+    pub const TRAILER: usize = 6;
 
     /// As numbers (ready times, then alpha and bus bandwidth, zeros for no link, then the
-    /// alpha split and the interference, -1 for one without), to share.
+    /// alpha split, the interference and the cores' horizon, -1 for one without), to share.
     pub fn encode(&self) -> Vec<f64> {
         let mut v = self.ready_us.clone();
         let l = self.link.map_or((0.0, 0.0), |l| (l.alpha_us, l.busbw_gbs));
         v.extend([l.0, l.1]);
         v.extend(self.alpha_split_us.map(|a| a.unwrap_or(-1.0)));
         v.push(self.interference_us.unwrap_or(-1.0));
+        v.push(self.cores_free_us.unwrap_or(-1.0));
         v
     }
 
@@ -87,6 +96,7 @@ impl MeasuredProfile {
             ),
             alpha_split_us: [side(v[n + 2]), side(v[n + 3])],
             interference_us: side(v[n + 4]),
+            cores_free_us: side(v[n + 5]),
         })
     }
 
@@ -100,6 +110,7 @@ impl MeasuredProfile {
             *a = a.or(b);
         }
         self.interference_us = self.interference_us.or(base.interference_us);
+        self.cores_free_us = self.cores_free_us.or(base.cores_free_us);
     }
 
     /// The fixed cost of one collective, µs, `[during the backward, after it]`, as planned: each
@@ -167,8 +178,10 @@ impl MeasuredProfile {
 
     /// The system profile of this measurement: the fitted link's bandwidth (`fallback`'s link
     /// without one), the fixed cost of a collective during the backward and after it as
-    /// [`MeasuredProfile::alphas_us`] plans it, compute at [`MEASURED_TFLOPS`] (a measured
-    /// segment's compute nodes carry nanoseconds), `fallback`'s copy bandwidth.
+    /// [`MeasuredProfile::alphas_us`] plans it, the line between the two where the cores came
+    /// free (as a shift from the last ready time, the end of the segment's compute), compute
+    /// at [`MEASURED_TFLOPS`] (a measured segment's compute nodes carry nanoseconds),
+    /// `fallback`'s copy bandwidth.
     pub fn system_profile(&self, world: u32, fallback: &SystemProfile) -> SystemProfile {
         let busbw_gbs = self.link.map_or(fallback.busbw_gbs, |l| l.busbw_gbs);
         let (busy, alpha_us) = match self.alphas_us() {
@@ -182,6 +195,9 @@ impl MeasuredProfile {
             alpha_us,
             alpha_busy_us: busy,
             interference_us: self.interference_us,
+            busy_shift_us: busy
+                .and(self.cores_free_us)
+                .map(|free| free - self.ready_us.last().copied().unwrap_or(0.0)),
             busbw_gbs,
             compute_tflops: MEASURED_TFLOPS,
             mem_gbs: fallback.mem_gbs,
@@ -271,6 +287,7 @@ mod tests {
             }),
             alpha_split_us: [None; 2],
             interference_us: None,
+            cores_free_us: None,
         }
     }
 
@@ -393,6 +410,9 @@ mod tests {
         let p = MeasuredProfile::from_step(&step, &[], None);
         assert_eq!(p.interference_us, Some(60.0));
         assert_eq!(p.ready_us, vec![0.0, 140.0, 380.0]);
+        // One rank alone on its core computes until its last gradient: the cores free there,
+        // on the same clock.
+        assert_eq!(p.cores_free_us, Some(380.0));
         // Shared and read back.
         assert_eq!(MeasuredProfile::decode(&p.encode()), Some(p.clone()));
         let without = MeasuredProfile {

@@ -24,7 +24,8 @@
 //!   sync point, a single tensor is reduced in place; the communication stream is serial:
 //!   `f(j) = min_s max(ready(j) + delays so far, f(s-1)) + allreduce(bytes(s..=j))`, an
 //!   all-reduce that starts before the segment's compute is over paying the system's busy
-//!   alpha where it has one ([`crate::cost::SystemProfile::alpha_busy_us`]) and delaying the
+//!   alpha where it has one ([`crate::cost::SystemProfile::alpha_busy_us`], until the horizon
+//!   [`crate::cost::CostModel::busy_horizon`] puts the end of the busy cores) and delaying the
 //!   compute after it by the system's interference where it has one
 //!   ([`crate::cost::SystemProfile::interference_us`]: the delays are packs and
 //!   interference). The program
@@ -160,8 +161,11 @@ pub fn plan_buckets(
     if keys.is_empty() {
         return Ok(Vec::new());
     }
-    // The compute is over: an all-reduce that starts before pays the busy alpha.
-    let busy_until = t;
+    // The compute is over. An all-reduce that starts before it takes time from it; one that
+    // starts before the system's busy horizon (the end of the compute, or where the system
+    // says the cores come free) pays the busy alpha.
+    let compute_until = t;
+    let busy_until = cost.busy_horizon(t);
     keys.sort();
     let mut all: Vec<(usize, BucketKey, Vec<NodeId>)> = Vec::new();
     for key in keys {
@@ -202,7 +206,7 @@ pub fn plan_buckets(
                     config.cap_bytes,
                     |b, start| cost.all_reduce_secs_at(b, ranks, start < busy_until),
                     |b| cost.copy_secs(b),
-                    |at| cost.interference_secs(ranks, at < busy_until),
+                    |at| cost.interference_secs(ranks, at < compute_until),
                 )
             }
         };

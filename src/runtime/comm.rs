@@ -231,8 +231,10 @@ pub struct CommSpan {
     /// It finished on this rank.
     pub end: Instant,
     /// The last rank joined it, where the communicator sees that moment itself (in-process:
-    /// the last arrival, under the group's lock); `None` where it cannot tell. From here to
-    /// `end` is what the link took, without the wait for a late rank.
+    /// the last arrival, under the group's lock; TCP: the last peer's header read on rank 0,
+    /// and on a peer rank 0's word of how long before its answer that was); `None` where it
+    /// cannot tell (NCCL). From here to `end` is what the link took, without the wait for a
+    /// late rank.
     pub joined: Option<Instant>,
     /// CPU time the communicator's thread spent on it, µs: what it took from whatever else
     /// runs on the same cores (0 where the communicator cannot tell, or spends none worth

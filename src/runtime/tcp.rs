@@ -23,7 +23,8 @@
 //! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, two zero bytes,
 //! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes (op and dtype as
 //! `ReduceOp::code` and `DType::code`); rank 0 → peer: status
-//! `u8` (0: ok, then the result's bytes; 1: failed, then a `u32` length and the message);
+//! `u8` (0: ok, then nanoseconds since the last rank joined `u64` and the result's bytes; 1:
+//! failed, then a `u32` length and the message);
 //! peer → rank 0: acknowledgement `u8` 0 once the result is staged; rank 0 → peer, once every
 //! peer has acknowledged: commit `u8` 0 (or a failure as above). A peer hands its result to the
 //! caller only on the commit, so a peer lost before acknowledging fails the collective on every
@@ -426,6 +427,10 @@ fn run_root(
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
     let t0 = Instant::now();
+    let cpu = thread_cpu_us();
+    // When the last header arrived: the last rank had joined by then (an upper bound: a header
+    // that waited in the socket while an earlier peer's header was read is counted when read).
+    let mut joined = t0;
     let lost = |e: std::io::Error, r: usize| {
         if timed_out(&e) {
             CommError::Timeout {
@@ -442,10 +447,14 @@ fn run_root(
     bufs.push(std::mem::take(buf));
     let gathered = (|| {
         let deadline = t0 + timeout;
+        // Every header first, then every buffer: a header's read returns when that peer
+        // joined (its buffer waits behind it in the socket), not after the buffers of the
+        // peers before it were read; and a mismatch fails before any buffer is read.
         for (i, s) in peers.iter_mut().enumerate() {
             let r = i + 1;
             let mut h = [0u8; HEADER];
             read_by(s, &mut h, deadline).map_err(|e| lost(e, r))?;
+            joined = joined.max(Instant::now());
             let Some(theirs) = parse_header(&h) else {
                 return Err(failure(
                     shared,
@@ -462,6 +471,8 @@ fn run_root(
                     theirs,
                 });
             }
+        }
+        for (i, s) in peers.iter_mut().enumerate() {
             let mut b = HostBuffer::zeros(what.dtype, what.count as usize).ok_or_else(|| {
                 CommError::Unsupported {
                     rank: 0,
@@ -469,7 +480,7 @@ fn run_root(
                     why: format!("{} is not reduced", what.dtype),
                 }
             })?;
-            read_by(s, b.as_bytes_mut(), deadline).map_err(|e| lost(e, r))?;
+            read_by(s, b.as_bytes_mut(), deadline).map_err(|e| lost(e, i + 1))?;
             bufs.push(b);
         }
         Ok(())
@@ -478,8 +489,6 @@ fn run_root(
         tell_failure(peers, &e);
         return Err(e);
     }
-    let started = Instant::now();
-    let cpu = thread_cpu_us();
     if !super::inprocess::reduce_in_rank_order(&mut bufs, what.op) {
         let e = CommError::Unsupported {
             rank: 0,
@@ -493,7 +502,7 @@ fn run_root(
     let staged = (|| {
         let deadline = Instant::now() + timeout;
         for (i, s) in peers.iter_mut().enumerate() {
-            write_by(s, &[OK], deadline)
+            write_by(s, &ok_since(joined), deadline)
                 .and_then(|_| write_by(s, result.as_bytes(), deadline))
                 .map_err(|e| lost(e, i + 1))?;
         }
@@ -524,7 +533,16 @@ fn run_root(
         }
     }
     *buf = result;
-    Ok(CommSpan::until_now(started, cpu))
+    Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
+}
+
+/// The status rank 0 sends before a result: [`OK`], then the nanoseconds since the last rank
+/// joined, so that a peer can time the collective from then in its own clock.
+fn ok_since(joined: Instant) -> [u8; 9] {
+    let mut m = [OK; 9];
+    let ns = u64::try_from(joined.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    m[1..].copy_from_slice(&ns.to_le_bytes());
+    m
 }
 
 /// Rank 0's failure message after a failure status byte.
@@ -562,6 +580,7 @@ fn run_peer(
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
     let t0 = Instant::now();
+    let cpu = thread_cpu_us();
     // Rank 0 may start this collective up to `timeout` after us and then wait as long for
     // the slowest peer.
     let deadline = t0 + super::comm::wait_bound(timeout);
@@ -601,11 +620,17 @@ fn run_peer(
     }
     let mut status = [FAILED];
     read_by(s, &mut status, deadline).map_err(lost)?;
-    let started = Instant::now();
-    let cpu = thread_cpu_us();
+    let answered = Instant::now();
     if status[0] != OK {
         return Err(aborted(s));
     }
+    let mut since = [0u8; 8];
+    read_by(s, &mut since, deadline).map_err(|e| failure(shared, what, e, 0))?;
+    // The last rank joined `since` before rank 0 answered (the answer's own trip, a few
+    // microseconds on a local network, is counted as link time), and not before this call.
+    let joined = answered
+        .checked_sub(Duration::from_nanos(u64::from_le_bytes(since)))
+        .map_or(t0, |j| j.max(t0));
     // Staged: `buf` is this thread's until the reply, and a failure below drops it.
     read_by(s, buf.as_bytes_mut(), deadline).map_err(|e| failure(shared, what, e, 0))?;
     write_by(s, &[OK], deadline).map_err(lost)?;
@@ -614,7 +639,7 @@ fn run_peer(
     if commit[0] != OK {
         return Err(aborted(s));
     }
-    Ok(CommSpan::until_now(started, cpu))
+    Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
 }
 
 #[cfg(test)]
@@ -668,7 +693,7 @@ mod tests {
                 s.write_all(&header(&desc(n))).unwrap();
                 s.write_all(HostBuffer::zeros(DType::F32, n).unwrap().as_bytes())
                     .unwrap();
-                let mut result = vec![0u8; 1 + 4 * n];
+                let mut result = vec![0u8; 1 + 8 + 4 * n];
                 s.read_exact(&mut result).unwrap();
                 assert_eq!(result[0], OK);
             });
