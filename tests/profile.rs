@@ -551,6 +551,27 @@ fn fitted_link() -> collective_fusion::measure::LinkFit {
     }
 }
 
+/// Eight gradients of 4 KiB, `g0` to `g7`.
+fn eight_gradients_of_4_kib() -> Vec<(String, collective_fusion::graph::TensorType)> {
+    use collective_fusion::graph::{DType, TensorType};
+    let ty = TensorType::new(DType::F32, &[1024]);
+    (0..8).map(|i| (format!("g{i}"), ty.clone())).collect()
+}
+
+/// A measured profile of `entries` ready one every 1000 us over [`fitted_link`], a collective
+/// costing 50 us during the backward and after it, no interference, no cores' horizon.
+fn one_every_ms(
+    entries: &[(String, collective_fusion::graph::TensorType)],
+) -> collective_fusion::measure::MeasuredProfile {
+    collective_fusion::measure::MeasuredProfile {
+        ready_us: (0..entries.len()).map(|i| i as f64 * 1000.0).collect(),
+        link: Some(fitted_link()),
+        alpha_split_us: [Some(50.0), Some(50.0)],
+        interference_us: None,
+        cores_free_us: None,
+    }
+}
+
 /// `profile`'s segment of `entries` on 2 ranks, compiled under `policy` with the profile's
 /// measured system, as the measured plans are, and simulated.
 fn planned_and_simulated(
@@ -610,21 +631,16 @@ fn a_collective_under_the_backward_pays_the_busy_alpha() {
 /// of waiting for it, and the simulator, reading the same system, predicts the step shorter.
 #[test]
 fn the_plan_pays_the_idle_alpha_once_the_cores_came_free() {
-    use collective_fusion::graph::{DType, TensorType};
     use collective_fusion::measure::MeasuredProfile;
     // Eight gradients of 4 KiB, one every 1000 us, the backward over at 7000 us; a
     // collective costs 8000 us while every core computes (longer than the backward, so none
     // can hide under it), 50 after.
-    let ty = TensorType::new(DType::F32, &[1024]);
-    let entries: Vec<(String, TensorType)> =
-        (0..8).map(|i| (format!("g{i}"), ty.clone())).collect();
+    let entries = eight_gradients_of_4_kib();
     let run = |cores_free: Option<f64>, policy: BucketPolicy| {
         let profile = MeasuredProfile {
-            ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
-            link: Some(fitted_link()),
             alpha_split_us: [Some(8000.0), Some(50.0)],
-            interference_us: None,
             cores_free_us: cores_free,
+            ..one_every_ms(&entries)
         };
         let sys = profile.system_profile(2, &CostModel::default().system);
         assert_eq!(sys.busy_shift_us, cores_free.map(|f| f - 7000.0));
@@ -656,19 +672,13 @@ fn the_plan_pays_the_idle_alpha_once_the_cores_came_free() {
 /// policy, pricing the same, stops splitting gradients into collectives that run beside it.
 #[test]
 fn a_collective_that_slows_the_backward_is_charged_to_it_and_avoided() {
-    use collective_fusion::graph::{DType, TensorType};
     use collective_fusion::measure::MeasuredProfile;
     // Eight gradients of 4 KiB, one every 1000 us, the backward over at 7000 us.
-    let ty = TensorType::new(DType::F32, &[1024]);
-    let entries: Vec<(String, TensorType)> =
-        (0..8).map(|i| (format!("g{i}"), ty.clone())).collect();
+    let entries = eight_gradients_of_4_kib();
     let run = |interference: Option<f64>, policy: BucketPolicy| {
         let profile = MeasuredProfile {
-            ready_us: (0..8).map(|i| f64::from(i) * 1000.0).collect(),
-            link: Some(fitted_link()),
-            alpha_split_us: [Some(50.0), Some(50.0)],
             interference_us: interference,
-            cores_free_us: None,
+            ..one_every_ms(&entries)
         };
         planned_and_simulated(&profile, &entries, policy)
     };

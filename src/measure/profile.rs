@@ -46,10 +46,11 @@ impl MeasuredProfile {
     pub fn from_step(step: &MeasuredStep, peers: &[MeasuredStep], link: Option<LinkFit>) -> Self {
         let interference = step.interference_us();
         let itf = interference.unwrap_or(0.0);
-        // Without the time the collectives before it took from the backward.
-        let ready = |g: &MeasuredGradient| g.ready_us - step.interfered_before_us(g.ready_us, itf);
+        // A moment of the step without the time the collectives before it took from the
+        // backward.
+        let unslowed = |t: f64| t - step.interfered_before_us(t, itf);
+        let ready = |g: &MeasuredGradient| unslowed(g.ready_us);
         let first = step.gradients.first().map_or(0.0, ready);
-        let free = step.cores_free_us(peers);
         MeasuredProfile {
             ready_us: step
                 .gradients
@@ -60,7 +61,7 @@ impl MeasuredProfile {
             alpha_split_us: link.map_or([None; 2], |l| step.alpha_split_us(peers, &l)),
             interference_us: interference,
             cores_free_us: (!step.gradients.is_empty())
-                .then(|| (free - step.interfered_before_us(free, itf) - first).max(0.0)),
+                .then(|| (unslowed(step.cores_free_us(peers)) - first).max(0.0)),
         }
     }
 
