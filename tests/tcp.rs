@@ -146,26 +146,19 @@ fn a_tcp_collective_reports_when_the_last_rank_joined() {
             std::thread::sleep(Duration::from_millis(100));
             late_call.set(Instant::now()).unwrap();
         }
-        let called = Instant::now();
         let (buf, span) = c
             .all_reduce(ones, desc(0, ReduceOp::Sum, DType::F32, N))
             .unwrap()
             .wait(Duration::from_secs(10))
             .unwrap();
         assert_eq!(buf.to_f64(), vec![3.0; N]);
-        (called, span)
+        span
     });
     let late_call = *late_call.get().unwrap();
-    for (r, (called, span)) in out.into_iter().enumerate() {
+    for (r, span) in out.into_iter().enumerate() {
         let joined = span.joined.expect("TCP tells when the last rank joined");
         assert!(joined >= late_call, "rank {r}");
         assert!(joined <= span.end, "rank {r}");
-        if r < 2 {
-            assert!(
-                joined.duration_since(called) >= Duration::from_millis(100),
-                "rank {r}"
-            );
-        }
         // It is the join, not the answer: rank 0 reads every header before any buffer, and
         // moving 64 MiB three times and reducing it takes far longer than a header's trip
         // (measured: joined 3–5 ms after the late call, the end 400 ms after, debug build).
