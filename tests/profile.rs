@@ -308,6 +308,23 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
         // The hand-back of 38 gradients is host work the simulator now sees.
         assert!(r[15].parse::<f64>().unwrap() > 0.0, "{name}: {text}");
     }
+    // Each pair of policies compared step by step: steps 3 and 4 of two rounds.
+    for pair in ["cost − ddp", "ddp − per-param", "cost − per-param"] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(pair))
+            .unwrap_or_else(|| panic!("no {pair} line: {text}"));
+        let a = pair.split(' ').next().unwrap();
+        let faster = line
+            .split(&format!("{a} faster in "))
+            .nth(1)
+            .and_then(|t| t.split(" of 4 ").next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(faster <= 4, "{line}");
+        let p: f64 = line.rsplit("p = ").next().unwrap().parse().unwrap();
+        assert!((0.0..=1.0).contains(&p), "{line}");
+    }
     // Planned after step 1, and again after step 2 when its collectives ran under the
     // backward (what they paid there is news to the first plan).
     assert!(

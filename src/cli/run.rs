@@ -403,7 +403,8 @@ fn compare_policies_cmd(
             }
         }
     };
-    let rows = compare_policies(opts, WARMUP, rounds, &progress)?;
+    let compared = compare_policies(opts, WARMUP, rounds, &progress)?;
+    let rows = &compared.rows;
     let mut out = String::new();
     writeln!(
         out,
@@ -439,7 +440,7 @@ fn compare_policies_cmd(
             PolicyRun::error(p) * 100.0
         )
     };
-    for r in &rows {
+    for r in rows {
         writeln!(
             out,
             "{:<10} {:>5.0} {:>5} {:>26} {:>26} {:>26} {:>8.2} {:>8.2} {:>8.2} {:>8.2}   {}",
@@ -467,6 +468,24 @@ fn compare_policies_cmd(
             out,
             "cost: {} plan(s) from measured steps, {} re-plan(s)",
             c.measured_plans.0, c.measured_plans.1
+        )?;
+    }
+    writeln!(
+        out,
+        "step time, paired (a's step minus b's, the same step of the same round):"
+    )?;
+    for g in &compared.gaps {
+        writeln!(
+            out,
+            "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} faster in {} of {} · sign test p = {:.3}",
+            format!("{} − {}", g.a.name(), g.b.name()),
+            g.median_ms,
+            g.quartiles_ms.0,
+            g.quartiles_ms.1,
+            g.a.name(),
+            g.a_faster,
+            g.pairs,
+            g.sign_test_p
         )?;
     }
     let same = rows

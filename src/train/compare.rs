@@ -1,0 +1,322 @@
+//! `run --compare-policies`: the same steps trained under every bucketing policy, each
+//! measured beside what the simulator predicts for it, and the policies' step times compared
+//! step by step.
+
+use super::{RunOptions, RunReport, StepRecord, run};
+use crate::config::BucketPolicy;
+use crate::measure::{LinkFit, MeasuredStep};
+
+/// One policy's row of [`compare_policies`]: medians over the compared steps of rank
+/// `local_ranks[0]`, milliseconds, each measured value beside what the simulator predicts for
+/// that very step ([`crate::profile::predict_measured`]: the step's measured backward from its
+/// first gradient and the run's fitted link, compiled under the policy and simulated).
+#[derive(Clone, Debug)]
+pub struct PolicyRun {
+    /// The policy.
+    pub policy: BucketPolicy,
+    /// Steps compared (the ones after the warm-up, of every round).
+    pub steps: usize,
+    /// Collectives per step, measured and predicted.
+    pub collectives: (f64, f64),
+    /// The whole step (forward, backward with sync, optimizer), measured and predicted (the
+    /// measured forward and optimizer plus the predicted backward from the first gradient).
+    pub step_ms: (f64, f64),
+    /// From the first gradient to the end of the sync: the part the simulator models.
+    pub backward_ms: (f64, f64),
+    /// What the step spent at its sync point (the exposed communication).
+    pub exposed_ms: (f64, f64),
+    /// Of that, waiting for collectives.
+    pub wait_ms: (f64, f64),
+    /// Of that, host work: the last packs and unpacks, and the hand-back of the reduced
+    /// gradients.
+    pub host_ms: (f64, f64),
+    /// The run's link fit.
+    pub link: Option<LinkFit>,
+    /// Plans compiled from measured steps, and re-plans.
+    pub measured_plans: (u64, u64),
+    /// The digest of the final weights (equal digests: equal weights) and whether the ranks
+    /// agreed.
+    pub weights_digest: u64,
+    /// Whether every rank ended with the same weights.
+    pub ranks_agree: bool,
+}
+
+impl PolicyRun {
+    /// `predicted / measured - 1` of a pair.
+    pub fn error(pair: (f64, f64)) -> f64 {
+        if pair.0 > 0.0 {
+            pair.1 / pair.0 - 1.0
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Trains `opts` under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed, data
+/// and steps), `rounds` times in turn (per-param, ddp, cost, per-param, ...: a machine whose
+/// speed drifts during the comparison slows every policy alike), and compares the measured
+/// steps after the first `warmup` of every run with what the simulator predicts for them:
+/// medians over all rounds. `progress` is told the policy and the step.
+pub fn compare_policies(
+    opts: &RunOptions,
+    warmup: usize,
+    rounds: usize,
+    progress: &(dyn Fn(&str, usize) + Sync),
+) -> Result<PolicyComparison, String> {
+    use crate::graph::ReduceOp;
+    if opts.steps <= warmup {
+        return Err(format!(
+            "comparing policies needs more than {warmup} steps (the first {warmup} warm up); got {}",
+            opts.steps
+        ));
+    }
+    const POLICIES: [BucketPolicy; 3] = [
+        BucketPolicy::PerParam,
+        BucketPolicy::Ddp,
+        BucketPolicy::Cost,
+    ];
+    // By policy: the columns of every compared step, and the last run's report.
+    let mut cols: [[Vec<f64>; 12]; 3] = Default::default();
+    let mut last: [Option<RunReport>; 3] = Default::default();
+    let mut agree = [true; 3];
+    // By policy: each compared step's time, keyed by its round and its index in the run.
+    let mut by_step: [Vec<((usize, usize), f64)>; 3] = Default::default();
+    for (round, k, policy) in (0..rounds.max(1)).flat_map(|round| {
+        POLICIES
+            .into_iter()
+            .enumerate()
+            .map(move |(k, p)| (round, k, p))
+    }) {
+        let mut o = opts.clone();
+        o.collective.config.bucket.policy = policy;
+        let report = run(&o, &|s| progress(policy.name(), s))?;
+        // One measurement per synced step; align them with the steps from the end.
+        let skip = report
+            .steps
+            .len()
+            .saturating_sub(report.measured_steps.len());
+        let pairs: Vec<(usize, &StepRecord, &MeasuredStep)> = report.steps[skip..]
+            .iter()
+            .zip(&report.measured_steps)
+            .enumerate()
+            .skip(warmup.saturating_sub(skip))
+            .map(|(i, (r, m))| (i, r, m))
+            .collect();
+        if pairs.is_empty() {
+            return Err(format!(
+                "policy {}: no step after the warm-up was measured (a group of one rank syncs nothing)",
+                policy.name()
+            ));
+        }
+        for (i, rec, m) in &pairs {
+            // The same step on the other ranks of this process.
+            let peers: Vec<MeasuredStep> = report
+                .peer_measured_steps
+                .iter()
+                .filter_map(|steps| steps.get(*i).cloned())
+                .collect();
+            let p = crate::profile::predict_measured(
+                m,
+                &peers,
+                report.link,
+                ReduceOp::Mean,
+                &o.collective.config,
+                policy,
+            )
+            .map_err(|e| format!("predicting a {} step: {e}", policy.name()))?;
+            let first = m.gradients.first().map_or(m.sync_us, |g| g.ready_us);
+            let backward = (m.end_us - first) / 1e3;
+            let predicted = p.total * 1e3;
+            let step = rec.secs * 1e3;
+            let values = [
+                step,
+                step - backward + predicted,
+                backward,
+                predicted,
+                m.exposed_us() / 1e3,
+                p.at_sync() * 1e3,
+                m.collectives.len() as f64,
+                p.collectives as f64,
+                m.waited_at_sync_us() / 1e3,
+                (p.at_sync() - p.tail_copies - p.host).max(0.0) * 1e3,
+                (m.exposed_us() - m.waited_at_sync_us()) / 1e3,
+                (p.tail_copies + p.host) * 1e3,
+            ];
+            by_step[k].push(((round, *i), step));
+            for (c, v) in cols[k].iter_mut().zip(values) {
+                c.push(v);
+            }
+        }
+        agree[k] &= report.ranks_agree;
+        last[k] = Some(report);
+    }
+    let mut rows = Vec::new();
+    for ((policy, cols), (report, agree)) in POLICIES
+        .into_iter()
+        .zip(cols)
+        .zip(last.into_iter().zip(agree))
+    {
+        let report = report.expect("every policy ran at least once");
+        let steps = cols[0].len();
+        let [s, sp, b, bp, e, ep, c, cp, w, wp, h, hp] =
+            cols.map(|v| crate::measure::median(v).unwrap_or(0.0));
+        let st = report.stats[0];
+        rows.push(PolicyRun {
+            policy,
+            steps,
+            collectives: (c, cp),
+            step_ms: (s, sp),
+            backward_ms: (b, bp),
+            exposed_ms: (e, ep),
+            wait_ms: (w, wp),
+            host_ms: (h, hp),
+            link: report.link,
+            measured_plans: (st.measured_plans, st.replans),
+            weights_digest: report.weights_digest,
+            ranks_agree: agree,
+        });
+    }
+    // Cost against DDP, DDP against per-param, cost against per-param.
+    let gaps = [(2, 1), (1, 0), (2, 0)]
+        .into_iter()
+        .map(|(a, b)| StepGap::paired(POLICIES[a], &by_step[a], POLICIES[b], &by_step[b]))
+        .collect();
+    Ok(PolicyComparison { rows, gaps })
+}
+
+/// What [`compare_policies`] measured: a row per policy, and the policies' step times compared
+/// pairwise.
+#[derive(Clone, Debug)]
+pub struct PolicyComparison {
+    /// `per-param`, `ddp`, `cost`.
+    pub rows: Vec<PolicyRun>,
+    /// `cost − ddp`, `ddp − per-param`, `cost − per-param`.
+    pub gaps: Vec<StepGap>,
+}
+
+/// Policy `a`'s step time minus policy `b`'s, step by step: each compared step under `a` paired
+/// with the same step (same data) of the same round under `b`, so that what varies from step to
+/// step and from round to round falls on both sides. The medians of [`PolicyRun`] cannot say
+/// whether a difference of a few tenths of a millisecond is more than noise; this can.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepGap {
+    /// The policy whose steps come first in the difference.
+    pub a: BucketPolicy,
+    /// The policy subtracted.
+    pub b: BucketPolicy,
+    /// Steps paired.
+    pub pairs: usize,
+    /// The median difference, ms (negative: `a` faster).
+    pub median_ms: f64,
+    /// The lower and upper quartiles of the differences, ms.
+    pub quartiles_ms: (f64, f64),
+    /// Pairs in which `a`'s step was the faster.
+    pub a_faster: usize,
+    /// The two-sided sign test's p-value for "neither is faster" (each pair equally likely to
+    /// go either way): small when one policy is faster in far more pairs than chance gives.
+    pub sign_test_p: f64,
+}
+
+impl StepGap {
+    /// Pairs the steps of `a` and `b` by key (round, step index); keys on one side only are
+    /// left out.
+    pub fn paired(
+        a: BucketPolicy,
+        steps_a: &[((usize, usize), f64)],
+        b: BucketPolicy,
+        steps_b: &[((usize, usize), f64)],
+    ) -> StepGap {
+        let mut diffs: Vec<f64> = steps_a
+            .iter()
+            .filter_map(|(key, ta)| {
+                steps_b
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map(|(_, tb)| ta - tb)
+            })
+            .collect();
+        diffs.sort_by(f64::total_cmp);
+        let a_faster = diffs.iter().filter(|d| **d < 0.0).count();
+        let b_faster = diffs.iter().filter(|d| **d > 0.0).count();
+        StepGap {
+            a,
+            b,
+            pairs: diffs.len(),
+            median_ms: quantile(&diffs, 0.5),
+            quartiles_ms: (quantile(&diffs, 0.25), quantile(&diffs, 0.75)),
+            a_faster,
+            sign_test_p: sign_test(a_faster, b_faster),
+        }
+    }
+}
+
+/// The `q` quantile of sorted `v`, interpolated linearly between neighbours; 0 when empty.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    match v.len() {
+        0 => 0.0,
+        n => {
+            let at = q.clamp(0.0, 1.0) * (n - 1) as f64;
+            let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (at - lo as f64)
+        }
+    }
+}
+
+/// The two-sided sign test: the chance, were each of `wins + losses` pairs a fair coin, of a
+/// split at least as lopsided as this one (ties left out); 1 with no pairs.
+fn sign_test(wins: usize, losses: usize) -> f64 {
+    let n = wins + losses;
+    let k = wins.min(losses);
+    // P(X <= k) for X ~ Binomial(n, 1/2), summed in logs so that large n neither overflows nor
+    // underflows to nothing before the sum.
+    let ln_choose = |n: usize, i: usize| -> f64 {
+        (1..=i)
+            .map(|j| ((n - i + j) as f64).ln() - (j as f64).ln())
+            .sum()
+    };
+    let tail: f64 = (0..=k)
+        .map(|i| (ln_choose(n, i) - n as f64 * std::f64::consts::LN_2).exp())
+        .sum();
+    (2.0 * tail).min(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sign_test_matches_the_binomial_tails() {
+        // 9 of 10 one way: 2 · (1 + 10) / 1024.
+        assert!((sign_test(9, 1) - 22.0 / 1024.0).abs() < 1e-12);
+        assert!((sign_test(1, 9) - 22.0 / 1024.0).abs() < 1e-12);
+        // An even split, and no pairs at all, say nothing.
+        assert_eq!(sign_test(5, 5), 1.0);
+        assert_eq!(sign_test(0, 0), 1.0);
+        // 18 of 18: 2 / 2^18.
+        assert!((sign_test(18, 0) - 2.0 / 262_144.0).abs() < 1e-15);
+    }
+
+    #[test]
+    fn steps_pair_by_round_and_index_only() {
+        let a = [
+            ((0, 2), 10.0),
+            ((0, 3), 12.0),
+            ((1, 2), 11.0),
+            ((1, 3), 9.0),
+        ];
+        // b lacks (1, 3) and has (2, 2), which a lacks: three pairs.
+        let b = [
+            ((0, 2), 11.0),
+            ((0, 3), 11.0),
+            ((1, 2), 13.0),
+            ((2, 2), 0.0),
+        ];
+        let g = StepGap::paired(BucketPolicy::Cost, &a, BucketPolicy::Ddp, &b);
+        assert_eq!(g.pairs, 3);
+        // Differences -2, -1, +1.
+        assert_eq!(g.median_ms, -1.0);
+        assert_eq!(g.quartiles_ms, (-1.5, 0.0));
+        assert_eq!(g.a_faster, 2);
+        assert!((g.sign_test_p - 1.0).abs() < 1e-12);
+    }
+}
