@@ -308,15 +308,19 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
         // The hand-back of 38 gradients is host work the simulator now sees.
         assert!(r[15].parse::<f64>().unwrap() > 0.0, "{name}: {text}");
     }
-    // Each pair of policies compared step by step: steps 3 and 4 of two rounds.
-    for pair in ["cost − ddp", "ddp − per-param", "cost − per-param"] {
-        let line = text
-            .lines()
-            .find(|l| l.trim_start().starts_with(pair))
-            .unwrap_or_else(|| panic!("no {pair} line: {text}"));
+    // Each pair of policies compared step by step, by step time and by exposed
+    // communication: steps 3 and 4 of two rounds.
+    let paired: Vec<&str> = text.lines().filter(|l| l.starts_with("  ")).collect();
+    assert_eq!(paired.len(), 6, "{text}");
+    for (line, pair) in paired.into_iter().zip(
+        ["cost − ddp", "ddp − per-param", "cost − per-param"]
+            .into_iter()
+            .cycle(),
+    ) {
+        assert!(line.trim_start().starts_with(pair), "{line}");
         let a = pair.split(' ').next().unwrap();
         let faster = line
-            .split(&format!("{a} faster in "))
+            .split(&format!("{a} lower in "))
             .nth(1)
             .and_then(|t| t.split(" of 4 ").next())
             .and_then(|n| n.parse::<usize>().ok())

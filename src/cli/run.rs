@@ -470,23 +470,28 @@ fn compare_policies_cmd(
             c.measured_plans.0, c.measured_plans.1
         )?;
     }
-    writeln!(
-        out,
-        "step time, paired (a's step minus b's, the same step of the same round):"
-    )?;
-    for g in &compared.gaps {
+    for (what, gaps) in [
+        ("step time", &compared.step_gaps),
+        ("exposed communication", &compared.exposed_gaps),
+    ] {
         writeln!(
             out,
-            "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} faster in {} of {} · sign test p = {:.3}",
-            format!("{} − {}", g.a.name(), g.b.name()),
-            g.median_ms,
-            g.quartiles_ms.0,
-            g.quartiles_ms.1,
-            g.a.name(),
-            g.a_faster,
-            g.pairs,
-            g.sign_test_p
+            "{what}, paired (a's minus b's, the same step of the same round):"
         )?;
+        for g in gaps {
+            writeln!(
+                out,
+                "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} lower in {} of {} · sign test p = {:.3}",
+                format!("{} − {}", g.a.name(), g.b.name()),
+                g.median_ms,
+                g.quartiles_ms.0,
+                g.quartiles_ms.1,
+                g.a.name(),
+                g.a_faster,
+                g.pairs,
+                g.sign_test_p
+            )?;
+        }
     }
     let same = rows
         .iter()
