@@ -326,8 +326,9 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
             .and_then(|n| n.parse::<usize>().ok())
             .unwrap_or_else(|| panic!("{line}"));
         assert!(faster <= 4, "{line}");
+        // With 4 pairs no split is lopsided enough for p < 0.001.
         let p: f64 = line.rsplit("p = ").next().unwrap().parse().unwrap();
-        assert!((0.0..=1.0).contains(&p), "{line}");
+        assert!((0.125..=1.0).contains(&p), "{line}");
     }
     // Planned after step 1, and again after step 2 when its collectives ran under the
     // backward (what they paid there is news to the first plan).

@@ -72,8 +72,8 @@ pub(crate) struct RunArgs {
     #[arg(long, conflicts_with_all = ["policy", "trace", "svg", "step_graph"])]
     compare_policies: bool,
     /// With `--compare-policies`: train every policy this many times, in turn (per-param,
-    /// ddp, cost, per-param, ...), and take the medians over all of them, so a machine whose
-    /// speed drifts slows every policy alike.
+    /// ddp, cost; then ddp, cost, per-param; ...: each round's order turned by one), and take
+    /// the medians over all of them, so a machine whose speed drifts slows every policy alike.
     #[arg(long, default_value_t = 1, requires = "compare_policies", value_parser = clap::value_parser!(u64).range(1..=100))]
     rounds: u64,
     /// What marking the model does about the ranks' weights: take rank 0's, or check that
@@ -481,7 +481,7 @@ fn compare_policies_cmd(
         for g in gaps {
             writeln!(
                 out,
-                "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} lower in {} of {} · sign test p = {:.3}",
+                "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} lower in {} of {} · sign test p {}",
                 format!("{} − {}", g.a.name(), g.b.name()),
                 g.median_ms,
                 g.quartiles_ms.0,
@@ -489,7 +489,11 @@ fn compare_policies_cmd(
                 g.a.name(),
                 g.a_faster,
                 g.pairs,
-                g.sign_test_p
+                if g.sign_test_p < 0.001 {
+                    "< 0.001".to_string()
+                } else {
+                    format!("= {:.3}", g.sign_test_p)
+                }
             )?;
         }
     }

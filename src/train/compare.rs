@@ -53,8 +53,10 @@ impl PolicyRun {
 }
 
 /// Trains `opts` under each bucketing policy (`per-param`, `ddp`, `cost`; the same seed, data
-/// and steps), `rounds` times in turn (per-param, ddp, cost, per-param, ...: a machine whose
-/// speed drifts during the comparison slows every policy alike), and compares the measured
+/// and steps), `rounds` times in turn, each round in the order of the one before turned by one
+/// (per-param, ddp, cost; ddp, cost, per-param; cost, per-param, ddp; ...: a machine whose speed
+/// drifts during the comparison slows every policy alike, and no policy always runs first or
+/// right after the same other), and compares the measured
 /// steps after the first `warmup` of every run with what the simulator predicts for them:
 /// medians over all rounds. `progress` is told the policy and the step.
 pub fn compare_policies(
@@ -84,10 +86,10 @@ pub fn compare_policies(
     let mut by_step: [Vec<((usize, usize), f64)>; 3] = Default::default();
     let mut exposed_by_step: [Vec<((usize, usize), f64)>; 3] = Default::default();
     for (round, k, policy) in (0..rounds.max(1)).flat_map(|round| {
-        POLICIES
-            .into_iter()
-            .enumerate()
-            .map(move |(k, p)| (round, k, p))
+        (0..POLICIES.len()).map(move |j| {
+            let k = (round + j) % POLICIES.len();
+            (round, k, POLICIES[k])
+        })
     }) {
         let mut o = opts.clone();
         o.collective.config.bucket.policy = policy;
