@@ -487,7 +487,7 @@ fn compare_policies_cmd(
                 g.quartiles_ms.0,
                 g.quartiles_ms.1,
                 g.a.name(),
-                g.a_faster,
+                g.a_lower,
                 g.pairs,
                 if g.sign_test_p < 0.001 {
                     "< 0.001".to_string()

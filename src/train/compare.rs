@@ -1,6 +1,6 @@
 //! `run --compare-policies`: the same steps trained under every bucketing policy, each
-//! measured beside what the simulator predicts for it, and the policies' step times compared
-//! step by step.
+//! measured beside what the simulator predicts for it, and the policies' step times and
+//! exposed communication compared step by step.
 
 use super::{RunOptions, RunReport, StepRecord, run};
 use crate::config::BucketPolicy;
@@ -56,9 +56,9 @@ impl PolicyRun {
 /// and steps), `rounds` times in turn, each round in the order of the one before turned by one
 /// (per-param, ddp, cost; ddp, cost, per-param; cost, per-param, ddp; ...: a machine whose speed
 /// drifts during the comparison slows every policy alike, and no policy always runs first or
-/// right after the same other), and compares the measured
-/// steps after the first `warmup` of every run with what the simulator predicts for them:
-/// medians over all rounds. `progress` is told the policy and the step.
+/// right after the same other), and compares the measured steps after the first `warmup` of
+/// every run with what the simulator predicts for them: medians over all rounds, and the
+/// policies paired step by step ([`StepGap`]). `progress` is told the policy and the step.
 pub fn compare_policies(
     opts: &RunOptions,
     warmup: usize,
@@ -226,8 +226,8 @@ pub struct StepGap {
     pub median_ms: f64,
     /// The lower and upper quartiles of the differences, ms.
     pub quartiles_ms: (f64, f64),
-    /// Pairs in which `a`'s step was the faster.
-    pub a_faster: usize,
+    /// Pairs in which `a`'s time was the lower.
+    pub a_lower: usize,
     /// The two-sided sign test's p-value for "neither is faster" (each pair equally likely to
     /// go either way): small when one policy is faster in far more pairs than chance gives.
     pub sign_test_p: f64,
@@ -252,16 +252,16 @@ impl StepGap {
             })
             .collect();
         diffs.sort_by(f64::total_cmp);
-        let a_faster = diffs.iter().filter(|d| **d < 0.0).count();
-        let b_faster = diffs.iter().filter(|d| **d > 0.0).count();
+        let a_lower = diffs.iter().filter(|d| **d < 0.0).count();
+        let b_lower = diffs.iter().filter(|d| **d > 0.0).count();
         StepGap {
             a,
             b,
             pairs: diffs.len(),
             median_ms: quantile(&diffs, 0.5),
             quartiles_ms: (quantile(&diffs, 0.25), quantile(&diffs, 0.75)),
-            a_faster,
-            sign_test_p: sign_test(a_faster, b_faster),
+            a_lower,
+            sign_test_p: sign_test(a_lower, b_lower),
         }
     }
 }
@@ -332,7 +332,7 @@ mod tests {
         // Differences -2, -1, +1.
         assert_eq!(g.median_ms, -1.0);
         assert_eq!(g.quartiles_ms, (-1.5, 0.0));
-        assert_eq!(g.a_faster, 2);
+        assert_eq!(g.a_lower, 2);
         assert!((g.sign_test_p - 1.0).abs() < 1e-12);
     }
 }
