@@ -254,12 +254,22 @@ impl MeasuredStep {
 /// The median of `v` (the mean of the middle two for an even count); `None` when empty.
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(v[n / 2]),
-        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
-    }
+    quantile(&v, 0.5)
+}
+
+/// The `q` quantile (0 to 1) of `sorted`, interpolated linearly between the two values beside
+/// it (the median: the middle one, or the mean of the middle two); `None` when empty.
+pub fn quantile(sorted: &[f64], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    let at = q.clamp(0.0, 1.0) * last as f64;
+    let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+    let f = at - lo as f64;
+    // Halves of each for the median's mean of two: the same bits as their sum halved.
+    Some(if lo == hi {
+        sorted[lo]
+    } else {
+        sorted[lo] * (1.0 - f) + sorted[hi] * f
+    })
 }
 
 impl fmt::Display for MeasuredStep {

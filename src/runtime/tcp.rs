@@ -454,7 +454,7 @@ fn run_root(
             let r = i + 1;
             let mut h = [0u8; HEADER];
             read_by(s, &mut h, deadline).map_err(|e| lost(e, r))?;
-            joined = joined.max(Instant::now());
+            joined = Instant::now();
             let Some(theirs) = parse_header(&h) else {
                 return Err(failure(
                     shared,

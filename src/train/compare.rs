@@ -4,7 +4,7 @@
 
 use super::{RunOptions, RunReport, StepRecord, run};
 use crate::config::BucketPolicy;
-use crate::measure::{LinkFit, MeasuredStep};
+use crate::measure::{LinkFit, MeasuredStep, quantile};
 
 /// One policy's row of [`compare_policies`]: medians over the compared steps of rank
 /// `local_ranks[0]`, milliseconds, each measured value beside what the simulator predicts for
@@ -81,10 +81,8 @@ pub fn compare_policies(
     let mut cols: [[Vec<f64>; 12]; 3] = Default::default();
     let mut last: [Option<RunReport>; 3] = Default::default();
     let mut agree = [true; 3];
-    // By policy: each compared step's time and exposed communication, keyed by its round and
-    // its index in the run.
-    let mut by_step: [Vec<((usize, usize), f64)>; 3] = Default::default();
-    let mut exposed_by_step: [Vec<((usize, usize), f64)>; 3] = Default::default();
+    // By policy: each compared step's round and index in its run, in the order of `cols`.
+    let mut keys: [Vec<(usize, usize)>; 3] = Default::default();
     for (round, k, policy) in (0..rounds.max(1)).flat_map(|round| {
         (0..POLICIES.len()).map(move |j| {
             let k = (round + j) % POLICIES.len();
@@ -146,8 +144,7 @@ pub fn compare_policies(
                 (m.exposed_us() - m.waited_at_sync_us()) / 1e3,
                 (p.tail_copies + p.host) * 1e3,
             ];
-            by_step[k].push(((round, *i), step));
-            exposed_by_step[k].push(((round, *i), values[4]));
+            keys[k].push((round, *i));
             for (c, v) in cols[k].iter_mut().zip(values) {
                 c.push(v);
             }
@@ -155,6 +152,22 @@ pub fn compare_policies(
         agree[k] &= report.ranks_agree;
         last[k] = Some(report);
     }
+    // Cost against DDP, DDP against per-param, cost against per-param, by a column of `cols`
+    // (0: the step, 4: the exposed communication).
+    let gaps = |col: usize| {
+        let keyed = |k: usize| -> Vec<((usize, usize), f64)> {
+            keys[k]
+                .iter()
+                .copied()
+                .zip(cols[k][col].iter().copied())
+                .collect()
+        };
+        [(2, 1), (1, 0), (2, 0)]
+            .into_iter()
+            .map(|(a, b)| StepGap::paired(POLICIES[a], &keyed(a), POLICIES[b], &keyed(b)))
+            .collect()
+    };
+    let (step_gaps, exposed_gaps) = (gaps(0), gaps(4));
     let mut rows = Vec::new();
     for ((policy, cols), (report, agree)) in POLICIES
         .into_iter()
@@ -181,17 +194,10 @@ pub fn compare_policies(
             ranks_agree: agree,
         });
     }
-    // Cost against DDP, DDP against per-param, cost against per-param.
-    let gaps = |by: &[Vec<((usize, usize), f64)>; 3]| {
-        [(2, 1), (1, 0), (2, 0)]
-            .into_iter()
-            .map(|(a, b)| StepGap::paired(POLICIES[a], &by[a], POLICIES[b], &by[b]))
-            .collect()
-    };
     Ok(PolicyComparison {
         rows,
-        step_gaps: gaps(&by_step),
-        exposed_gaps: gaps(&exposed_by_step),
+        step_gaps,
+        exposed_gaps,
     })
 }
 
@@ -242,14 +248,11 @@ impl StepGap {
         b: BucketPolicy,
         steps_b: &[((usize, usize), f64)],
     ) -> StepGap {
+        let of_b: std::collections::HashMap<(usize, usize), f64> =
+            steps_b.iter().copied().collect();
         let mut diffs: Vec<f64> = steps_a
             .iter()
-            .filter_map(|(key, ta)| {
-                steps_b
-                    .iter()
-                    .find(|(k, _)| k == key)
-                    .map(|(_, tb)| ta - tb)
-            })
+            .filter_map(|(key, ta)| of_b.get(key).map(|tb| ta - tb))
             .collect();
         diffs.sort_by(f64::total_cmp);
         let a_lower = diffs.iter().filter(|d| **d < 0.0).count();
@@ -258,22 +261,13 @@ impl StepGap {
             a,
             b,
             pairs: diffs.len(),
-            median_ms: quantile(&diffs, 0.5),
-            quartiles_ms: (quantile(&diffs, 0.25), quantile(&diffs, 0.75)),
+            median_ms: quantile(&diffs, 0.5).unwrap_or(0.0),
+            quartiles_ms: (
+                quantile(&diffs, 0.25).unwrap_or(0.0),
+                quantile(&diffs, 0.75).unwrap_or(0.0),
+            ),
             a_lower,
             sign_test_p: sign_test(a_lower, b_lower),
-        }
-    }
-}
-
-/// The `q` quantile of sorted `v`, interpolated linearly between neighbours; 0 when empty.
-fn quantile(v: &[f64], q: f64) -> f64 {
-    match v.len() {
-        0 => 0.0,
-        n => {
-            let at = q.clamp(0.0, 1.0) * (n - 1) as f64;
-            let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
-            v[lo] + (v[hi] - v[lo]) * (at - lo as f64)
         }
     }
 }
@@ -283,16 +277,14 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 fn sign_test(wins: usize, losses: usize) -> f64 {
     let n = wins + losses;
     let k = wins.min(losses);
-    // P(X <= k) for X ~ Binomial(n, 1/2), summed in logs so that large n neither overflows nor
-    // underflows to nothing before the sum.
-    let ln_choose = |n: usize, i: usize| -> f64 {
-        (1..=i)
-            .map(|j| ((n - i + j) as f64).ln() - (j as f64).ln())
-            .sum()
-    };
-    let tail: f64 = (0..=k)
-        .map(|i| (ln_choose(n, i) - n as f64 * std::f64::consts::LN_2).exp())
-        .sum();
+    // P(X <= k) for X ~ Binomial(n, 1/2): each term C(n, i) / 2^n from the one before, in
+    // logs so that a large n neither overflows nor underflows to nothing before the sum.
+    let mut ln_term = -(n as f64) * std::f64::consts::LN_2;
+    let mut tail = ln_term.exp();
+    for i in 1..=k {
+        ln_term += ((n - i + 1) as f64 / i as f64).ln();
+        tail += ln_term.exp();
+    }
     (2.0 * tail).min(1.0)
 }
 
