@@ -326,6 +326,8 @@ fn run_compare_policies_measures_and_predicts_every_policy() {
             .and_then(|n| n.parse::<usize>().ok())
             .unwrap_or_else(|| panic!("{line}"));
         assert!(faster <= 4, "{line}");
+        // 4 pairs are too few for a 95% interval of the median.
+        assert!(line.contains("95% CI   (too few pairs)"), "{line}");
         // With 4 pairs no split is lopsided enough for p < 0.001.
         let p: f64 = line.rsplit("p = ").next().unwrap().parse().unwrap();
         assert!((0.125..=1.0).contains(&p), "{line}");

@@ -481,9 +481,13 @@ fn compare_policies_cmd(
         for g in gaps {
             writeln!(
                 out,
-                "  {:<18} median {:>+8.2} ms, quartiles {:>+8.2} to {:>+8.2} · {} lower in {} of {} · sign test p {}",
+                "  {:<18} median {:>+8.2} ms, {} · quartiles {:>+8.2} to {:>+8.2} · {} lower in {} of {} · sign test p {}",
                 format!("{} − {}", g.a.name(), g.b.name()),
                 g.median_ms,
+                match g.median_ci_ms {
+                    Some((lo, hi)) => format!("95% CI {lo:>+8.2} to {hi:>+8.2}"),
+                    None => "95% CI   (too few pairs)".to_string(),
+                },
                 g.quartiles_ms.0,
                 g.quartiles_ms.1,
                 g.a.name(),

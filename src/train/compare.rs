@@ -232,6 +232,11 @@ pub struct StepGap {
     pub median_ms: f64,
     /// The lower and upper quartiles of the differences, ms.
     pub quartiles_ms: (f64, f64),
+    /// A distribution-free 95% confidence interval for the median difference, ms: the
+    /// order statistics the sign test puts at least 95% of the chance between (`None` under 6
+    /// pairs, too few for one). An interval that holds 0 and is narrow says the two policies
+    /// tie to within its ends, which a large p-value alone does not.
+    pub median_ci_ms: Option<(f64, f64)>,
     /// Pairs in which `a`'s time was the lower.
     pub a_lower: usize,
     /// The two-sided sign test's p-value for "neither is faster" (each pair equally likely to
@@ -266,6 +271,7 @@ impl StepGap {
                 quantile(&diffs, 0.25).unwrap_or(0.0),
                 quantile(&diffs, 0.75).unwrap_or(0.0),
             ),
+            median_ci_ms: median_ci(&diffs),
             a_lower,
             sign_test_p: sign_test(a_lower, b_lower),
         }
@@ -276,16 +282,34 @@ impl StepGap {
 /// split at least as lopsided as this one (ties left out); 1 with no pairs.
 fn sign_test(wins: usize, losses: usize) -> f64 {
     let n = wins + losses;
-    let k = wins.min(losses);
-    // P(X <= k) for X ~ Binomial(n, 1/2): each term C(n, i) / 2^n from the one before, in
-    // logs so that a large n neither overflows nor underflows to nothing before the sum.
-    let mut ln_term = -(n as f64) * std::f64::consts::LN_2;
-    let mut tail = ln_term.exp();
-    for i in 1..=k {
-        ln_term += ((n - i + 1) as f64 / i as f64).ln();
-        tail += ln_term.exp();
-    }
+    let tail = half_binomial_cdf(n).nth(wins.min(losses)).unwrap_or(1.0);
     (2.0 * tail).min(1.0)
+}
+
+/// The 95% interval of [`StepGap::median_ci_ms`] over `sorted` differences: from the `j`-th
+/// smallest to the `j`-th largest (0-based), `j` the most with P(X ≤ j) ≤ 2.5% for
+/// X ~ Binomial(n, 1/2), so that the median lies outside with a chance of at most 5%.
+fn median_ci(sorted: &[f64]) -> Option<(f64, f64)> {
+    let n = sorted.len();
+    let j = half_binomial_cdf(n).take_while(|p| *p <= 0.025).count();
+    // `count()` is one more than the last index that qualified.
+    let j = j.checked_sub(1)?;
+    Some((sorted[j], sorted[n - 1 - j]))
+}
+
+/// P(X ≤ i) for X ~ Binomial(n, 1/2), for i = 0, 1, ..., n: each term C(n, i) / 2^n from the
+/// one before, in logs so that a large n neither overflows nor underflows to nothing before
+/// the sum.
+fn half_binomial_cdf(n: usize) -> impl Iterator<Item = f64> {
+    let mut ln_term = -(n as f64) * std::f64::consts::LN_2;
+    let mut cdf = 0.0;
+    (0..=n).map(move |i| {
+        if i > 0 {
+            ln_term += ((n - i + 1) as f64 / i as f64).ln();
+        }
+        cdf += ln_term.exp();
+        cdf
+    })
 }
 
 #[cfg(test)]
@@ -302,6 +326,20 @@ mod tests {
         assert_eq!(sign_test(0, 0), 1.0);
         // 18 of 18: 2 / 2^18.
         assert!((sign_test(18, 0) - 2.0 / 262_144.0).abs() < 1e-15);
+    }
+
+    #[test]
+    fn the_median_interval_takes_the_order_statistics_the_binomial_gives() {
+        let sorted = |n: usize| (0..n).map(|i| i as f64).collect::<Vec<_>>();
+        // Under 6 pairs even the extremes hold the median with less than 95%.
+        assert_eq!(median_ci(&sorted(5)), None);
+        assert_eq!(median_ci(&[]), None);
+        // 6 pairs: P(X ≤ 0) = 1/64 ≤ 2.5% < P(X ≤ 1) = 7/64, the extremes.
+        assert_eq!(median_ci(&sorted(6)), Some((0.0, 5.0)));
+        // 20 pairs: P(X ≤ 5) = 2.07% ≤ 2.5% < P(X ≤ 6) = 5.77%, the 6th from each end.
+        assert_eq!(median_ci(&sorted(20)), Some((5.0, 14.0)));
+        // 100 pairs: the textbook 40th and 61st (0-based 39 and 60).
+        assert_eq!(median_ci(&sorted(100)), Some((39.0, 60.0)));
     }
 
     #[test]
@@ -325,6 +363,7 @@ mod tests {
         assert_eq!(g.median_ms, -1.0);
         assert_eq!(g.quartiles_ms, (-1.5, 0.0));
         assert_eq!(g.a_lower, 2);
+        assert_eq!(g.median_ci_ms, None);
         assert!((g.sign_test_p - 1.0).abs() < 1e-12);
     }
 }
