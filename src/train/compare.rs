@@ -291,9 +291,11 @@ fn sign_test(wins: usize, losses: usize) -> f64 {
 /// X ~ Binomial(n, 1/2), so that the median lies outside with a chance of at most 5%.
 fn median_ci(sorted: &[f64]) -> Option<(f64, f64)> {
     let n = sorted.len();
-    let j = half_binomial_cdf(n).take_while(|p| *p <= 0.025).count();
-    // `count()` is one more than the last index that qualified.
-    let j = j.checked_sub(1)?;
+    // How many indices qualify, less one: the last that does.
+    let j = half_binomial_cdf(n)
+        .take_while(|p| *p <= 0.025)
+        .count()
+        .checked_sub(1)?;
     Some((sorted[j], sorted[n - 1 - j]))
 }
 
