@@ -111,6 +111,7 @@ fn burn_train_ddp_strategy_trains_on_four_cpu_ranks() {
     ddp_trains_on_four_ranks::<NdArray>(NdArrayDevice::Cpu);
 }
 
+#[cfg(feature = "dispatch-ndarray")]
 #[test]
 fn burn_train_ddp_strategy_trains_on_four_dispatch_ranks() {
     ddp_trains_on_four_ranks::<burn_dispatch::Dispatch>(burn_dispatch::DispatchDevice::NdArray(

@@ -3,6 +3,11 @@
 //! `unimplemented!()`); wrapped in `Collective`, 2 ranks train an MLP and end where one rank
 //! trained on the concatenated batch ends, on Dispatch's NdArray device and on its wgpu device
 //! (Mesa's software Vulkan in CI).
+//!
+//! With the `dispatch-autodiff` feature (and without `dispatch-ndarray`, which Burn 0.21 cannot
+//! build beside it under `distributed`), a rank's device may be a `DispatchDevice::autodiff`
+//! device, as Burn's own `Dispatch` training code makes it: `.ci/run` runs this file so too
+//! (`cargo test --no-default-features --features dispatch-autodiff --test dispatch`).
 
 mod common;
 
@@ -13,6 +18,7 @@ use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOpe
 use burn_core::module::Module;
 use burn_core::tensor::Tensor;
 use burn_dispatch::{Dispatch, DispatchDevice};
+#[cfg(feature = "dispatch-ndarray")]
 use burn_ndarray::NdArrayDevice;
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
@@ -132,6 +138,7 @@ fn equals_one_rank(device: DispatchDevice) -> SyncStats {
     stats
 }
 
+#[cfg(feature = "dispatch-ndarray")]
 #[test]
 fn an_mlp_on_two_dispatch_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
     let stats = equals_one_rank(DispatchDevice::NdArray(NdArrayDevice::Cpu));
@@ -218,5 +225,61 @@ fn user_all_reduces_of_dispatch_wgpu_tensors_give_the_mean_in_their_shape() {
             assert_eq!(*v, 15.0, "rank {r}, coalesce {coalesce}");
         }
         drop(ctx);
+    }
+}
+
+/// Burn's own way to train on `Dispatch` puts autodiff in the device
+/// (`DispatchDevice::autodiff(device)`, as Burn's MNIST example does). Under `Collective` the
+/// outer `Autodiff` differentiates, so [`CollectiveDevice::new`] takes the inner device without
+/// autodiff: 2 ranks train on the device a user passes as they did on Dispatch alone, bit for
+/// bit as on the plain device, packing on the device.
+#[cfg(feature = "dispatch-autodiff")]
+#[test]
+fn ranks_given_dispatch_autodiff_devices_train_as_on_the_plain_device() {
+    use burn_backend::Backend;
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    let plain = DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice);
+    let with_ad = DispatchDevice::autodiff(plain.clone());
+    assert!(Dispatch::ad_enabled(&with_ad));
+    let d = CollectiveDevice::new(with_ad.clone(), 0);
+    assert!(!Dispatch::ad_enabled(&d.inner), "{d}");
+    assert!(!Inner::ad_enabled(&d), "{d}");
+    assert!(A::ad_enabled(&d), "{d}");
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (on_ad, stats) = two_ranks(&with_ad, true);
+    assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
+    let (on_plain, _) = two_ranks(&plain, true);
+    let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&on_ad), bits(&on_plain));
+}
+
+/// A `CollectiveDevice` built by hand around an autodiff device (not through
+/// [`CollectiveDevice::new`]) is refused at start-up with a typed error naming the rank.
+#[cfg(feature = "dispatch-autodiff")]
+#[test]
+fn a_hand_built_rank_device_with_autodiff_on_is_refused_by_name() {
+    use collective_fusion::runtime::transport::StartError;
+    let plain = DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice);
+    let devices = vec![
+        CollectiveDevice::new(plain.clone(), 0),
+        CollectiveDevice {
+            inner: DispatchDevice::autodiff(plain),
+            rank: 1,
+        },
+    ];
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let got = Inner::try_start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    match got {
+        Err(e @ StartError::InnerAutodiff { rank: 1, .. }) => {
+            assert!(e.to_string().contains("rank 1"), "{e}");
+        }
+        other => panic!("expected InnerAutodiff for rank 1, got {other:?}"),
     }
 }

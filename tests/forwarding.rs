@@ -260,9 +260,10 @@ fn linear_is_one_recorded_node_with_the_inner_backends_result() {
     assert_eq!(y.dims(), [2, 3, 5], "its shape is known before it runs");
 }
 
-// ---- the listing: every method of Burn's op traits is forwarded ----
+// ---- the listing: every method of Burn's `Backend` and op traits is forwarded ----
 
-const TRAITS: [(&str, &str); 7] = [
+const TRAITS: [(&str, &str); 8] = [
+    ("backend/base.rs", "Backend"),
     ("backend/ops/tensor.rs", "FloatTensorOps"),
     ("backend/ops/int_tensor.rs", "IntTensorOps"),
     ("backend/ops/bool_tensor.rs", "BoolTensorOps"),
@@ -365,7 +366,24 @@ fn methods(body: &str) -> Vec<(String, bool)> {
     out
 }
 
-/// The methods of every `impl .. {trait}<..> for ..` block in the `.rs` files under `dir`.
+/// Where the word `word` (not the tail or head of a longer name) first occurs in `s` followed by
+/// one of `after`, at or after `from`.
+fn find_word(s: &str, word: &str, after: &[&str], from: usize) -> Option<usize> {
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    let mut pos = from;
+    while let Some(i) = s[pos..].find(word) {
+        let at = pos + i;
+        let rest = &s[at + word.len()..];
+        if !s[..at].ends_with(ident) && after.iter().any(|a| rest.starts_with(a)) {
+            return Some(at);
+        }
+        pos = at + word.len();
+    }
+    None
+}
+
+/// The methods of every `impl .. {trait}<..> for ..` or `impl .. {trait} for ..` block in the
+/// `.rs` files under `dir`.
 fn impl_methods(dir: &Path, trait_name: &str) -> BTreeSet<String> {
     let mut found = BTreeSet::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -376,15 +394,13 @@ fn impl_methods(dir: &Path, trait_name: &str) -> BTreeSet<String> {
                 stack.push(p);
             } else if p.extension().is_some_and(|x| x == "rs") {
                 let s = strip_comments(&std::fs::read_to_string(&p).unwrap());
-                let pat = format!("{trait_name}<");
                 let mut pos = 0;
-                while let Some(i) = s[pos..].find(&pat) {
-                    let at = pos + i;
+                while let Some(at) = find_word(&s, trait_name, &["<", " for "], pos) {
                     let line_start = s[..at].rfind('\n').map_or(0, |n| n + 1);
                     if s[line_start..at].trim_start().starts_with("impl") {
                         found.extend(methods(block(&s, at)).into_iter().map(|(n, _)| n));
                     }
-                    pos = at + pat.len();
+                    pos = at + trait_name.len();
                 }
             }
         }
@@ -399,12 +415,13 @@ fn every_method_of_burns_op_traits_is_forwarded() {
     let inner = [
         ("NdArray", package_src("burn-ndarray")),
         ("CubeBackend", package_src("burn-cubecl")),
+        ("Fusion", package_src("burn-fusion")),
     ];
     let mut overridden = 0;
     let mut total = 0;
     for (file, tr) in TRAITS {
         let src = strip_comments(&std::fs::read_to_string(burn.join(file)).unwrap());
-        let at = src.find(&format!("pub trait {tr}")).unwrap();
+        let at = find_word(&src, &format!("pub trait {tr}"), &["<", ":", " "], 0).unwrap();
         let all = methods(block(&src, at));
         assert!(!all.is_empty(), "{tr}: the scan found no methods");
         total += all.len();
@@ -416,7 +433,12 @@ fn every_method_of_burns_op_traits_is_forwarded() {
             .collect();
         assert!(
             missing.is_empty(),
-            "{tr}: Collective does not forward {missing:?}: run scripts/gen_backend_ops.py"
+            "{tr}: Collective does not forward {missing:?}: {}",
+            if tr == "Backend" {
+                "forward them in src/backend/mod.rs"
+            } else {
+                "run scripts/gen_backend_ops.py"
+            }
         );
         // The defaulted methods an inner backend implements itself: Collective must reach them.
         for (who, dir) in &inner {

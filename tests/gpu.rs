@@ -808,6 +808,27 @@ mod training {
         kernels::assert_same(&kernels::sides("training::kernel_probe_child"));
     }
 
+    /// The child's part of the persistent-memory check on CUDA, run only with
+    /// `CF_PERSISTENT_PROBE` set.
+    #[test]
+    fn persistent_probe_child() {
+        super::common::persistent::child::<Cuda>(CudaDevice::default());
+    }
+
+    /// What `tests/same_kernels_wgpu.rs` checks on wgpu, on Burn's fused CUDA backend: a model's
+    /// parameters take CubeCL's persistent memory under `Collective` as they do alone.
+    #[test]
+    fn parameters_go_to_cubecls_persistent_memory_under_collective_as_alone() {
+        if std::env::var_os(super::common::persistent::CHILD).is_some()
+            || !gpu_or_skip("persistent memory under Collective", 1, false)
+        {
+            return;
+        }
+        let sides = super::common::persistent::sides("training::persistent_probe_child");
+        assert!(sides[0].allocations > 0, "{sides:?}");
+        assert_eq!(sides[1], sides[0], "Collective differs from alone");
+    }
+
     /// Not a pass/fail test: what the lazy layer costs on a GPU. One training step (forward,
     /// backward, SGD, a one-element read that waits for the device), median of 20 after 5
     /// warm-up steps, one rank, rows in turn (`train::overhead`), for the GPU-sized overhead

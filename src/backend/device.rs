@@ -127,7 +127,9 @@ pub(crate) fn device_grad<I: Backend>(p: &I::FloatTensorPrimitive) -> Option<Box
     let device = I::float_device(p);
     match (&device as &dyn Any).downcast_ref::<burn_dispatch::DispatchDevice>() {
         // NdArray's tensors are in host memory already: the host path reads them for free.
-        Some(burn_dispatch::DispatchDevice::NdArray(_)) | None => None,
+        #[cfg(feature = "dispatch-ndarray")]
+        Some(burn_dispatch::DispatchDevice::NdArray(_)) => None,
+        None => None,
         Some(_) => OpsGrad::<I>::new(p).map(|g| Box::new(g) as Box<dyn DeviceGrad>),
     }
 }
@@ -153,6 +155,25 @@ pub(crate) fn tensor_from<I: Backend>(
     match g.into_any().downcast::<OpsGrad<I>>() {
         Ok(g) => Ok(g.into_tensor(like.shape())),
         Err(_) => unreachable!("checked just above"),
+    }
+}
+
+/// Whether an inner device's backend keeps tensors created in
+/// `Backend::memory_persistent_allocations` in a persistent memory pool: the CubeCL runtimes this
+/// crate knows (wgpu, CUDA; fused or not), and `Dispatch` on them.
+pub(crate) fn has_persistent_memory(device: &dyn Any) -> bool {
+    if device.is::<cubecl::wgpu::WgpuDevice>() {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    if device.is::<cubecl::cuda::CudaDevice>() {
+        return true;
+    }
+    match device.downcast_ref::<burn_dispatch::DispatchDevice>() {
+        Some(burn_dispatch::DispatchDevice::Wgpu(_)) => true,
+        #[cfg(feature = "cuda")]
+        Some(burn_dispatch::DispatchDevice::Cuda(_)) => true,
+        _ => false,
     }
 }
 

@@ -243,6 +243,12 @@ impl<I: Backend> Collective<I> {
         devices: &[CollectiveDevice<I::Device>],
         config: DistributedConfig,
     ) -> Result<(), StartError> {
+        if let Some(d) = devices.iter().find(|d| I::ad_enabled(&d.inner)) {
+            return Err(StartError::InnerAutodiff {
+                rank: d.rank,
+                device: format!("{:?}", d.inner),
+            });
+        }
         let options = CollectiveOptions::take::<I>()?;
         let (world, mut comms) = communicators(devices, &options)?;
         let calls = comms

@@ -443,6 +443,12 @@ pub(crate) fn flush(rank: u32) {
     recorder(rank).run_until(u64::MAX, ForceReason::Sync);
 }
 
+/// Runs what this thread has queued on `rank` (and the queued inputs it needs), counted as a
+/// forcing for a value that `why` needs.
+pub(crate) fn force_queued(rank: u32, why: &'static str) {
+    recorder(rank).run_until(u64::MAX, ForceReason::Value(why));
+}
+
 /// The lazy recorder's counters of `rank` so far.
 pub fn lazy_stats(rank: u32) -> LazyStats {
     let r = recorder(rank);

@@ -71,10 +71,15 @@ pub struct CollectiveDevice<D> {
     pub rank: u32,
 }
 
-impl<D> CollectiveDevice<D> {
-    /// Rank `rank` on `inner`.
+impl<D: DeviceOps> CollectiveDevice<D> {
+    /// Rank `rank` on `inner`. An inner device with autodiff on (`DispatchDevice::autodiff`, as
+    /// Burn's own `Dispatch` training code makes it) is taken without it: `Autodiff<Collective<B>>`
+    /// differentiates, and a second autodiff graph under it would only cost time and memory.
     pub fn new(inner: D, rank: u32) -> Self {
-        CollectiveDevice { inner, rank }
+        CollectiveDevice {
+            inner: inner.inner().clone(),
+            rank,
+        }
     }
 }
 
@@ -146,5 +151,48 @@ impl<I: Backend> Backend for Collective<I> {
 
     fn memory_cleanup(device: &Self::Device) {
         I::memory_cleanup(&device.inner)
+    }
+
+    fn ad_enabled(device: &Self::Device) -> bool {
+        I::ad_enabled(&device.inner)
+    }
+
+    fn supports_dtype(device: &Self::Device, dtype: DType) -> bool {
+        I::supports_dtype(&device.inner, dtype)
+    }
+
+    fn staging<'a, Iter>(data: Iter, device: &Self::Device)
+    where
+        Iter: Iterator<Item = &'a mut burn_backend::TensorData>,
+    {
+        I::staging(data, &device.inner)
+    }
+
+    /// Burn creates parameters inside this call (module initializers, `Param::from_data`,
+    /// loading records) so that a CubeCL backend keeps them in its persistent memory pool. The
+    /// ops `func` records would otherwise run later, outside the inner backend's scope, so on a
+    /// backend with such a pool the rank's queue runs before the scope opens (what was queued
+    /// earlier is not the caller's) and again before it closes: `func`'s tensors are allocated
+    /// inside it, as with `I` alone. Elsewhere (NdArray) nothing is forced: a parameter first
+    /// read inside a step stays lazy.
+    fn memory_persistent_allocations<
+        Output: Send,
+        Input: Send,
+        Func: Fn(Input) -> Output + Send,
+    >(
+        device: &Self::Device,
+        input: Input,
+        func: Func,
+    ) -> Output {
+        if !device::has_persistent_memory(&device.inner) {
+            return I::memory_persistent_allocations(&device.inner, input, func);
+        }
+        let rank = device.rank;
+        lazy::force_queued(rank, "memory_persistent_allocations");
+        I::memory_persistent_allocations(&device.inner, input, move |input| {
+            let out = func(input);
+            lazy::force_queued(rank, "memory_persistent_allocations");
+            out
+        })
     }
 }

@@ -63,6 +63,18 @@ pub enum StartError {
         /// Its device type.
         device: String,
     },
+    /// A rank's inner device has autodiff on (a `DispatchDevice::autodiff` put in a
+    /// `CollectiveDevice` by hand; [`CollectiveDevice::new`](crate::backend::CollectiveDevice::new)
+    /// takes it off).
+    #[error(
+        "start_communication_server: rank {rank}'s inner device {device} has autodiff on; Autodiff<Collective<B>> differentiates, so give the rank its device without autodiff (CollectiveDevice::new takes it off)"
+    )]
+    InnerAutodiff {
+        /// The rank.
+        rank: u32,
+        /// Its inner device.
+        device: String,
+    },
     /// The options in the environment (`CF_*`) do not parse.
     #[error("start_communication_server: the environment: {0}")]
     Environment(#[from] crate::config::ConfigError),

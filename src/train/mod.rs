@@ -436,7 +436,15 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         RunBackend::Dispatch(on_device) => {
             use burn_dispatch::{Dispatch, DispatchDevice};
             let device: Box<dyn Fn(u32) -> DispatchDevice + Sync> = match on_device {
+                #[cfg(feature = "dispatch-ndarray")]
                 DispatchOn::NdArray => Box::new(|_| DispatchDevice::NdArray(NdArrayDevice::Cpu)),
+                #[cfg(not(feature = "dispatch-ndarray"))]
+                DispatchOn::NdArray => {
+                    return Err(
+                        "--dispatch-device ndarray needs a build with the `dispatch-ndarray` feature"
+                            .into(),
+                    );
+                }
                 DispatchOn::Wgpu => {
                     Box::new(|_| DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice))
                 }

@@ -1,0 +1,97 @@
+//! Where a CubeCL backend puts a model's parameters, from CubeCL's own memory log: Burn creates
+//! parameters inside `Backend::memory_persistent_allocations`, which a CubeCL backend answers by
+//! allocating them from its persistent pool (pages of their own, out of the way of the
+//! activations' pool). The check that `Collective<B>` keeps that: the same model initialized on
+//! `B` alone and on `Collective<B>`, each in a child process (CubeCL reads its configuration
+//! once per process), must log the same persistent allocations.
+
+use burn_backend::Backend;
+use burn_core::module::Param;
+use burn_core::tensor::{Tensor, TensorData};
+use burn_nn::{Linear, LinearConfig};
+use collective_fusion::backend::{Collective, CollectiveDevice};
+use cubecl::config::memory::{MemoryConfig, MemoryLogLevel};
+use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+/// Which side a child process runs (`alone` or `collective`), and its log file.
+pub const CHILD: &str = "CF_PERSISTENT_PROBE";
+const LOG: &str = "CF_PERSISTENT_PROBE_LOG";
+
+/// The sides, in the order [`sides`] runs them.
+pub const SIDES: [&str; 2] = ["alone", "collective"];
+
+/// What the log says of persistent memory.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Persistent {
+    /// Allocations served by the persistent pool (a new page, or a free slot of one).
+    pub allocations: usize,
+}
+
+/// Two linear layers and a parameter from data, their parameters touched so that Burn's lazy initializers run.
+fn init<B: Backend>(device: &B::Device) {
+    let a: Linear<B> = LinearConfig::new(64, 48).init(device);
+    let b: Linear<B> = LinearConfig::new(48, 8).init(device);
+    // A parameter loaded from data (as records are), uploaded at once even by the fusion layer.
+    let c: Param<Tensor<B, 1>> =
+        Param::from_data(TensorData::new(vec![0.5f32; 4096], [4096]), device);
+    let _ = c.val();
+    for l in [&a, &b] {
+        let _ = l.weight.val();
+        if let Some(bias) = &l.bias {
+            let _ = bias.val();
+        }
+    }
+    B::sync(device).expect("device sync");
+}
+
+/// The child's part, when [`CHILD`] is set: memory logging on, then the model on `B` alone or
+/// on `Collective<B>`.
+pub fn child<B: Backend>(device: B::Device) {
+    let (Ok(side), Ok(log)) = (std::env::var(CHILD), std::env::var(LOG)) else {
+        return;
+    };
+    let mut memory = MemoryConfig::default();
+    memory.logger.level = MemoryLogLevel::Full;
+    memory.logger.file = Some(log.into());
+    CubeClRuntimeConfig::set(CubeClRuntimeConfig {
+        memory,
+        ..Default::default()
+    });
+    if side == "alone" {
+        init::<B>(&device);
+    } else {
+        init::<Collective<B>>(&CollectiveDevice::new(device, 0));
+    }
+}
+
+/// Runs test `child_test` of this binary once per side of [`SIDES`] and returns what each
+/// side's memory log says.
+pub fn sides(child_test: &str) -> Vec<Persistent> {
+    let exe = std::env::current_exe().expect("this test binary");
+    let dir = std::env::temp_dir().join(format!("cf-persistent-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let found = SIDES
+        .iter()
+        .map(|which| {
+            let log = dir.join(format!("{which}.log"));
+            let out = super::output_bounded(
+                std::process::Command::new(&exe)
+                    .args(["--exact", child_test, "--nocapture", "--test-threads=1"])
+                    .env(CHILD, which)
+                    .env(LOG, &log),
+            );
+            assert!(
+                out.status.success(),
+                "{which}: {}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            Persistent {
+                allocations: text.matches("using persistent memory").count(),
+            }
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    found
+}
