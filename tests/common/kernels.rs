@@ -92,31 +92,16 @@ fn read_log(path: &Path) -> Kernels {
 /// Runs test `child_test` of this binary once per side of [`SIDES`] with CubeCL's log on, and
 /// returns each side's kernels.
 pub fn sides(child_test: &str) -> Vec<Kernels> {
-    let exe = std::env::current_exe().expect("this test binary");
-    let dir = std::env::temp_dir().join(format!("cf-kernel-probe-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a scratch folder");
-    let kernels = SIDES
-        .iter()
-        .map(|which| {
-            let log = dir.join(format!("{which}.log"));
-            let out = std::process::Command::new(&exe)
-                .args(["--exact", child_test, "--nocapture", "--test-threads=1"])
-                .env(CHILD, which)
-                .env("CUBECL_DEBUG_LOG", &log)
-                .env("CUBECL_DEBUG_OPTION", "profile")
-                .output()
-                .expect("running the child");
-            assert!(
-                out.status.success(),
-                "{which}: {}\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            read_log(&log)
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    kernels
+    super::child_sides(
+        child_test,
+        CHILD,
+        &SIDES,
+        |cmd, log| {
+            cmd.env("CUBECL_DEBUG_LOG", log)
+                .env("CUBECL_DEBUG_OPTION", "profile");
+        },
+        read_log,
+    )
 }
 
 /// Asserts that every side of `kernels` (from [`sides`]) launched and compiled what `alone` did,

@@ -173,6 +173,41 @@ pub fn wait_bounded(
     }
 }
 
+/// Runs test `child_test` of this test binary once per side of `sides`, each in a child process
+/// with `var` naming the side and `configure` given the command and a scratch log file of its
+/// own; returns what `read` makes of each side's log. Fails with a child's output if it fails.
+pub fn child_sides<T>(
+    child_test: &str,
+    var: &str,
+    sides: &[&str],
+    configure: impl Fn(&mut std::process::Command, &std::path::Path),
+    read: impl Fn(&std::path::Path) -> T,
+) -> Vec<T> {
+    let exe = std::env::current_exe().expect("this test binary");
+    let dir = std::env::temp_dir().join(format!("cf-{child_test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let found = sides
+        .iter()
+        .map(|which| {
+            let log = dir.join(format!("{which}.log"));
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.args(["--exact", child_test, "--nocapture", "--test-threads=1"])
+                .env(var, which);
+            configure(&mut cmd, &log);
+            let out = output_bounded(&mut cmd);
+            assert!(
+                out.status.success(),
+                "{which}: {}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            read(&log)
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    found
+}
+
 /// Runs `cmd` to the end like `Command::output`, within [`PROCESS_LIMIT`].
 pub fn output_bounded(cmd: &mut std::process::Command) -> std::process::Output {
     let what = format!("{cmd:?}");

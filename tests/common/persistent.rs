@@ -67,31 +67,18 @@ pub fn child<B: Backend>(device: B::Device) {
 /// Runs test `child_test` of this binary once per side of [`SIDES`] and returns what each
 /// side's memory log says.
 pub fn sides(child_test: &str) -> Vec<Persistent> {
-    let exe = std::env::current_exe().expect("this test binary");
-    let dir = std::env::temp_dir().join(format!("cf-persistent-probe-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a scratch folder");
-    let found = SIDES
-        .iter()
-        .map(|which| {
-            let log = dir.join(format!("{which}.log"));
-            let out = super::output_bounded(
-                std::process::Command::new(&exe)
-                    .args(["--exact", child_test, "--nocapture", "--test-threads=1"])
-                    .env(CHILD, which)
-                    .env(LOG, &log),
-            );
-            assert!(
-                out.status.success(),
-                "{which}: {}\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            Persistent {
-                allocations: text.matches("using persistent memory").count(),
-            }
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    found
+    super::child_sides(
+        child_test,
+        CHILD,
+        &SIDES,
+        |cmd, log| {
+            cmd.env(LOG, log);
+        },
+        |log| Persistent {
+            allocations: std::fs::read_to_string(log)
+                .unwrap_or_default()
+                .matches("using persistent memory")
+                .count(),
+        },
+    )
 }
