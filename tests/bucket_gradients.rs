@@ -198,3 +198,85 @@ fn cost_policy_merges_tiny_tensors() {
     );
     assert_eq!(buckets(&out), ["bucket=0: 4"]);
 }
+
+/// The members of each bucket, by gradient name, buckets in the order of their first member
+/// (how PyTorch lists a bucket assignment).
+fn memberships(text: &str) -> Vec<Vec<String>> {
+    let name_of: std::collections::HashMap<String, String> = text
+        .lines()
+        .filter(|l| l.contains("= gradient \""))
+        .map(|l| {
+            let id = l.trim().split(' ').next().unwrap().to_string();
+            (id, l.split('"').nth(1).unwrap().to_string())
+        })
+        .collect();
+    let mut out: Vec<Vec<String>> = text
+        .lines()
+        .filter(|l| l.contains("= all_reduce "))
+        .map(|l| {
+            let args = l.split(" (").nth(1).unwrap().split(')').next().unwrap();
+            args.split(", ").map(|a| name_of[a].clone()).collect()
+        })
+        .collect();
+    out.sort_by_key(|b| b[0].clone());
+    out
+}
+
+/// PyTorch's own cases for DDP's bucket assignment (`_compute_bucket_assignment_by_size`, as
+/// its c10d tests state them: tensors in ready order, byte limits `[first, rest...]` per dtype,
+/// a bucket closing once it reaches its limit) give the same buckets under the `ddp` policy.
+/// Names are the tensors' indices, so the expected lists read as PyTorch writes them.
+#[test]
+fn ddp_policy_assigns_buckets_as_pytorch_does_in_its_own_cases() {
+    let f32_then_f64 = [
+        "f32[50]", "f64[25]", "f32[50]", "f64[25]", "f32[50]", "f64[25]",
+    ];
+    let cases: [(&[&str], u64, u64, &[&[&str]]); 4] = [
+        // One limit, one dtype.
+        (
+            &["f32[100]", "f32[200]", "f32[100]", "f32[50]"],
+            400,
+            400,
+            &[&["0"], &["1"], &["2"], &["3"]],
+        ),
+        // One limit, two dtypes: each dtype fills its own buckets.
+        (
+            &f32_then_f64,
+            400,
+            400,
+            &[&["0", "2"], &["1", "3"], &["4"], &["5"]],
+        ),
+        // A small first limit, then a larger one.
+        (
+            &["f32[10]", "f32[10]", "f32[10]", "f32[10]"],
+            40,
+            80,
+            &[&["0"], &["1", "2"], &["3"]],
+        ),
+        // Two limits, two dtypes: each dtype starts at the first limit.
+        (
+            &f32_then_f64,
+            200,
+            400,
+            &[&["0"], &["1"], &["2", "4"], &["3", "5"]],
+        ),
+    ];
+    for (tys, first, cap, want) in cases {
+        let names: Vec<String> = (0..tys.len()).map(|i| i.to_string()).collect();
+        let gs: Vec<G> = names
+            .iter()
+            .zip(tys)
+            .map(|(n, t)| G(n, t, "mean", "g0"))
+            .collect();
+        let out = bucketize(&chain(&gs), Ddp, first, cap);
+        let want: Vec<Vec<String>> = want
+            .iter()
+            .map(|b| b.iter().map(|s| s.to_string()).collect())
+            .collect();
+        assert_eq!(
+            memberships(&out),
+            want,
+            "{tys:?}, limits {first}, {cap}\n{out}"
+        );
+    }
+}

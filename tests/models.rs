@@ -110,6 +110,36 @@ fn bucket_counts_at_defaults() {
     );
 }
 
+/// The `ddp` policy's buckets on every reference model are those PyTorch DDP builds once it has
+/// seen a backward pass (its bucket rebuild): gradients in their measured ready order, a bucket
+/// closing once its bytes reach the limit, 1 MiB for the first and 25 MiB after, all f32 here.
+/// Written from that rule, not from this crate's pass, bucket by bucket and in launch order.
+#[test]
+fn ddp_buckets_of_every_reference_model_are_pytorchs_rebuilt_buckets() {
+    for model in MODELS {
+        let profile = ModelProfile::load(model).unwrap();
+        let mut want: Vec<Vec<String>> = Vec::new();
+        let (mut open, mut bytes, mut limit) = (Vec::new(), 0u64, MIB);
+        for &i in &profile.grad_ready_order {
+            open.push(profile.params[i].name.clone());
+            bytes += profile.params[i].bytes;
+            if bytes >= limit {
+                want.push(std::mem::take(&mut open));
+                (bytes, limit) = (0, 25 * MIB);
+            }
+        }
+        if !open.is_empty() {
+            want.push(open);
+        }
+        let got: Vec<Vec<String>> = bucket_layouts(&compiled(model, Ddp))
+            .unwrap()
+            .into_iter()
+            .map(|l| l.members.into_iter().map(|m| m.param.unwrap()).collect())
+            .collect();
+        assert_eq!(got, want, "{model}");
+    }
+}
+
 #[test]
 fn every_parameter_is_in_exactly_one_bucket() {
     for model in MODELS {
