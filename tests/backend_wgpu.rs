@@ -10,7 +10,7 @@ mod common;
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_core::module::Module;
-use burn_core::tensor::Tensor;
+use burn_core::tensor::{DType, Element, Tensor};
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
@@ -24,6 +24,8 @@ use collective_fusion::train::{module_weights, synthetic_batch};
 
 /// Burn's wgpu backend without its fusion layer.
 type Unfused = CubeBackend<WgpuRuntime, f32, i32, u32>;
+/// Burn's wgpu backend, fused, with f16 as its float type.
+type Half = Wgpu<half::f16, i32, u32>;
 type Dev = CollectiveDevice<WgpuDevice>;
 
 const WORLD: u32 = 2;
@@ -132,6 +134,36 @@ fn an_mlp_on_two_unfused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() 
     equals_one_rank::<Unfused>();
 }
 
+/// Set in the child process that runs the f16 test.
+const HALF_CHILD: &str = "CF_HALF_CHILD";
+
+/// Half precision, as mixed-precision users have it: Burn's fused wgpu backend with f16 as its
+/// float type, so parameters, activations and gradients are f16 and the buckets are f16 on the
+/// device. (Without `shader-f16` on the adapter, wgpu has no f16: skipped, saying so.) It runs in
+/// a child process of its own: Burn fixes a device's default dtypes once per process, from the
+/// first backend that creates a tensor on it, and the f32 tests here use the same devices.
+#[test]
+fn an_f16_mlp_on_two_fused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() {
+    if !adapter() {
+        return;
+    }
+    if std::env::var_os(HALF_CHILD).is_none() {
+        common::child_sides(
+            "an_f16_mlp_on_two_fused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch",
+            HALF_CHILD,
+            &["f16"],
+            |_, _| {},
+            |_| (),
+        );
+        return;
+    }
+    if !<Half as burn_backend::Backend>::supports_dtype(&WgpuDevice::DefaultDevice, DType::F16) {
+        eprintln!("skipped: this wgpu adapter has no f16");
+        return;
+    }
+    equals_one_rank::<Half>();
+}
+
 /// The tests share ranks 0 and 1, whose recorders are per process: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -148,6 +180,15 @@ fn equals_one_rank<W: Inner>() {
     // Two layers: two forward `linear`s, three backward matmuls (`linear_weight_backward` twice,
     // `linear_x_backward` once: no input gradient for the first layer).
     assert_eq!(matmuls, 5, "forward and backward matmuls recorded");
+    // Four parameters' gradients (two weights, two biases), each of the backend's float type.
+    let float = format!(": {}[", <W::FloatElem as Element>::dtype().name());
+    let text = collective_fusion::graph::print::print(&step);
+    let grads: Vec<&str> = text.lines().filter(|l| l.contains("= gradient ")).collect();
+    assert_eq!(grads.len(), 4, "{text}");
+    assert!(
+        grads.iter().all(|l| l.contains(&float)),
+        "want {float}:\n{text}"
+    );
     assert_eq!(
         stats.eager_steps + stats.flushed_steps,
         STEPS as u64,
@@ -191,9 +232,14 @@ fn equals_one_rank<W: Inner>() {
     let mut moved = 0.0f64;
     for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
         let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
-        // Two half-batch means averaged vs one mean, on a GPU backend: f32 rounding apart.
+        // Two half-batch means averaged vs one mean, on a GPU backend: rounding apart (f32's,
+        // or a few units of f16's last place).
+        let rel = match <W::FloatElem as Element>::dtype() {
+            DType::F32 => 1e-5,
+            _ => 4e-3,
+        };
         assert!(
-            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
+            (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-2),
             "weight {i}: {a} vs {b}"
         );
         moved += (b - w0).abs();

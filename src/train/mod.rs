@@ -213,13 +213,18 @@ impl RecordedStep {
     }
 }
 
-/// Every float parameter's values of `model`, in visiting order (to compare replicas).
+/// Every float parameter's values of `model`, in visiting order (to compare replicas), as f32
+/// whatever the parameter's own float type (f16, bf16 and f32 exactly; f64 rounded; a quantized
+/// parameter dequantized).
 pub fn module_weights<Bk: burn_backend::Backend, M: Module<Bk>>(model: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
     impl<Bk: burn_backend::Backend> ModuleVisitor<Bk> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Bk, D>>) {
-            self.0
-                .extend(param.val().into_data().to_vec::<f32>().unwrap_or_default());
+            let data = param.val().dequantize().into_data().convert::<f32>();
+            match data.to_vec::<f32>() {
+                Ok(v) => self.0.extend(v),
+                Err(e) => unreachable!("data converted to f32 reads as f32: {e:?}"),
+            }
         }
     }
     let mut c = Collect(Vec::new());
