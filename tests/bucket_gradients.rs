@@ -231,7 +231,9 @@ fn ddp_policy_assigns_buckets_as_pytorch_does_in_its_own_cases() {
     let f32_then_f64 = [
         "f32[50]", "f64[25]", "f32[50]", "f64[25]", "f32[50]", "f64[25]",
     ];
-    let cases: [(&[&str], u64, u64, &[&[&str]]); 4] = [
+    // (tensor types in ready order, first limit, later limit, buckets by tensor index)
+    type Case<'a> = (&'a [&'a str], u64, u64, &'a [&'a [&'a str]]);
+    let cases: [Case; 4] = [
         // One limit, one dtype.
         (
             &["f32[100]", "f32[200]", "f32[100]", "f32[50]"],
