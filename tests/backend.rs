@@ -1248,9 +1248,10 @@ fn every_rank_measures_its_steps_and_fits_the_link() {
 
 /// Under the `cost` policy the plan follows the measured step: compiled from the first step's
 /// measurement, perhaps again after the second (the first whose collectives can run under the
-/// backward: a re-plan when they did, since what they paid there is news), and again exactly
-/// once when the backward pass grows (a batch 64 times larger from the third step), on every
-/// rank at the same step; every rank runs the same plan at every step.
+/// backward: a re-plan when they did, since what they paid there is news), and again once when
+/// the backward pass grows (a batch 64 times larger from the third step), on every rank at the
+/// same step (at the last check, perhaps once more for news); every rank runs the same plan at
+/// every step.
 #[test]
 fn a_drifting_step_replans_on_every_rank_together() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
