@@ -1,0 +1,200 @@
+//! A small transformer as its users train it: token embedding, Burn's `TransformerEncoder`
+//! (multi-head attention under a causal mask, layer norm first, GELU), a vocabulary head and
+//! cross-entropy. Two ranks of `Autodiff<Collective<B>>` end where one rank on the concatenated
+//! batch ends, on NdArray and on Burn's default (fused) wgpu backend; on wgpu, one rank of
+//! `Collective` with Adam is `Autodiff<Wgpu>` alone, bit for bit: the attention, mask, softmax
+//! and normalisation ops and their backward ops are the inner backend's own.
+
+mod common;
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_backend::{AutodiffBackend, Backend};
+use burn_core::module::Module;
+use burn_core::tensor::{Int, Tensor, TensorData};
+use burn_nn::attention::generate_autoregressive_mask;
+use burn_nn::loss::CrossEntropyLossConfig;
+use burn_nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
+use burn_nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn_optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
+};
+use collective_fusion::train::module_weights;
+
+const VOCAB: usize = 23;
+const SEQ: usize = 6;
+const WIDTH: usize = 16;
+/// Sequences per rank.
+const ROWS: usize = 2;
+const WORLD: u32 = 2;
+const STEPS: usize = 3;
+
+type Net<B> = (Embedding<B>, TransformerEncoder<B>, Linear<B>);
+
+/// The ranks' recorders are per process: one test at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn init<B: Backend>(d: &B::Device) -> Net<B> {
+    B::seed(d, 3);
+    (
+        EmbeddingConfig::new(VOCAB, WIDTH).init(d),
+        TransformerEncoderConfig::new(WIDTH, 2 * WIDTH, 2, 2)
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init(d),
+        LinearConfig::new(WIDTH, VOCAB).init(d),
+    )
+}
+
+/// Sequences `from..to` of step `step`: tokens, and the next token to predict at each place.
+fn batch<B: Backend>(
+    step: usize,
+    (from, to): (usize, usize),
+    d: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 1, Int>) {
+    let at = |k: usize, add: usize| -> Vec<i64> {
+        (from * SEQ..to * SEQ)
+            .map(|i| ((i * k + step * 5 + add) % VOCAB) as i64)
+            .collect()
+    };
+    (
+        Tensor::from_data(TensorData::new(at(7, 0), [to - from, SEQ]), d),
+        Tensor::from_data(TensorData::new(at(11, 1), [(to - from) * SEQ]), d),
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Optim {
+    Sgd,
+    Adam,
+}
+
+/// Trains `STEPS` steps on sequences `rows`, marking the model for gradient sync first when
+/// `distributed`; the weights at the end.
+fn train<B: AutodiffBackend>(
+    mut m: Net<B>,
+    rows: (usize, usize),
+    d: &B::Device,
+    distributed: bool,
+    optim: Optim,
+) -> Vec<f32> {
+    let mut sgd = SgdConfig::new().init::<B, Net<B>>();
+    let mut adam = AdamConfig::new().init::<B, Net<B>>();
+    let n = rows.1 - rows.0;
+    for step in 0..STEPS {
+        if distributed {
+            m = mark_distributed::<B, Net<B>>(m).expect("marking the model");
+        }
+        let (x, y) = batch::<B>(step, rows, d);
+        let input = TransformerEncoderInput::new(m.0.forward(x))
+            .mask_attn(generate_autoregressive_mask::<B>(n, SEQ, d));
+        let logits = m.2.forward(m.1.forward(input)).reshape([n * SEQ, VOCAB]);
+        let loss = CrossEntropyLossConfig::new().init(d).forward(logits, y);
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        m = match optim {
+            Optim::Sgd => sgd.step(0.05, m, grads),
+            Optim::Adam => adam.step(1e-2, m, grads),
+        };
+    }
+    module_weights::<B, Net<B>>(&m)
+}
+
+/// `WORLD` ranks over `inner` train the model with SGD; each rank's weights, and rank 0's sync
+/// statistics.
+fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
+    type A<I> = Autodiff<Collective<I>>;
+    let devices: Vec<CollectiveDevice<I::Device>> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(inner.clone(), r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<I>();
+    Collective::<I>::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let start = init::<A<I>>(&devices[0]);
+    let ranks = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let m = start.clone().fork(d);
+                s.spawn(move || {
+                    let r = d.rank as usize;
+                    train::<A<I>>(m, (r * ROWS, (r + 1) * ROWS), d, true, Optim::Sgd)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stats = sync_stats::<I>(0);
+    Collective::<I>::close_communication_server(&devices[0]);
+    (ranks, stats)
+}
+
+/// The ranks agree bit for bit and end where one rank on all `WORLD * ROWS` sequences ends
+/// (f32 rounding apart: two half-batch means averaged against one mean), having moved.
+fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
+    let (ranks, stats) = on_ranks::<I>(&inner);
+    assert_eq!(
+        stats.eager_steps + stats.flushed_steps,
+        STEPS as u64,
+        "{stats:?}"
+    );
+    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    type A<I> = Autodiff<Collective<I>>;
+    let d = CollectiveDevice::new(inner, 0);
+    let all = (0, WORLD as usize * ROWS);
+    let reference = train::<A<I>>(init::<A<I>>(&d), all, &d, false, Optim::Sgd);
+    let initial = module_weights::<A<I>, Net<A<I>>>(&init::<A<I>>(&d));
+    assert_eq!(reference.len(), ranks[0].len());
+    let mut moved = 0.0f64;
+    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
+        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
+            "weight {i}: {a} on 2 ranks vs {b} on one"
+        );
+        moved += (b - w0).abs();
+    }
+    assert!(moved > 1e-2, "training did not move the weights: {moved}");
+    stats
+}
+
+#[test]
+fn a_transformer_on_two_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    equals_one_rank::<burn_ndarray::NdArray>(burn_ndarray::NdArrayDevice::Cpu);
+}
+
+/// Burn's default wgpu backend (fusion on): the gradients are packed on the device, and one
+/// rank of `Collective` trains as `Autodiff<Wgpu>` alone, bit for bit, with Adam.
+#[test]
+fn a_transformer_on_fused_wgpu_trains_as_burn_alone_and_on_two_ranks_as_on_one() {
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    type W = burn_wgpu::Wgpu;
+    let wd = burn_wgpu::WgpuDevice::DefaultDevice;
+    let stats = equals_one_rank::<W>(wd.clone());
+    assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
+    let all = (0, WORLD as usize * ROWS);
+    let alone = train::<Autodiff<W>>(init::<Autodiff<W>>(&wd), all, &wd, false, Optim::Adam);
+    type A = Autodiff<Collective<W>>;
+    let d = CollectiveDevice::new(wd, 0);
+    let under = train::<A>(init::<A>(&d), all, &d, false, Optim::Adam);
+    assert_eq!(under.len(), alone.len());
+    for (i, (a, b)) in under.iter().zip(&alone).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "weight {i}: {a} under Collective, {b} alone"
+        );
+    }
+}
