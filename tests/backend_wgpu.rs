@@ -9,7 +9,6 @@ mod common;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::module::Module;
 use burn_core::tensor::{DType, Element, Tensor};
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
@@ -97,18 +96,8 @@ fn distributed<W: Inner>(
         },
     );
     let start = init::<W>(&devices[0]);
-    let ranks: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                let m = start.clone().fork(d);
-                s.spawn(move || {
-                    let r = d.rank as usize;
-                    train(m, (r * ROWS, (r + 1) * ROWS), d, true)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let ranks = common::ranks::forked_per_rank::<A<W>, _, _>(devices, &start, |m, d, r| {
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true)
     });
     let stats = sync_stats::<W>(0);
     let step = recorded_step_graph::<W>(0).expect("a recorded step");
@@ -229,22 +218,13 @@ fn equals_one_rank<W: Inner>() {
         false,
     );
     let initial = module_weights::<A<W>, Mlp<W>>(&init::<W>(&devices[0]));
-    let mut moved = 0.0f64;
-    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
-        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
-        // Two half-batch means averaged vs one mean, on a GPU backend: rounding apart (f32's,
-        // or a few units of f16's last place).
-        let rel = match <W::FloatElem as Element>::dtype() {
-            DType::F32 => 1e-5,
-            _ => 4e-3,
-        };
-        assert!(
-            (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-2),
-            "weight {i}: {a} vs {b}"
-        );
-        moved += (b - w0).abs();
-    }
-    assert!(moved > 1e-3, "training did not move the weights");
+    // Two half-batch means averaged vs one mean, on a GPU backend: rounding apart (f32's,
+    // or a few units of f16's last place).
+    let rel = match <W::FloatElem as Element>::dtype() {
+        DType::F32 => 1e-5,
+        _ => 4e-3,
+    };
+    common::ranks::assert_ends_as_one_rank(&ranks[0], &reference, &initial, rel, 1e-3);
 }
 
 /// The user's all-reduces on Burn's fused wgpu backend: three issued back to back are packed

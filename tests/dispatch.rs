@@ -15,7 +15,6 @@ use std::sync::Mutex;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use burn_core::module::Module;
 use burn_core::tensor::Tensor;
 use burn_dispatch::{Dispatch, DispatchDevice};
 #[cfg(feature = "dispatch-ndarray")]
@@ -88,18 +87,8 @@ fn two_ranks(device: &DispatchDevice, device_buckets: bool) -> (Vec<f32>, SyncSt
         },
     );
     let start = init(&devices[0]);
-    let ranks: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                let m = start.clone().fork(d);
-                s.spawn(move || {
-                    let r = d.rank as usize;
-                    train(m, (r * ROWS, (r + 1) * ROWS), d, true)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let ranks = common::ranks::forked_per_rank::<A, _, _>(&devices, &start, |m, d, r| {
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true)
     });
     let stats = sync_stats::<Dispatch>(0);
     Inner::close_communication_server(&devices[0]);
@@ -124,17 +113,7 @@ fn equals_one_rank(device: DispatchDevice) -> SyncStats {
         false,
     );
     let initial = module_weights::<A, Mlp>(&init(&devices[0]));
-    let mut moved = 0.0f64;
-    for (i, ((a, b), w0)) in weights.iter().zip(&reference).zip(&initial).enumerate() {
-        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
-        // Two half-batch means averaged against one mean: f32 rounding apart.
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
-            "weight {i}: {a} vs {b}"
-        );
-        moved += (b - w0).abs();
-    }
-    assert!(moved > 1e-3, "training did not move the weights");
+    common::ranks::assert_ends_as_one_rank(&weights, &reference, &initial, 1e-5, 1e-3);
     stats
 }
 

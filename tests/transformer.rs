@@ -10,7 +10,6 @@ mod common;
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_backend::{AutodiffBackend, Backend};
-use burn_core::module::Module;
 use burn_core::tensor::{Int, Tensor, TensorData};
 use burn_nn::attention::generate_autoregressive_mask;
 use burn_nn::loss::CrossEntropyLossConfig;
@@ -119,18 +118,8 @@ fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
         },
     );
     let start = init::<A<I>>(&devices[0]);
-    let ranks = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                let m = start.clone().fork(d);
-                s.spawn(move || {
-                    let r = d.rank as usize;
-                    train::<A<I>>(m, (r * ROWS, (r + 1) * ROWS), d, true, Optim::Sgd)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let ranks = common::ranks::forked_per_rank::<A<I>, _, _>(&devices, &start, |m, d, r| {
+        train::<A<I>>(m, (r * ROWS, (r + 1) * ROWS), d, true, Optim::Sgd)
     });
     let stats = sync_stats::<I>(0);
     Collective::<I>::close_communication_server(&devices[0]);
@@ -152,17 +141,7 @@ fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
     let all = (0, WORLD as usize * ROWS);
     let reference = train::<A<I>>(init::<A<I>>(&d), all, &d, false, Optim::Sgd);
     let initial = module_weights::<A<I>, Net<A<I>>>(&init::<A<I>>(&d));
-    assert_eq!(reference.len(), ranks[0].len());
-    let mut moved = 0.0f64;
-    for (i, ((a, b), w0)) in ranks[0].iter().zip(&reference).zip(&initial).enumerate() {
-        let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-2),
-            "weight {i}: {a} on 2 ranks vs {b} on one"
-        );
-        moved += (b - w0).abs();
-    }
-    assert!(moved > 1e-2, "training did not move the weights: {moved}");
+    common::ranks::assert_ends_as_one_rank(&ranks[0], &reference, &initial, 1e-5, 1e-2);
     stats
 }
 

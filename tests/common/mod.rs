@@ -5,6 +5,7 @@ pub mod cube;
 pub mod kernels;
 pub mod kill;
 pub mod persistent;
+pub mod ranks;
 pub mod threads;
 
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
