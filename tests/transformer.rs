@@ -30,6 +30,8 @@ const WORLD: u32 = 2;
 const STEPS: usize = 3;
 
 type Net<B> = (Embedding<B>, TransformerEncoder<B>, Linear<B>);
+/// The backend under test over inner backend `I`.
+type A<I> = Autodiff<Collective<I>>;
 
 /// The ranks' recorders are per process: one test at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -102,7 +104,6 @@ fn train<B: AutodiffBackend>(
 /// `WORLD` ranks over `inner` train the model with SGD; each rank's weights, and rank 0's sync
 /// statistics.
 fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
-    type A<I> = Autodiff<Collective<I>>;
     let devices: Vec<CollectiveDevice<I::Device>> = (0..WORLD)
         .map(|r| CollectiveDevice::new(inner.clone(), r))
         .collect();
@@ -136,7 +137,6 @@ fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
         "{stats:?}"
     );
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
-    type A<I> = Autodiff<Collective<I>>;
     let d = CollectiveDevice::new(inner, 0);
     let all = (0, WORLD as usize * ROWS);
     let reference = train::<A<I>>(init::<A<I>>(&d), all, &d, false, Optim::Sgd);
@@ -165,9 +165,8 @@ fn a_transformer_on_fused_wgpu_trains_as_burn_alone_and_on_two_ranks_as_on_one()
     assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
     let all = (0, WORLD as usize * ROWS);
     let alone = train::<Autodiff<W>>(init::<Autodiff<W>>(&wd), all, &wd, false, Optim::Adam);
-    type A = Autodiff<Collective<W>>;
     let d = CollectiveDevice::new(wd, 0);
-    let under = train::<A>(init::<A>(&d), all, &d, false, Optim::Adam);
+    let under = train::<A<W>>(init::<A<W>>(&d), all, &d, false, Optim::Adam);
     assert_eq!(under.len(), alone.len());
     for (i, (a, b)) in under.iter().zip(&alone).enumerate() {
         assert_eq!(
