@@ -190,6 +190,10 @@ def rank_source(name, t):
     return None
 
 
+# Ops whose result is a random draw of the rank's generator.
+RANDOM = ("float_random", "int_random")
+
+
 def wrap(t, expr, logged):
     """Wraps the inner backend's result `expr` of type `t` into `Collective`'s."""
     for k, kind in KINDS.items():
@@ -275,7 +279,7 @@ def method(trait, name, gen, raw_args, ret, lazy):
                 rule_args.append(f"&{n}")
         body.append(f"let rule = op_table::{name}({', '.join(rule_args)});")
         seqs = ", ".join(
-            f"{n}.seq()" if tensor_kind(t)[1] == "value" else f"{n}.as_ref().and_then(CTensor::seq)"
+            f"{n}.input()" if tensor_kind(t)[1] == "value" else f"{n}.as_ref().map(CTensor::input).unwrap_or_default()"
             for n, t in tensors)
         body.append(f"let node = rule.record(\"{name}\", {first_device(args)}, rules::inputs([{seqs}]));")
         call = []
@@ -295,17 +299,22 @@ def method(trait, name, gen, raw_args, ret, lazy):
             for n, t in tensors:
                 form = tensor_kind(t)[1]
                 seqs.append({
-                    "value": f"{n}.seq()", "ref": f"{n}.seq()",
-                    "option": f"{n}.as_ref().and_then(CTensor::seq)",
-                }.get(form, f"{n}.iter().filter_map(CTensor::seq)"))
-            singles = [s for s in seqs if not s.endswith("filter_map(CTensor::seq)")]
-            vecs = [s for s in seqs if s.endswith("filter_map(CTensor::seq)")]
-            it = f"rules::inputs([{', '.join(singles)}])"
-            for v in vecs:
-                it = f"{it}.into_iter().chain({v}).collect()" if singles else f"{v}.collect()"
-            body.append(f"let log = Eager::new(\"{name}\", {it});")
+                    "value": f"{n}.input()", "ref": f"{n}.input()",
+                    "option": f"{n}.as_ref().map(CTensor::input).unwrap_or_default()",
+                }.get(form, f"{n}.iter().map(CTensor::input)"))
+            singles = [s for s in seqs if not s.endswith("map(CTensor::input)")]
+            vecs = [s for s in seqs if s.endswith("map(CTensor::input)")]
+            sources = ([f"[{', '.join(singles)}]"] if singles else []) + vecs
+            it = sources[0]
+            for v in sources[1:]:
+                it = f"{it}.into_iter().chain({v})"
+            body.append(f"let log = Eager::new(\"{name}\", rules::inputs({it}));")
         call = [convert_arg(n, t, name) for n, t in args]
-        body.append(wrap(ret_t, f"I::{name}({', '.join(call)})", logged))
+        result = wrap(ret_t, f"I::{name}({', '.join(call)})", logged)
+        if name in RANDOM:
+            # A random draw: its values are this rank's own (see `CTensor::is_drawn`).
+            result = result.replace("CTensor::new(", "CTensor::random(", 1)
+        body.append(result)
     lines = [f"    fn {name}{gen}({params}){sig_ret} {{"]
     lines += [f"        {b}" for b in body]
     lines.append("    }")

@@ -358,3 +358,183 @@ fn running_statistics_start_as_rank_zero_statistics() {
         assert_eq!(m, &rank0, "rank {r}: running statistics after marking");
     }
 }
+
+/// An MLP whose parameters initialize lazily on `d` (as Burn's modules build: nothing drawn yet).
+fn lazy_model(seed: u64, d: &Dev) -> Mlp {
+    <B as burn_backend::Backend>::seed(d, seed);
+    WIDTHS
+        .windows(2)
+        .map(|w| LinearConfig::new(w[0], w[1]).init(d))
+        .collect()
+}
+
+/// Asserts that every rank ended with rank 0's weights.
+fn assert_alike(out: Vec<Result<Vec<f32>, ReplicaError>>, what: &str) {
+    let out: Vec<Vec<u32>> = out
+        .into_iter()
+        .enumerate()
+        .map(|(r, o)| bits(&o.unwrap_or_else(|e| panic!("{what}, rank {r}: {e}"))))
+        .collect();
+    for (r, w) in out.iter().enumerate() {
+        assert_eq!(w, &out[0], "{what}: rank {r}'s weights are not rank 0's");
+    }
+}
+
+/// A lazily initialized model forked to every rank draws each rank's own values when first
+/// read. Marking it replicates rank 0's, also when the same parameters (same ids) were
+/// replicated before: a second run from the same template in one process, whether or not the
+/// values were read before marking.
+#[test]
+fn a_lazy_model_forked_again_is_replicated_again() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 2;
+    let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
+    let template = lazy_model(11, &devices[0]);
+    for run in 0..3 {
+        let models: Vec<Mlp> = devices.iter().map(|d| template.clone().fork(d)).collect();
+        if run == 2 {
+            // Read first: the values are drawn before marking sees the model.
+            let drawn: Vec<Vec<u32>> = models.iter().map(|m| bits(&weights(m))).collect();
+            assert_ne!(drawn[0], drawn[1], "each rank drew its own values");
+        }
+        let out = on_every_rank(models, |r, m| weights(&step(m, r)));
+        assert_alike(out, &format!("run {run}"));
+    }
+    Inner::close_communication_server(&devices[0]);
+}
+
+/// A parameter given new random values (its id kept) is replicated again at the next marking;
+/// a trained one is not.
+#[test]
+fn a_parameter_drawn_again_is_replicated_again() {
+    use burn_core::tensor::{Distribution, Tensor};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 2;
+    let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
+    let models: Vec<Mlp> = (0..world).map(|r| model(&WIDTHS, 5, r)).collect();
+    let out = on_every_rank(models, |r, m| {
+        let mut m = step(m, r);
+        // A head initialized again, through an op: each rank draws its own.
+        let head = m.len() - 1;
+        m[head].weight = m[head].weight.clone().map(|t| {
+            let shape = t.shape();
+            (Tensor::<B, 2>::random(shape, Distribution::Default, &t.device()) * 0.1).require_grad()
+        });
+        let head_drawn = bits(&weights(&m));
+        (head_drawn, m)
+    });
+    let (drawn, models): (Vec<Vec<u32>>, Vec<Mlp>) = out.into_iter().map(Result::unwrap).unzip();
+    assert_ne!(drawn[0], drawn[1], "each rank drew its own head");
+    let out = on_every_rank(models, |r, m| weights(&step(m, r)));
+    Inner::close_communication_server(&devices[0]);
+    assert_alike(out, "after the head was drawn again");
+}
+
+/// Dropout draws on every rank, but what reaches the parameters is the synced gradient:
+/// trained parameters are not drawn, and marking them again communicates nothing.
+#[test]
+fn training_with_dropout_leaves_marking_silent() {
+    use burn_nn::DropoutConfig;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 2;
+    let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(2));
+    let models: Vec<Mlp> = (0..world).map(|r| model(&WIDTHS, 6, r)).collect();
+    let dropout = DropoutConfig::new(0.5).init();
+    let train = |m: Mlp, r: usize, k: usize| -> Mlp {
+        let d = device(r as u32);
+        let (x, y) = synthetic_batch::<B>(k, (r * 2, r * 2 + 2), WIDTHS[0], 3, &d);
+        let mut h = x;
+        for (i, l) in m.iter().enumerate() {
+            h = l.forward(dropout.forward(h));
+            if i + 1 < m.len() {
+                h = burn_core::tensor::activation::relu(h);
+            }
+        }
+        let loss = MseLoss::new().forward(h, y, Reduction::Mean);
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
+    };
+    let out = on_every_rank(models, |r, m| {
+        let m = train(m, r, 0);
+        let m = mark_distributed::<B, Mlp>(m).expect("marking again");
+        train(m, r, 1)
+    });
+    let trained: Vec<Mlp> = out.into_iter().map(Result::unwrap).collect();
+    assert_eq!(bits(&weights(&trained[0])), bits(&weights(&trained[1])));
+    // Rank 0 alone marks again: an exchange would wait for rank 1 and time out.
+    let again = mark_distributed::<B, Mlp>(trained[0].clone());
+    Inner::close_communication_server(&devices[0]);
+    assert!(again.is_ok(), "{:?}", again.err());
+}
+
+/// A checkpoint of the model and its optimizer, taken mid-training and loaded into a model and
+/// an optimizer built afresh (other random values), resumes exactly: every rank ends where
+/// training straight through ends, bit for bit.
+#[test]
+fn a_checkpoint_of_model_and_optimizer_resumes_bit_for_bit() {
+    use burn_core::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    use burn_optim::AdamConfig;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 2;
+    let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
+    let adam_steps = |mut m: Mlp, o: &mut _, r: usize, steps: std::ops::Range<usize>| -> Mlp {
+        let o: &mut burn_optim::adaptor::OptimizerAdaptor<burn_optim::Adam, Mlp, B> = o;
+        let d = device(r as u32);
+        for k in steps {
+            m = mark_distributed::<B, Mlp>(m).expect("marking");
+            let (x, y) = synthetic_batch::<B>(k, (r * 2, r * 2 + 2), WIDTHS[0], 3, &d);
+            let mut h = x;
+            for (i, l) in m.iter().enumerate() {
+                h = l.forward(h);
+                if i + 1 < m.len() {
+                    h = burn_core::tensor::activation::relu(h);
+                }
+            }
+            let loss = MseLoss::new().forward(h, y, Reduction::Mean);
+            let grads = GradientsParams::from_grads(loss.backward(), &m);
+            m = o.step(0.01, m, grads);
+        }
+        m
+    };
+    // Drawn once: both runs start from the same values.
+    let template = lazy_model(21, &devices[0]);
+    let _ = weights(&template);
+    let straight = on_every_rank(
+        devices.iter().map(|d| template.clone().fork(d)).collect(),
+        {
+            |r, m| {
+                let mut o = AdamConfig::new().init::<B, Mlp>();
+                weights(&adam_steps(m, &mut o, r, 0..4))
+            }
+        },
+    );
+    let resumed = on_every_rank(
+        devices.iter().map(|d| template.clone().fork(d)).collect(),
+        {
+            |r, m| {
+                let d = device(r as u32);
+                let mut o = AdamConfig::new().init::<B, Mlp>();
+                let m = adam_steps(m, &mut o, r, 0..2);
+                let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+                let model_bytes = recorder
+                    .record(m.into_record(), ())
+                    .expect("saving the model");
+                let optim_bytes = recorder
+                    .record(o.to_record(), ())
+                    .expect("saving the optimizer");
+                let fresh = lazy_model(99, &d).load_record(recorder.load(model_bytes, &d).unwrap());
+                let mut o = AdamConfig::new()
+                    .init::<B, Mlp>()
+                    .load_record(recorder.load(optim_bytes, &d).unwrap());
+                weights(&adam_steps(fresh, &mut o, r, 2..4))
+            }
+        },
+    );
+    Inner::close_communication_server(&devices[0]);
+    let straight: Vec<Vec<f32>> = straight.into_iter().map(Result::unwrap).collect();
+    assert_eq!(bits(&straight[0]), bits(&straight[1]), "straight through");
+    for (r, w) in resumed.into_iter().enumerate() {
+        let w = w.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(bits(&w), bits(&straight[0]), "rank {r}: resumed");
+    }
+}

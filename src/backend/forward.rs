@@ -7,10 +7,10 @@ use burn_backend::ops::{
     MaxPool2dWithIndices, TransactionPrimitive,
 };
 use burn_backend::{Backend, TensorPrimitive};
-use smallvec::SmallVec;
 use std::sync::Arc;
 
 use super::lazy::{AnyDevice, Record};
+use super::rules::Inputs;
 use super::{CTensor, Collective};
 use crate::graph::ComputeKind;
 
@@ -19,12 +19,12 @@ use crate::graph::ComputeKind;
 #[derive(Clone)]
 pub(crate) struct Eager {
     op: &'static str,
-    inputs: SmallVec<[u64; 3]>,
+    inputs: Inputs,
 }
 
 impl Eager {
-    /// Op `op`, which read the recorded nodes `inputs`.
-    pub fn new(op: &'static str, inputs: SmallVec<[u64; 3]>) -> Self {
+    /// Op `op`, which read `inputs`.
+    pub fn new(op: &'static str, inputs: Inputs) -> Self {
         Eager { op, inputs }
     }
 
@@ -40,8 +40,9 @@ impl Eager {
             device,
             shape: None,
             dtype: None,
-            inputs: self.inputs,
+            inputs: self.inputs.seqs,
             flops: 0,
+            drawn: self.inputs.drawn,
         };
         CTensor::eager(rank, rec, p)
     }

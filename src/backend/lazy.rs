@@ -102,6 +102,8 @@ pub(crate) struct Record {
     pub inputs: SmallVec<[u64; 3]>,
     /// Estimated floating-point operations.
     pub flops: u64,
+    /// Whether its result derives from a random draw (see [`CTensor::is_drawn`]).
+    pub drawn: bool,
 }
 
 /// One recorded op in a rank's log.
@@ -540,6 +542,19 @@ pub struct CTensor<P> {
     repr: Repr<P>,
     /// Its rank.
     pub rank: u32,
+    /// Whether the value derives from a random draw of this rank since the ranks last agreed on
+    /// it (see [`Self::is_drawn`]).
+    drawn: bool,
+}
+
+/// What a recorded op knows of one of its tensor inputs: its node (if recorded) and whether its
+/// value derives from a random draw.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Input {
+    /// Its node number, if an op recorded it.
+    pub seq: Option<u64>,
+    /// Whether it derives from a random draw.
+    pub drawn: bool,
 }
 
 impl<P: Clone> Clone for CTensor<P> {
@@ -550,6 +565,7 @@ impl<P: Clone> Clone for CTensor<P> {
                 Repr::Lazy(n) => Repr::Lazy(Arc::clone(n)),
             },
             rank: self.rank,
+            drawn: self.drawn,
         }
     }
 }
@@ -573,6 +589,41 @@ impl<P: Clone + Send + 'static> CTensor<P> {
         CTensor {
             repr: Repr::Ready(inner),
             rank,
+            drawn: false,
+        }
+    }
+
+    /// `inner`, a random draw of `rank` (`float_random`, `int_random`): values another rank's
+    /// generator would not draw alike unless seeded alike.
+    pub(crate) fn random(inner: P, rank: u32) -> Self {
+        CTensor {
+            drawn: true,
+            ..CTensor::new(inner, rank)
+        }
+    }
+
+    /// Whether the value derives from a random draw of this rank (a random op, or an op that
+    /// read such a value) since the ranks last agreed on it: a gradient sync's result and a
+    /// replicated parameter do not. What `mark_distributed` looks at to see that a parameter
+    /// it replicated before holds freshly drawn values again (a lazily initialized model forked
+    /// again, a layer initialized again): replicas that would otherwise drift apart silently.
+    pub(crate) fn is_drawn(&self) -> bool {
+        self.drawn
+    }
+
+    /// The same value, as one the ranks agree on (the parameters a marking replicated).
+    pub(crate) fn agreed(&self) -> Self {
+        CTensor {
+            drawn: false,
+            ..self.clone()
+        }
+    }
+
+    /// What an op that reads this tensor records of it.
+    pub(crate) fn input(&self) -> Input {
+        Input {
+            seq: self.seq(),
+            drawn: self.drawn,
         }
     }
 
@@ -677,6 +728,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
     /// Replaces the value with a computed tensor (the gradient write-back).
     pub fn set(&mut self, inner: P) {
         self.repr = Repr::Ready(inner);
+        self.drawn = false;
     }
 
     /// Whether the value is still to be computed.
@@ -697,10 +749,12 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
         if rec.flops == 0 {
             rec.flops = rec.shape.as_ref().map_or(0, |s| s.num_elements() as u64);
         }
+        let drawn = rec.drawn;
         let node = recorder(rank).push(rec, State::Done(p));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
+            drawn,
         }
     }
 
@@ -723,10 +777,12 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
         } else {
             Box::new(f)
         };
+        let drawn = rec.drawn;
         let node = recorder(rank).push(rec, State::Pending(thunk));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
+            drawn,
         }
     }
 

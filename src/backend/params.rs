@@ -65,6 +65,11 @@ pub(crate) struct Marked {
     pub id: u64,
     /// Its value: the float primitive of the autodiff backend's inner backend.
     pub value: Box<dyn Any>,
+    /// Whether it requires a gradient (a trained parameter, not a running statistic).
+    pub requires_grad: bool,
+    /// Whether its value was drawn by this marking: a lazily initialized parameter
+    /// (`Param::uninitialized`, how Burn's modules build) that nothing had read before.
+    pub initialized_now: bool,
 }
 
 /// What a backend does with a marked model's parameters: a new value for each parameter that
@@ -95,7 +100,8 @@ pub(crate) fn register_hook<B: 'static>(hook: ReplicaHook) {
 /// rank 0's values (or verify that they already do; see
 /// [`InitialWeights`](super::InitialWeights) and the `replicas` module). Marking parameters
 /// already replicated (before every backward pass, as Burn's autodiff needs) communicates
-/// nothing.
+/// nothing, unless their values were drawn again since (a lazily initialized model forked
+/// again): those are replicated again.
 ///
 /// # Errors
 /// [`ReplicaError`] when the ranks' models differ (naming the first differing parameter on
@@ -132,6 +138,7 @@ where
             self.path.pop();
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let initialized_now = !param.is_initialized();
             let (id, tensor, mapper) = param.consume();
             let pid = DistributedParamId::from(id.val());
             let path: Vec<&str> = self
@@ -151,6 +158,8 @@ where
                 name,
                 id: id.val(),
                 value: Box::new(tensor.clone().inner().into_primitive().tensor()),
+                requires_grad: tensor.is_require_grad(),
+                initialized_now,
             });
             let tensor = tensor.set_distributed(pid);
             Param::from_mapped_value(id, tensor, mapper)

@@ -24,7 +24,11 @@
 //! exchange is a collective). Guarantees: after a successful marking every rank's parameters
 //! are bit for bit rank 0's (or were checked to be); marking again parameters already
 //! replicated (Burn's autodiff needs the model marked before every backward pass) costs nothing
-//! and communicates nothing; a new model (new parameters) is replicated again. Values cross in
+//! and communicates nothing; a new model (new parameters) is replicated again, and so are
+//! parameters that keep their ids but whose values were drawn again since (initialized by this
+//! marking, or trained parameters whose value derives from a random draw the ranks did not agree
+//! on since: [`CTensor::is_drawn`]). Running statistics (no gradient) drawn from dropped-out
+//! activations stay each rank's own. Values cross in
 //! host memory (a one-time cost per model; the device path is the gradients').
 
 use std::any::Any;
@@ -186,9 +190,18 @@ pub(super) fn replicate<I: Backend>(
         h.write(listing.as_bytes());
         h.finish()
     };
+    // Parameters replicated before whose values were drawn again since (a lazily initialized
+    // model forked again, a layer initialized again): the ids are the same, the values are each
+    // rank's own. Running statistics (no gradient) may differ by design and are left out.
+    let drawn: Vec<bool> = params
+        .iter()
+        .zip(&entries)
+        .map(|(m, e)| m.initialized_now || (m.requires_grad && e.tensor.is_drawn()))
+        .collect();
     let new = {
         let st = session.state(rank, "mark_distributed");
         st.replicas.agreed != Some(fingerprint)
+            || drawn.contains(&true)
             || params.iter().any(|m| !st.replicas.synced.contains(&m.id))
     };
     if !new {
@@ -211,7 +224,17 @@ pub(super) fn replicate<I: Backend>(
             ),
             InitialWeights::Verify => verify::<I>(comm, &entries, timeout).map(|()| keep()),
         }
-    })();
+    })()
+    .map(|mut values| {
+        // Values this rank keeps are now agreed on: marked so, so that marking them again
+        // (before every backward pass) sees nothing new.
+        for ((v, e), d) in values.iter_mut().zip(&entries).zip(&drawn) {
+            if v.is_none() && (*d || e.tensor.is_drawn()) {
+                *v = Some(Box::new(e.tensor.agreed()));
+            }
+        }
+        values
+    });
     match &result {
         Ok(_) => {
             let mut st = session.state(rank, "mark_distributed");

@@ -7,7 +7,7 @@
 use burn_std::{DType, Shape};
 use smallvec::SmallVec;
 
-use super::lazy::{AnyDevice, Record};
+use super::lazy::{AnyDevice, Input, Record};
 use crate::graph::ComputeKind;
 
 /// What is known of a tensor argument without computing it.
@@ -80,15 +80,16 @@ impl Rule {
     }
 
     /// The record of op `op` on `device` reading nodes `inputs`.
-    pub fn record(self, op: &'static str, device: AnyDevice, inputs: SmallVec<[u64; 3]>) -> Record {
+    pub fn record(self, op: &'static str, device: AnyDevice, inputs: Inputs) -> Record {
         Record {
             op,
             kind: self.kind,
             device,
             shape: self.shape,
             dtype: self.dtype,
-            inputs,
+            inputs: inputs.seqs,
             flops: self.flops,
+            drawn: inputs.drawn,
         }
     }
 }
@@ -180,9 +181,30 @@ pub fn conv_transpose<const N: usize>(
     Some(Shape::from(dims))
 }
 
-/// The node numbers among an op's inputs.
-pub fn inputs(seqs: impl IntoIterator<Item = Option<u64>>) -> SmallVec<[u64; 3]> {
-    seqs.into_iter().flatten().collect()
+/// What an op records of its tensor inputs: the nodes among them, and whether any derives
+/// from a random draw (then so does the result).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Inputs {
+    /// The node numbers among the inputs.
+    pub seqs: SmallVec<[u64; 3]>,
+    /// Whether an input derives from a random draw.
+    pub drawn: bool,
+}
+
+impl FromIterator<Input> for Inputs {
+    fn from_iter<T: IntoIterator<Item = Input>>(iter: T) -> Self {
+        let mut out = Inputs::default();
+        for i in iter {
+            out.seqs.extend(i.seq);
+            out.drawn |= i.drawn;
+        }
+        out
+    }
+}
+
+/// What an op records of its inputs.
+pub(crate) fn inputs(inputs: impl IntoIterator<Item = Input>) -> Inputs {
+    inputs.into_iter().collect()
 }
 
 /// Elements of a shape (0 when unknown).

@@ -448,6 +448,8 @@ pub(super) fn all_reduce<I: Backend>(
         dtype: Some(tensor.dtype()),
         inputs: input.into_iter().collect::<SmallVec<[u64; 3]>>(),
         flops: 0,
+        // Every rank gets the same reduced values, whatever each contributed.
+        drawn: false,
     };
     let out = CTensor::lazy(rank as u32, rec, move || {
         if let Err(e) = s.wait_user(rank, &cell) {

@@ -37,12 +37,12 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_into_int", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_into_int", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::bool_into_int(tensor.into_inner_for("bool_into_int"), out_dtype))
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_into_float", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_into_float", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::bool_into_float(tensor.into_inner_for("bool_into_float"), out_dtype))
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
@@ -52,23 +52,23 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
         let rank = device.rank;
         let rule = op_table::bool_to_device(tensor.meta(), device);
-        let node = rule.record("bool_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.seq()]));
+        let node = rule.record("bool_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));
         let device = device.inner.clone();
         CTensor::lazy(rank, node, move || I::bool_to_device(tensor.into_inner(), &device))
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_reshape", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_reshape", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape))
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_slice", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_slice", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_slice(tensor.into_inner_for("bool_slice"), slices))
     }
     fn bool_slice_assign(tensor: BoolTensor<Self>, slices: &[Slice], value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_slice_assign", rules::inputs([tensor.seq(), value.seq()]));
+        let log = Eager::new("bool_slice_assign", rules::inputs([tensor.input(), value.input()]));
         log.bool::<I>(
             rank,
             I::bool_slice_assign(tensor.into_inner_for("bool_slice_assign"), slices, value.into_inner_for("bool_slice_assign")),
@@ -76,7 +76,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_mask_where(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_mask_where", rules::inputs([tensor.seq(), mask.seq(), value.seq()]));
+        let log = Eager::new("bool_mask_where", rules::inputs([tensor.input(), mask.input(), value.input()]));
         log.bool::<I>(
             rank,
             I::bool_mask_where(
@@ -88,7 +88,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_mask_fill(tensor: BoolTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_mask_fill", rules::inputs([tensor.seq(), mask.seq()]));
+        let log = Eager::new("bool_mask_fill", rules::inputs([tensor.input(), mask.input()]));
         log.bool::<I>(
             rank,
             I::bool_mask_fill(tensor.into_inner_for("bool_mask_fill"), mask.into_inner_for("bool_mask_fill"), value),
@@ -96,7 +96,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_gather(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_gather", rules::inputs([tensor.seq(), indices.seq()]));
+        let log = Eager::new("bool_gather", rules::inputs([tensor.input(), indices.input()]));
         log.bool::<I>(
             rank,
             I::bool_gather(dim, tensor.into_inner_for("bool_gather"), indices.into_inner_for("bool_gather")),
@@ -104,7 +104,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_scatter_or(dim: usize, tensor: BoolTensor<Self>, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_scatter_or", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
+        let log = Eager::new("bool_scatter_or", rules::inputs([tensor.input(), indices.input(), value.input()]));
         log.bool::<I>(
             rank,
             I::bool_scatter_or(
@@ -117,7 +117,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_select(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_select", rules::inputs([tensor.seq(), indices.seq()]));
+        let log = Eager::new("bool_select", rules::inputs([tensor.input(), indices.input()]));
         log.bool::<I>(
             rank,
             I::bool_select(tensor.into_inner_for("bool_select"), dim, indices.into_inner_for("bool_select")),
@@ -125,7 +125,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_select_or(tensor: BoolTensor<Self>, dim: usize, indices: IntTensor<Self>, value: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_select_or", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
+        let log = Eager::new("bool_select_or", rules::inputs([tensor.input(), indices.input(), value.input()]));
         log.bool::<I>(
             rank,
             I::bool_select_or(
@@ -138,22 +138,22 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_repeat_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_repeat_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_repeat_dim(tensor.into_inner_for("bool_repeat_dim"), dim, times))
     }
     fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        let log = Eager::new("bool_cat", tensors.iter().filter_map(CTensor::seq).collect());
+        let log = Eager::new("bool_cat", rules::inputs(tensors.iter().map(CTensor::input)));
         log.bool::<I>(rank, I::bool_cat(tensors.into_iter().map(|t| t.into_inner_for("bool_cat")).collect(), dim))
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bool_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::bool_equal(lhs.into_inner_for("bool_equal"), rhs.into_inner_for("bool_equal")))
     }
     fn bool_not_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_not_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bool_not_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(
             rank,
             I::bool_not_equal(lhs.into_inner_for("bool_not_equal"), rhs.into_inner_for("bool_not_equal")),
@@ -161,77 +161,77 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bool_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::bool_equal_elem(lhs.into_inner_for("bool_equal_elem"), rhs))
     }
     fn bool_not_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_not_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bool_not_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::bool_not_equal_elem(lhs.into_inner_for("bool_not_equal_elem"), rhs))
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_not", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_not", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_not(tensor.into_inner_for("bool_not")))
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_and", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bool_and", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::bool_and(lhs.into_inner_for("bool_and"), rhs.into_inner_for("bool_and")))
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_or", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bool_or", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::bool_or(lhs.into_inner_for("bool_or"), rhs.into_inner_for("bool_or")))
     }
     fn bool_xor(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bool_xor", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bool_xor", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::bool_xor(lhs.into_inner_for("bool_xor"), rhs.into_inner_for("bool_xor")))
     }
     fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_transpose", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_transpose", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_transpose(tensor.into_inner_for("bool_transpose")))
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_swap_dims", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_swap_dims", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_swap_dims(tensor.into_inner_for("bool_swap_dims"), dim1, dim2))
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_permute", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_permute", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_permute(tensor.into_inner_for("bool_permute"), axes))
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_flip", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_flip", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_flip(tensor.into_inner_for("bool_flip"), axes))
     }
     fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_any", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_any", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_any(tensor.into_inner_for("bool_any")))
     }
     fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_any_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_any_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_any_dim(tensor.into_inner_for("bool_any_dim"), dim))
     }
     fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_all", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_all", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_all(tensor.into_inner_for("bool_all")))
     }
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_all_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_all_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_all_dim(tensor.into_inner_for("bool_all_dim"), dim))
     }
     fn bool_argwhere(tensor: BoolTensor<Self>, out_dtype: IntDType) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
         let rank = tensor.rank;
-        let log = Eager::new("bool_argwhere", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_argwhere", rules::inputs([tensor.input()]));
         {
             let fut = I::bool_argwhere(tensor.into_inner_for("bool_argwhere"), out_dtype);
             async move { CTensor::new(fut.await, rank) }
@@ -239,12 +239,12 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_expand", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_expand", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_expand(tensor.into_inner_for("bool_expand"), shape))
     }
     fn bool_unfold(tensor: BoolTensor<Self>, dim: usize, size: usize, step: usize) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bool_unfold", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bool_unfold", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::bool_unfold(tensor.into_inner_for("bool_unfold"), dim, size, step))
     }
 }

@@ -22,7 +22,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::float_random(shape, distribution, &device.inner, dtype), rank)
+        CTensor::random(I::float_random(shape, distribution, &device.inner, dtype), rank)
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = device.rank;
@@ -55,13 +55,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
         let rank = device.rank;
         let rule = op_table::float_to_device(tensor.meta(), device);
-        let node = rule.record("float_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));
         let device = device.inner.clone();
         CTensor::lazy(rank, node, move || I::float_to_device(tensor.into_inner(), &device))
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_into_int", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_into_int", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::float_into_int(tensor.into_inner_for("float_into_int"), out_dtype))
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
@@ -70,73 +70,89 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_repeat_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_repeat_dim", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_repeat_dim(tensor.into_inner_for("float_repeat_dim"), dim, times))
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_add(lhs.meta(), rhs.meta());
-        let node = rule.record("float_add", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_add",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_add(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_add_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_add_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_add_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_add_scalar(lhs.into_inner(), rhs))
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_clamp_min(tensor.meta(), &min);
-        let node = rule.record("float_clamp_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_clamp_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_clamp_min(tensor.into_inner(), min))
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_clamp_max(tensor.meta(), &max);
-        let node = rule.record("float_clamp_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_clamp_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_clamp_max(tensor.into_inner(), max))
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_clamp(tensor.meta(), &min, &max);
-        let node = rule.record("float_clamp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_clamp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_clamp(tensor.into_inner(), min, max))
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_sub(lhs.meta(), rhs.meta());
-        let node = rule.record("float_sub", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_sub",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_sub(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_sub_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_sub_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_sub_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_sub_scalar(lhs.into_inner(), rhs))
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_mul(lhs.meta(), rhs.meta());
-        let node = rule.record("float_mul", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_mul",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_mul(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_mul_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_mul_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_mul_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_mul_scalar(lhs.into_inner(), rhs))
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_div(lhs.meta(), rhs.meta());
-        let node = rule.record("float_div", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_div",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_div(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_div_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_div_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_div_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_div_scalar(lhs.into_inner(), rhs))
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -145,67 +161,75 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_remainder",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq(), rhs.seq()]),
+            rules::inputs([lhs.input(), rhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_remainder(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_remainder_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_remainder_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record(
+            "float_remainder_scalar",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_remainder_scalar(lhs.into_inner(), rhs))
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_matmul(lhs.meta(), rhs.meta());
-        let node = rule.record("float_matmul", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_matmul",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_matmul(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("float_cross", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("float_cross", rules::inputs([lhs.input(), rhs.input()]));
         log.float::<I>(rank, I::float_cross(lhs.into_inner_for("float_cross"), rhs.into_inner_for("float_cross"), dim))
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_neg(tensor.meta());
-        let node = rule.record("float_neg", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_neg", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_neg(tensor.into_inner()))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_recip(tensor.meta());
-        let node = rule.record("float_recip", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_recip", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_recip(tensor.into_inner()))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_transpose(tensor.meta());
-        let node = rule.record("float_transpose", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_transpose", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_transpose(tensor.into_inner()))
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_swap_dims(tensor.meta(), &dim1, &dim2);
-        let node = rule.record("float_swap_dims", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_swap_dims", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_swap_dims(tensor.into_inner(), dim1, dim2))
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_permute(tensor.meta(), axes);
-        let node = rule.record("float_permute", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_permute", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         let axes = axes.to_vec();
         CTensor::lazy(rank, node, move || I::float_permute(tensor.into_inner(), &axes))
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_flip", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_flip", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_flip(tensor.into_inner_for("float_flip"), axes))
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_reshape(tensor.meta(), &shape);
-        let node = rule.record("float_reshape", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_reshape", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_reshape(tensor.into_inner(), shape))
     }
     fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
@@ -214,7 +238,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_gather",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), indices.seq()]),
+            rules::inputs([tensor.input(), indices.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_gather(dim, tensor.into_inner(), indices.into_inner()))
     }
@@ -224,7 +248,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_scatter_add",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
+            rules::inputs([tensor.input(), indices.input(), value.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::float_scatter_add(dim, tensor.into_inner(), indices.into_inner(), value.into_inner())
@@ -237,7 +261,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> FloatTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new("float_scatter_nd", rules::inputs([_data.seq(), _indices.seq(), _values.seq()]));
+        let log = Eager::new("float_scatter_nd", rules::inputs([_data.input(), _indices.input(), _values.input()]));
         log.float::<I>(
             rank,
             I::float_scatter_nd(
@@ -250,7 +274,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_gather_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>) -> FloatTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new("float_gather_nd", rules::inputs([_data.seq(), _indices.seq()]));
+        let log = Eager::new("float_gather_nd", rules::inputs([_data.input(), _indices.input()]));
         log.float::<I>(
             rank,
             I::float_gather_nd(_data.into_inner_for("float_gather_nd"), _indices.into_inner_for("float_gather_nd")),
@@ -262,7 +286,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_select",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), indices.seq()]),
+            rules::inputs([tensor.input(), indices.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_select(tensor.into_inner(), dim, indices.into_inner()))
     }
@@ -272,7 +296,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_select_add",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), indices.seq(), value.seq()]),
+            rules::inputs([tensor.input(), indices.input(), value.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::float_select_add(tensor.into_inner(), dim, indices.into_inner(), value.into_inner())
@@ -280,12 +304,12 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_slice", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_slice", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_slice(tensor.into_inner_for("float_slice"), slices))
     }
     fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_slice_assign", rules::inputs([tensor.seq(), value.seq()]));
+        let log = Eager::new("float_slice_assign", rules::inputs([tensor.input(), value.input()]));
         log.float::<I>(
             rank,
             I::float_slice_assign(tensor.into_inner_for("float_slice_assign"), slices, value.into_inner_for("float_slice_assign")),
@@ -297,7 +321,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_mask_where",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), mask.seq(), value.seq()]),
+            rules::inputs([tensor.input(), mask.input(), value.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::float_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner())
@@ -309,14 +333,18 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_mask_fill",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), mask.seq()]),
+            rules::inputs([tensor.input(), mask.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value))
     }
     fn float_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_equal(lhs.meta(), rhs.meta(), &out_dtype);
-        let node = rule.record("float_equal", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_equal",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_not_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
@@ -325,20 +353,20 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_not_equal",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq(), rhs.seq()]),
+            rules::inputs([lhs.input(), rhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_not_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_equal_elem(lhs.meta(), &rhs, &out_dtype);
-        let node = rule.record("float_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_not_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_not_equal_elem(lhs.meta(), &rhs, &out_dtype);
-        let node = rule.record("float_not_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_not_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_not_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_greater(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
@@ -347,14 +375,14 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_greater",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq(), rhs.seq()]),
+            rules::inputs([lhs.input(), rhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_greater_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_greater_elem(lhs.meta(), &rhs, &out_dtype);
-        let node = rule.record("float_greater_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_greater_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_greater_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
@@ -363,7 +391,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_greater_equal",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq(), rhs.seq()]),
+            rules::inputs([lhs.input(), rhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
@@ -373,20 +401,24 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_greater_equal_elem",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq()]),
+            rules::inputs([lhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_lower(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_lower(lhs.meta(), rhs.meta(), &out_dtype);
-        let node = rule.record("float_lower", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_lower",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_lower_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_lower_elem(lhs.meta(), &rhs, &out_dtype);
-        let node = rule.record("float_lower_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_lower_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_lower_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
@@ -395,24 +427,28 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_lower_equal",
             lhs.device_handle(|p| I::float_device(p)),
-            rules::inputs([lhs.seq(), rhs.seq()]),
+            rules::inputs([lhs.input(), rhs.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_lower_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_lower_equal_elem(lhs.meta(), &rhs, &out_dtype);
-        let node = rule.record("float_lower_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record(
+            "float_lower_equal_elem",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_detach", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_detach", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_detach(tensor.into_inner_for("float_detach")))
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_set_require_grad", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_set_require_grad", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_set_require_grad(tensor.into_inner_for("float_set_require_grad"), _require_grad))
     }
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
@@ -421,113 +457,129 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sum(tensor.meta());
-        let node = rule.record("float_sum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sum(tensor.into_inner()))
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sum_dim(tensor.meta(), &dim);
-        let node = rule.record("float_sum_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sum_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sum_dim(tensor.into_inner(), dim))
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_prod(tensor.meta());
-        let node = rule.record("float_prod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_prod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_prod(tensor.into_inner()))
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_prod_dim(tensor.meta(), &dim);
-        let node = rule.record("float_prod_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_prod_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_prod_dim(tensor.into_inner(), dim))
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_mean(tensor.meta());
-        let node = rule.record("float_mean", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_mean", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_mean(tensor.into_inner()))
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_mean_dim(tensor.meta(), &dim);
-        let node = rule.record("float_mean_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_mean_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_mean_dim(tensor.into_inner(), dim))
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_cumsum(tensor.meta(), &dim);
-        let node = rule.record("float_cumsum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_cumsum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_cumsum(tensor.into_inner(), dim))
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_cumprod(tensor.meta(), &dim);
-        let node = rule.record("float_cumprod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_cumprod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_cumprod(tensor.into_inner(), dim))
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_cummin", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_cummin", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_cummin(tensor.into_inner_for("float_cummin"), dim))
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_cummax", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_cummax", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_cummax(tensor.into_inner_for("float_cummax"), dim))
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_cast(tensor.meta(), &dtype);
-        let node = rule.record("float_cast", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_cast", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_cast(tensor.into_inner(), dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_exp(tensor.meta());
-        let node = rule.record("float_exp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_exp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_exp(tensor.into_inner()))
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_log(tensor.meta());
-        let node = rule.record("float_log", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_log", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_log(tensor.into_inner()))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_log1p(tensor.meta());
-        let node = rule.record("float_log1p", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_log1p", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_log1p(tensor.into_inner()))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_powf(lhs.meta(), rhs.meta());
-        let node = rule.record("float_powf", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_powf",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_powf(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_powi(lhs.meta(), rhs.meta());
-        let node = rule.record("float_powi", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_powi",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_powi(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_powi_scalar(lhs.meta(), &rhs);
-        let node = rule.record("float_powi_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record("float_powi_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
         CTensor::lazy(rank, node, move || I::float_powi_scalar(lhs.into_inner(), rhs))
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_powi_scalar_impl(lhs.meta(), &rhs);
-        let node = rule.record("float_powi_scalar_impl", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq()]));
+        let node = rule.record(
+            "float_powi_scalar_impl",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_powi_scalar_impl(lhs.into_inner(), rhs))
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_powf_scalar(tensor.meta(), &value);
-        let node = rule.record("float_powf_scalar", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record(
+            "float_powf_scalar",
+            tensor.device_handle(|p| I::float_device(p)),
+            rules::inputs([tensor.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_powf_scalar(tensor.into_inner(), value))
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
@@ -536,172 +588,176 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         let node = rule.record(
             "float_powf_scalar_impl",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq()]),
+            rules::inputs([tensor.input()]),
         );
         CTensor::lazy(rank, node, move || I::float_powf_scalar_impl(tensor.into_inner(), value))
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sqrt(tensor.meta());
-        let node = rule.record("float_sqrt", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sqrt", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sqrt(tensor.into_inner()))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_abs(tensor.meta());
-        let node = rule.record("float_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_abs(tensor.into_inner()))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_cos(tensor.meta());
-        let node = rule.record("float_cos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_cos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_cos(tensor.into_inner()))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sin(tensor.meta());
-        let node = rule.record("float_sin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sin(tensor.into_inner()))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_tan(tensor.meta());
-        let node = rule.record("float_tan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_tan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_tan(tensor.into_inner()))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_cosh(tensor.meta());
-        let node = rule.record("float_cosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_cosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_cosh(tensor.into_inner()))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sinh(tensor.meta());
-        let node = rule.record("float_sinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sinh(tensor.into_inner()))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_tanh(tensor.meta());
-        let node = rule.record("float_tanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_tanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_tanh(tensor.into_inner()))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_acos(tensor.meta());
-        let node = rule.record("float_acos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_acos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_acos(tensor.into_inner()))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_acosh(tensor.meta());
-        let node = rule.record("float_acosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_acosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_acosh(tensor.into_inner()))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_asin(tensor.meta());
-        let node = rule.record("float_asin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_asin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_asin(tensor.into_inner()))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_asinh(tensor.meta());
-        let node = rule.record("float_asinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_asinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_asinh(tensor.into_inner()))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_atan(tensor.meta());
-        let node = rule.record("float_atan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_atan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_atan(tensor.into_inner()))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_atanh(tensor.meta());
-        let node = rule.record("float_atanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_atanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_atanh(tensor.into_inner()))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = lhs.rank;
         let rule = op_table::float_atan2(lhs.meta(), rhs.meta());
-        let node = rule.record("float_atan2", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.seq(), rhs.seq()]));
+        let node = rule.record(
+            "float_atan2",
+            lhs.device_handle(|p| I::float_device(p)),
+            rules::inputs([lhs.input(), rhs.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_atan2(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_round(tensor.meta());
-        let node = rule.record("float_round", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_round", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_round(tensor.into_inner()))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_floor(tensor.meta());
-        let node = rule.record("float_floor", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_floor", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_floor(tensor.into_inner()))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_ceil(tensor.meta());
-        let node = rule.record("float_ceil", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_ceil", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_ceil(tensor.into_inner()))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_trunc(tensor.meta());
-        let node = rule.record("float_trunc", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_trunc", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_trunc(tensor.into_inner()))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_erf(tensor.meta());
-        let node = rule.record("float_erf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_erf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_erf(tensor.into_inner()))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        let log = Eager::new("float_cat", tensors.iter().filter_map(CTensor::seq).collect());
+        let log = Eager::new("float_cat", rules::inputs(tensors.iter().map(CTensor::input)));
         log.float::<I>(rank, I::float_cat(tensors.into_iter().map(|t| t.into_inner_for("float_cat")).collect(), dim))
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_argmax(tensor.meta(), &dim, &out_dtype);
-        let node = rule.record("float_argmax", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_argmax", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_argmax(tensor.into_inner(), dim, out_dtype))
     }
     fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_argtopk", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_argtopk", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::float_argtopk(tensor.into_inner_for("float_argtopk"), dim, k, out_dtype))
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_topk", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_topk", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_topk(tensor.into_inner_for("float_topk"), dim, k))
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_argmin(tensor.meta(), &dim, &out_dtype);
-        let node = rule.record("float_argmin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_argmin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_argmin(tensor.into_inner(), dim, out_dtype))
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_max(tensor.meta());
-        let node = rule.record("float_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_max(tensor.into_inner()))
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_max_dim(tensor.meta(), &dim);
-        let node = rule.record("float_max_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_max_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_max_dim(tensor.into_inner(), dim))
     }
     fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("float_max_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_max_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::float_max_dim_with_indices(tensor.into_inner_for("float_max_dim_with_indices"), dim, indices_dtype);
             (log.clone().float::<I>(rank, a), log.int::<I>(rank, b))
@@ -710,18 +766,18 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_min(tensor.meta());
-        let node = rule.record("float_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_min(tensor.into_inner()))
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_min_dim(tensor.meta(), &dim);
-        let node = rule.record("float_min_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_min_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_min_dim(tensor.into_inner(), dim))
     }
     fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("float_min_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_min_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::float_min_dim_with_indices(tensor.into_inner_for("float_min_dim_with_indices"), dim, indices_dtype);
             (log.clone().float::<I>(rank, a), log.int::<I>(rank, b))
@@ -730,55 +786,59 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_max_abs(tensor.meta());
-        let node = rule.record("float_max_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_max_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_max_abs(tensor.into_inner()))
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_max_abs_dim(tensor.meta(), &dim);
-        let node = rule.record("float_max_abs_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record(
+            "float_max_abs_dim",
+            tensor.device_handle(|p| I::float_device(p)),
+            rules::inputs([tensor.input()]),
+        );
         CTensor::lazy(rank, node, move || I::float_max_abs_dim(tensor.into_inner(), dim))
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_any", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_any", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::float_any(tensor.into_inner_for("float_any"), out_dtype))
     }
     fn float_any_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_any_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_any_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::float_any_dim(tensor.into_inner_for("float_any_dim"), dim, out_dtype))
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_all", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_all", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::float_all(tensor.into_inner_for("float_all"), out_dtype))
     }
     fn float_all_dim(tensor: FloatTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_all_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_all_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::float_all_dim(tensor.into_inner_for("float_all_dim"), dim, out_dtype))
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_sign(tensor.meta());
-        let node = rule.record("float_sign", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_sign", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_sign(tensor.into_inner()))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_expand(tensor.meta(), &shape);
-        let node = rule.record("float_expand", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_expand", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_expand(tensor.into_inner(), shape))
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_sort", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_sort", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_sort(tensor.into_inner_for("float_sort"), dim, descending))
     }
     fn float_sort_with_indices(tensor: FloatTensor<Self>, dim: usize, descending: bool, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("float_sort_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_sort_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::float_sort_with_indices(tensor.into_inner_for("float_sort_with_indices"), dim, descending, indices_dtype);
             (log.clone().float::<I>(rank, a), log.int::<I>(rank, b))
@@ -786,12 +846,12 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_argsort(tensor: FloatTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_argsort", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_argsort", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::float_argsort(tensor.into_inner_for("float_argsort"), dim, descending, out_dtype))
     }
     fn float_grid_sample_2d(tensor: FloatTensor<Self>, grid: FloatTensor<Self>, options: GridSampleOptions) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_grid_sample_2d", rules::inputs([tensor.seq(), grid.seq()]));
+        let log = Eager::new("float_grid_sample_2d", rules::inputs([tensor.input(), grid.input()]));
         log.float::<I>(
             rank,
             I::float_grid_sample_2d(
@@ -803,19 +863,19 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_unfold(tensor: FloatTensor<Self>, dim: usize, size: usize, step: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_unfold", rules::inputs([tensor.seq()]));
+        let log = Eager::new("float_unfold", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::float_unfold(tensor.into_inner_for("float_unfold"), dim, size, step))
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_is_nan(tensor.meta(), &out_dtype);
-        let node = rule.record("float_is_nan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_is_nan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_is_nan(tensor.into_inner(), out_dtype))
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
         let rule = op_table::float_is_inf(tensor.meta(), &out_dtype);
-        let node = rule.record("float_is_inf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.seq()]));
+        let node = rule.record("float_is_inf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         CTensor::lazy(rank, node, move || I::float_is_inf(tensor.into_inner(), out_dtype))
     }
 }

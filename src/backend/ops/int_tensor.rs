@@ -34,23 +34,23 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
         let rank = device.rank;
         let rule = op_table::int_to_device(tensor.meta(), device);
-        let node = rule.record("int_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.seq()]));
+        let node = rule.record("int_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));
         let device = device.inner.clone();
         CTensor::lazy(rank, node, move || I::int_to_device(tensor.into_inner(), &device))
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_reshape", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_reshape", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_reshape(tensor.into_inner_for("int_reshape"), shape))
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_slice", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_slice", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_slice(tensor.into_inner_for("int_slice"), slices))
     }
     fn int_slice_assign(tensor: IntTensor<Self>, slices: &[Slice], value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_slice_assign", rules::inputs([tensor.seq(), value.seq()]));
+        let log = Eager::new("int_slice_assign", rules::inputs([tensor.input(), value.input()]));
         log.int::<I>(
             rank,
             I::int_slice_assign(tensor.into_inner_for("int_slice_assign"), slices, value.into_inner_for("int_slice_assign")),
@@ -58,12 +58,12 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_into_float", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_into_float", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::int_into_float(tensor.into_inner_for("int_into_float"), out_dtype))
     }
     fn int_mask_where(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_mask_where", rules::inputs([tensor.seq(), mask.seq(), value.seq()]));
+        let log = Eager::new("int_mask_where", rules::inputs([tensor.input(), mask.input(), value.input()]));
         log.int::<I>(
             rank,
             I::int_mask_where(
@@ -75,7 +75,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_mask_fill(tensor: IntTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_mask_fill", rules::inputs([tensor.seq(), mask.seq()]));
+        let log = Eager::new("int_mask_fill", rules::inputs([tensor.input(), mask.input()]));
         log.int::<I>(
             rank,
             I::int_mask_fill(tensor.into_inner_for("int_mask_fill"), mask.into_inner_for("int_mask_fill"), value),
@@ -83,7 +83,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_gather(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_gather", rules::inputs([tensor.seq(), indices.seq()]));
+        let log = Eager::new("int_gather", rules::inputs([tensor.input(), indices.input()]));
         log.int::<I>(
             rank,
             I::int_gather(dim, tensor.into_inner_for("int_gather"), indices.into_inner_for("int_gather")),
@@ -91,7 +91,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_scatter_add(dim: usize, tensor: IntTensor<Self>, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_scatter_add", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
+        let log = Eager::new("int_scatter_add", rules::inputs([tensor.input(), indices.input(), value.input()]));
         log.int::<I>(
             rank,
             I::int_scatter_add(
@@ -109,7 +109,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> IntTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new("int_scatter_nd", rules::inputs([_data.seq(), _indices.seq(), _values.seq()]));
+        let log = Eager::new("int_scatter_nd", rules::inputs([_data.input(), _indices.input(), _values.input()]));
         log.int::<I>(
             rank,
             I::int_scatter_nd(
@@ -122,7 +122,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_gather_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = _data.rank;
-        let log = Eager::new("int_gather_nd", rules::inputs([_data.seq(), _indices.seq()]));
+        let log = Eager::new("int_gather_nd", rules::inputs([_data.input(), _indices.input()]));
         log.int::<I>(
             rank,
             I::int_gather_nd(_data.into_inner_for("int_gather_nd"), _indices.into_inner_for("int_gather_nd")),
@@ -130,7 +130,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_select(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_select", rules::inputs([tensor.seq(), indices.seq()]));
+        let log = Eager::new("int_select", rules::inputs([tensor.input(), indices.input()]));
         log.int::<I>(
             rank,
             I::int_select(tensor.into_inner_for("int_select"), dim, indices.into_inner_for("int_select")),
@@ -138,7 +138,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_select_add(tensor: IntTensor<Self>, dim: usize, indices: IntTensor<Self>, value: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_select_add", rules::inputs([tensor.seq(), indices.seq(), value.seq()]));
+        let log = Eager::new("int_select_add", rules::inputs([tensor.input(), indices.input(), value.input()]));
         log.int::<I>(
             rank,
             I::int_select_add(
@@ -151,22 +151,22 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_repeat_dim(tensor: IntTensor<Self>, dim: usize, times: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_repeat_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_repeat_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_repeat_dim(tensor.into_inner_for("int_repeat_dim"), dim, times))
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        let log = Eager::new("int_cat", tensors.iter().filter_map(CTensor::seq).collect());
+        let log = Eager::new("int_cat", rules::inputs(tensors.iter().map(CTensor::input)));
         log.int::<I>(rank, I::int_cat(tensors.into_iter().map(|t| t.into_inner_for("int_cat")).collect(), dim))
     }
     fn int_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::int_equal(lhs.into_inner_for("int_equal"), rhs.into_inner_for("int_equal"), out_dtype))
     }
     fn int_not_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_not_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_not_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(
             rank,
             I::int_not_equal(lhs.into_inner_for("int_not_equal"), rhs.into_inner_for("int_not_equal"), out_dtype),
@@ -174,17 +174,17 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_equal_elem(lhs.into_inner_for("int_equal_elem"), rhs, out_dtype))
     }
     fn int_not_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_not_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_not_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_not_equal_elem(lhs.into_inner_for("int_not_equal_elem"), rhs, out_dtype))
     }
     fn int_greater(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_greater", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_greater", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(
             rank,
             I::int_greater(lhs.into_inner_for("int_greater"), rhs.into_inner_for("int_greater"), out_dtype),
@@ -192,12 +192,12 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_greater_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_greater_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_greater_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_greater_elem(lhs.into_inner_for("int_greater_elem"), rhs, out_dtype))
     }
     fn int_greater_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_greater_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_greater_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(
             rank,
             I::int_greater_equal(lhs.into_inner_for("int_greater_equal"), rhs.into_inner_for("int_greater_equal"), out_dtype),
@@ -205,22 +205,22 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_greater_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_greater_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_greater_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_greater_equal_elem(lhs.into_inner_for("int_greater_equal_elem"), rhs, out_dtype))
     }
     fn int_lower(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_lower", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_lower", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(rank, I::int_lower(lhs.into_inner_for("int_lower"), rhs.into_inner_for("int_lower"), out_dtype))
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_lower_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_lower_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_lower_elem(lhs.into_inner_for("int_lower_elem"), rhs, out_dtype))
     }
     fn int_lower_equal(lhs: IntTensor<Self>, rhs: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_lower_equal", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_lower_equal", rules::inputs([lhs.input(), rhs.input()]));
         log.bool::<I>(
             rank,
             I::int_lower_equal(lhs.into_inner_for("int_lower_equal"), rhs.into_inner_for("int_lower_equal"), out_dtype),
@@ -228,97 +228,97 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_lower_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_lower_equal_elem", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_lower_equal_elem", rules::inputs([lhs.input()]));
         log.bool::<I>(rank, I::int_lower_equal_elem(lhs.into_inner_for("int_lower_equal_elem"), rhs, out_dtype))
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_add", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_add", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_add(lhs.into_inner_for("int_add"), rhs.into_inner_for("int_add")))
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_add_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_add_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_add_scalar(lhs.into_inner_for("int_add_scalar"), rhs))
     }
     fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_powi", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_powi", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_powi(lhs.into_inner_for("int_powi"), rhs.into_inner_for("int_powi")))
     }
     fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_powi_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_powi_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_powi_scalar(lhs.into_inner_for("int_powi_scalar"), rhs))
     }
     fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_powi_scalar_impl", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_powi_scalar_impl", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_powi_scalar_impl(lhs.into_inner_for("int_powi_scalar_impl"), rhs))
     }
     fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_clamp_min", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_clamp_min", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_clamp_min(tensor.into_inner_for("int_clamp_min"), min))
     }
     fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_clamp_max", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_clamp_max", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_clamp_max(tensor.into_inner_for("int_clamp_max"), max))
     }
     fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_clamp", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_clamp", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_clamp(tensor.into_inner_for("int_clamp"), min, max))
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_sub", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_sub", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_sub(lhs.into_inner_for("int_sub"), rhs.into_inner_for("int_sub")))
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_sub_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_sub_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_sub_scalar(lhs.into_inner_for("int_sub_scalar"), rhs))
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_mul", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_mul", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_mul(lhs.into_inner_for("int_mul"), rhs.into_inner_for("int_mul")))
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_mul_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_mul_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_mul_scalar(lhs.into_inner_for("int_mul_scalar"), rhs))
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_div", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_div", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_div(lhs.into_inner_for("int_div"), rhs.into_inner_for("int_div")))
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_div_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_div_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_div_scalar(lhs.into_inner_for("int_div_scalar"), rhs))
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_remainder", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_remainder", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_remainder(lhs.into_inner_for("int_remainder"), rhs.into_inner_for("int_remainder")))
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_remainder_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("int_remainder_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::int_remainder_scalar(lhs.into_inner_for("int_remainder_scalar"), rhs))
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("int_matmul", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("int_matmul", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::int_matmul(lhs.into_inner_for("int_matmul"), rhs.into_inner_for("int_matmul")))
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_neg", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_neg", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_neg(tensor.into_inner_for("int_neg")))
     }
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
@@ -344,87 +344,87 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_sum", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_sum", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_sum(tensor.into_inner_for("int_sum")))
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_sum_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_sum_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_sum_dim(tensor.into_inner_for("int_sum_dim"), dim))
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_prod", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_prod", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_prod(tensor.into_inner_for("int_prod")))
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_prod_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_prod_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_prod_dim(tensor.into_inner_for("int_prod_dim"), dim))
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_mean", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_mean", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_mean(tensor.into_inner_for("int_mean")))
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_mean_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_mean_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_mean_dim(tensor.into_inner_for("int_mean_dim"), dim))
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_cumsum", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_cumsum", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_cumsum(tensor.into_inner_for("int_cumsum"), dim))
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_cumprod", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_cumprod", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_cumprod(tensor.into_inner_for("int_cumprod"), dim))
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_cummin", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_cummin", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_cummin(tensor.into_inner_for("int_cummin"), dim))
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_cummax", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_cummax", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_cummax(tensor.into_inner_for("int_cummax"), dim))
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_argmax", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_argmax", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_argmax(tensor.into_inner_for("int_argmax"), dim))
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_argtopk", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_argtopk", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_argtopk(tensor.into_inner_for("int_argtopk"), dim, k))
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_topk", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_topk", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_topk(tensor.into_inner_for("int_topk"), dim, k))
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_argmin", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_argmin", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_argmin(tensor.into_inner_for("int_argmin"), dim))
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_max", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_max", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_max(tensor.into_inner_for("int_max")))
     }
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_max_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_max_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_max_dim(tensor.into_inner_for("int_max_dim"), dim))
     }
     fn int_max_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("int_max_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_max_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::int_max_dim_with_indices(tensor.into_inner_for("int_max_dim_with_indices"), dim);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
@@ -432,27 +432,27 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_max_abs", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_max_abs", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_max_abs(tensor.into_inner_for("int_max_abs")))
     }
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_max_abs_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_max_abs_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_max_abs_dim(tensor.into_inner_for("int_max_abs_dim"), dim))
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_min", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_min", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_min(tensor.into_inner_for("int_min")))
     }
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_min_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_min_dim", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_min_dim(tensor.into_inner_for("int_min_dim"), dim))
     }
     fn int_min_dim_with_indices(tensor: IntTensor<Self>, dim: usize) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("int_min_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_min_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::int_min_dim_with_indices(tensor.into_inner_for("int_min_dim_with_indices"), dim);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
@@ -460,32 +460,32 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_abs", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_abs", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_abs(tensor.into_inner_for("int_abs")))
     }
     fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_transpose", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_transpose", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_transpose(tensor.into_inner_for("int_transpose")))
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_swap_dims", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_swap_dims", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_swap_dims(tensor.into_inner_for("int_swap_dims"), dim1, dim2))
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_permute", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_permute", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_permute(tensor.into_inner_for("int_permute"), axes))
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_flip", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_flip", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_flip(tensor.into_inner_for("int_flip"), axes))
     }
     fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
-        CTensor::new(I::int_random(shape, distribution, &device.inner, dtype), rank)
+        CTensor::random(I::int_random(shape, distribution, &device.inner, dtype), rank)
     }
     fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = device.rank;
@@ -497,42 +497,42 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_any", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_any", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::int_any(tensor.into_inner_for("int_any"), out_dtype))
     }
     fn int_any_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_any_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_any_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::int_any_dim(tensor.into_inner_for("int_any_dim"), dim, out_dtype))
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_all", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_all", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::int_all(tensor.into_inner_for("int_all"), out_dtype))
     }
     fn int_all_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_all_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_all_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::int_all_dim(tensor.into_inner_for("int_all_dim"), dim, out_dtype))
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_sign", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_sign", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_sign(tensor.into_inner_for("int_sign")))
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_expand", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_expand", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_expand(tensor.into_inner_for("int_expand"), shape))
     }
     fn int_sort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_sort", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_sort", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_sort(tensor.into_inner_for("int_sort"), dim, descending))
     }
     fn int_sort_with_indices(tensor: IntTensor<Self>, dim: usize, descending: bool) -> (IntTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("int_sort_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_sort_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::int_sort_with_indices(tensor.into_inner_for("int_sort_with_indices"), dim, descending);
             (log.clone().int::<I>(rank, a), log.int::<I>(rank, b))
@@ -540,47 +540,47 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn int_argsort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_argsort", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_argsort", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_argsort(tensor.into_inner_for("int_argsort"), dim, descending))
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_and", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bitwise_and", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::bitwise_and(lhs.into_inner_for("bitwise_and"), rhs.into_inner_for("bitwise_and")))
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_and_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bitwise_and_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::bitwise_and_scalar(lhs.into_inner_for("bitwise_and_scalar"), rhs))
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_or", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bitwise_or", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::bitwise_or(lhs.into_inner_for("bitwise_or"), rhs.into_inner_for("bitwise_or")))
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_or_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bitwise_or_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::bitwise_or_scalar(lhs.into_inner_for("bitwise_or_scalar"), rhs))
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_xor", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bitwise_xor", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(rank, I::bitwise_xor(lhs.into_inner_for("bitwise_xor"), rhs.into_inner_for("bitwise_xor")))
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_xor_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bitwise_xor_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::bitwise_xor_scalar(lhs.into_inner_for("bitwise_xor_scalar"), rhs))
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("bitwise_not", rules::inputs([tensor.seq()]));
+        let log = Eager::new("bitwise_not", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::bitwise_not(tensor.into_inner_for("bitwise_not")))
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_left_shift", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bitwise_left_shift", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(
             rank,
             I::bitwise_left_shift(lhs.into_inner_for("bitwise_left_shift"), rhs.into_inner_for("bitwise_left_shift")),
@@ -588,12 +588,12 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_left_shift_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bitwise_left_shift_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::bitwise_left_shift_scalar(lhs.into_inner_for("bitwise_left_shift_scalar"), rhs))
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_right_shift", rules::inputs([lhs.seq(), rhs.seq()]));
+        let log = Eager::new("bitwise_right_shift", rules::inputs([lhs.input(), rhs.input()]));
         log.int::<I>(
             rank,
             I::bitwise_right_shift(lhs.into_inner_for("bitwise_right_shift"), rhs.into_inner_for("bitwise_right_shift")),
@@ -601,17 +601,17 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
         let rank = lhs.rank;
-        let log = Eager::new("bitwise_right_shift_scalar", rules::inputs([lhs.seq()]));
+        let log = Eager::new("bitwise_right_shift_scalar", rules::inputs([lhs.input()]));
         log.int::<I>(rank, I::bitwise_right_shift_scalar(lhs.into_inner_for("bitwise_right_shift_scalar"), rhs))
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_cast", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_cast", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_cast(tensor.into_inner_for("int_cast"), dtype))
     }
     fn int_unfold(tensor: IntTensor<Self>, dim: usize, size: usize, step: usize) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("int_unfold", rules::inputs([tensor.seq()]));
+        let log = Eager::new("int_unfold", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::int_unfold(tensor.into_inner_for("int_unfold"), dim, size, step))
     }
 }

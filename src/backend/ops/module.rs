@@ -22,7 +22,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "embedding",
             weights.device_handle(|p| I::float_device(p)),
-            rules::inputs([weights.seq(), indices.seq()]),
+            rules::inputs([weights.input(), indices.input()]),
         );
         CTensor::lazy(rank, node, move || I::embedding(weights.into_inner(), indices.into_inner()))
     }
@@ -32,7 +32,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "embedding_backward",
             weights.device_handle(|p| I::float_device(p)),
-            rules::inputs([weights.seq(), output_grad.seq(), indices.seq()]),
+            rules::inputs([weights.input(), output_grad.input(), indices.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::embedding_backward(weights.into_inner(), output_grad.into_inner(), indices.into_inner())
@@ -44,7 +44,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "linear",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || I::linear(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner())))
     }
@@ -54,7 +54,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "linear_x_backward",
             weight.device_handle(|p| I::float_device(p)),
-            rules::inputs([weight.seq(), output_grad.seq()]),
+            rules::inputs([weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || I::linear_x_backward(weight.into_inner(), output_grad.into_inner()))
     }
@@ -64,7 +64,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "linear_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || I::linear_weight_backward(x.into_inner(), output_grad.into_inner()))
     }
@@ -74,7 +74,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "linear_bias_backward",
             output_grad.device_handle(|p| I::float_device(p)),
-            rules::inputs([output_grad.seq()]),
+            rules::inputs([output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || I::linear_bias_backward(output_grad.into_inner()))
     }
@@ -84,7 +84,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv1d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -96,7 +96,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv1d_x_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv1d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -108,7 +108,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -120,7 +120,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv1d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -132,7 +132,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv2d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -144,7 +144,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv2d_x_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv2d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -156,7 +156,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -168,7 +168,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv2d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv2d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -186,11 +186,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let log = Eager::new(
             "deform_conv2d",
             rules::inputs([
-                x.seq(),
-                offset.seq(),
-                weight.seq(),
-                mask.as_ref().and_then(CTensor::seq),
-                bias.as_ref().and_then(CTensor::seq),
+                x.input(),
+                offset.input(),
+                weight.input(),
+                mask.as_ref().map(CTensor::input).unwrap_or_default(),
+                bias.as_ref().map(CTensor::input).unwrap_or_default(),
             ]),
         );
         log.float::<I>(
@@ -234,7 +234,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv3d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -246,7 +246,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv3d_x_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv3d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -258,7 +258,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -270,7 +270,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv3d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv3d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -287,7 +287,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose1d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -299,7 +299,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose1d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
-            rules::inputs([weight.seq(), output_grad.seq()]),
+            rules::inputs([weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose1d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
@@ -316,7 +316,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -328,7 +328,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose1d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -345,7 +345,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose2d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -357,7 +357,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose2d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
-            rules::inputs([weight.seq(), output_grad.seq()]),
+            rules::inputs([weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose2d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
@@ -374,7 +374,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -386,7 +386,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose2d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose2d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -403,7 +403,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose3d",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), bias.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
@@ -415,7 +415,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose3d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
-            rules::inputs([weight.seq(), output_grad.seq()]),
+            rules::inputs([weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose3d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
@@ -432,7 +432,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), weight.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
@@ -444,7 +444,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "conv_transpose3d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
-            rules::inputs([x.seq(), bias.seq(), output_grad.seq()]),
+            rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
         CTensor::lazy(rank, node, move || {
             I::conv_transpose3d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
@@ -452,12 +452,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn unfold4d(x: FloatTensor<Self>, kernel_size: [usize; 2], options: UnfoldOptions) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("unfold4d", rules::inputs([x.seq()]));
+        let log = Eager::new("unfold4d", rules::inputs([x.input()]));
         log.float::<I>(rank, I::unfold4d(x.into_inner_for("unfold4d"), kernel_size, options))
     }
     fn avg_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("avg_pool1d", rules::inputs([x.seq()]));
+        let log = Eager::new("avg_pool1d", rules::inputs([x.input()]));
         log.float::<I>(
             rank,
             I::avg_pool1d(x.into_inner_for("avg_pool1d"), kernel_size, stride, padding, count_include_pad, ceil_mode),
@@ -473,7 +473,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("avg_pool1d_backward", rules::inputs([x.seq(), grad.seq()]));
+        let log = Eager::new("avg_pool1d_backward", rules::inputs([x.input(), grad.input()]));
         log.float::<I>(
             rank,
             I::avg_pool1d_backward(
@@ -496,7 +496,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("avg_pool2d", rules::inputs([x.seq()]));
+        let log = Eager::new("avg_pool2d", rules::inputs([x.input()]));
         log.float::<I>(
             rank,
             I::avg_pool2d(x.into_inner_for("avg_pool2d"), kernel_size, stride, padding, count_include_pad, ceil_mode),
@@ -512,7 +512,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("avg_pool2d_backward", rules::inputs([x.seq(), grad.seq()]));
+        let log = Eager::new("avg_pool2d_backward", rules::inputs([x.input(), grad.input()]));
         log.float::<I>(
             rank,
             I::avg_pool2d_backward(
@@ -528,12 +528,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("adaptive_avg_pool2d", rules::inputs([x.seq()]));
+        let log = Eager::new("adaptive_avg_pool2d", rules::inputs([x.input()]));
         log.float::<I>(rank, I::adaptive_avg_pool2d(x.into_inner_for("adaptive_avg_pool2d"), output_size))
     }
     fn adaptive_avg_pool2d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("adaptive_avg_pool2d_backward", rules::inputs([x.seq(), grad.seq()]));
+        let log = Eager::new("adaptive_avg_pool2d_backward", rules::inputs([x.input(), grad.input()]));
         log.float::<I>(
             rank,
             I::adaptive_avg_pool2d_backward(
@@ -544,12 +544,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("adaptive_avg_pool1d", rules::inputs([x.seq()]));
+        let log = Eager::new("adaptive_avg_pool1d", rules::inputs([x.input()]));
         log.float::<I>(rank, I::adaptive_avg_pool1d(x.into_inner_for("adaptive_avg_pool1d"), output_size))
     }
     fn adaptive_avg_pool1d_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("adaptive_avg_pool1d_backward", rules::inputs([x.seq(), grad.seq()]));
+        let log = Eager::new("adaptive_avg_pool1d_backward", rules::inputs([x.input(), grad.input()]));
         log.float::<I>(
             rank,
             I::adaptive_avg_pool1d_backward(
@@ -560,7 +560,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn max_pool1d(x: FloatTensor<Self>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("max_pool1d", rules::inputs([x.seq()]));
+        let log = Eager::new("max_pool1d", rules::inputs([x.input()]));
         log.float::<I>(
             rank,
             I::max_pool1d(x.into_inner_for("max_pool1d"), kernel_size, stride, padding, dilation, ceil_mode),
@@ -614,7 +614,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("max_pool2d", rules::inputs([x.seq()]));
+        let log = Eager::new("max_pool2d", rules::inputs([x.input()]));
         log.float::<I>(
             rank,
             I::max_pool2d(x.into_inner_for("max_pool2d"), kernel_size, stride, padding, dilation, ceil_mode),
@@ -661,12 +661,12 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn interpolate(x: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("interpolate", rules::inputs([x.seq()]));
+        let log = Eager::new("interpolate", rules::inputs([x.input()]));
         log.float::<I>(rank, I::interpolate(x.into_inner_for("interpolate"), output_size, options))
     }
     fn interpolate_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>, output_size: [usize; 2], options: InterpolateOptions) -> FloatTensor<Self> {
         let rank = x.rank;
-        let log = Eager::new("interpolate_backward", rules::inputs([x.seq(), grad.seq()]));
+        let log = Eager::new("interpolate_backward", rules::inputs([x.input(), grad.input()]));
         log.float::<I>(
             rank,
             I::interpolate_backward(
@@ -689,11 +689,11 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let log = Eager::new(
             "attention",
             rules::inputs([
-                query.seq(),
-                key.seq(),
-                value.seq(),
-                mask.as_ref().and_then(CTensor::seq),
-                attn_bias.as_ref().and_then(CTensor::seq),
+                query.input(),
+                key.input(),
+                value.input(),
+                mask.as_ref().map(CTensor::input).unwrap_or_default(),
+                attn_bias.as_ref().map(CTensor::input).unwrap_or_default(),
             ]),
         );
         log.float::<I>(
@@ -714,7 +714,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let node = rule.record(
             "layer_norm",
             tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.seq(), gamma.seq(), beta.as_ref().and_then(CTensor::seq)]),
+            rules::inputs([tensor.input(), gamma.input(), beta.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
         CTensor::lazy(rank, node, move || {
             I::layer_norm(tensor.into_inner(), gamma.into_inner(), beta.map(|t| t.into_inner()), epsilon)
@@ -730,7 +730,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = log_probs.rank;
         let log = Eager::new(
             "ctc_loss",
-            rules::inputs([log_probs.seq(), targets.seq(), input_lengths.seq(), target_lengths.seq()]),
+            rules::inputs([log_probs.input(), targets.input(), input_lengths.input(), target_lengths.input()]),
         );
         log.float::<I>(
             rank,
@@ -757,7 +757,13 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         let rank = _log_probs.rank;
         let log = Eager::new(
             "ctc_loss_backward",
-            rules::inputs([_log_probs.seq(), _targets.seq(), _input_lengths.seq(), _target_lengths.seq(), _grad_loss.seq()]),
+            rules::inputs([
+                _log_probs.input(),
+                _targets.input(),
+                _input_lengths.input(),
+                _target_lengths.input(),
+                _grad_loss.input(),
+            ]),
         );
         log.float::<I>(
             rank,
@@ -773,7 +779,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn rfft(signal: FloatTensor<Self>, dim: usize, n: Option<usize>) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rank = signal.rank;
-        let log = Eager::new("rfft", rules::inputs([signal.seq()]));
+        let log = Eager::new("rfft", rules::inputs([signal.input()]));
         {
             let (a, b) = I::rfft(signal.into_inner_for("rfft"), dim, n);
             (log.clone().float::<I>(rank, a), log.float::<I>(rank, b))
@@ -781,7 +787,7 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
     }
     fn irfft(spectrum_re: FloatTensor<Self>, spectrum_im: FloatTensor<Self>, dim: usize, n: Option<usize>) -> FloatTensor<Self> {
         let rank = spectrum_re.rank;
-        let log = Eager::new("irfft", rules::inputs([spectrum_re.seq(), spectrum_im.seq()]));
+        let log = Eager::new("irfft", rules::inputs([spectrum_re.input(), spectrum_im.input()]));
         log.float::<I>(rank, I::irfft(spectrum_re.into_inner_for("irfft"), spectrum_im.into_inner_for("irfft"), dim, n))
     }
 }

@@ -39,7 +39,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("dequantize", rules::inputs([tensor.seq()]));
+        let log = Eager::new("dequantize", rules::inputs([tensor.input()]));
         log.float::<I>(rank, I::dequantize(tensor.into_inner_for("dequantize"), dtype))
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
@@ -273,12 +273,12 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_argmax(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_argmax", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_argmax", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::q_argmax(tensor.into_inner_for("q_argmax"), dim, out_dtype))
     }
     fn q_argtopk(tensor: QuantizedTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_argtopk", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_argtopk", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::q_argtopk(tensor.into_inner_for("q_argtopk"), dim, k, out_dtype))
     }
     fn q_topk(tensor: QuantizedTensor<Self>, dim: usize, k: usize) -> QuantizedTensor<Self> {
@@ -287,7 +287,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_argmin(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_argmin", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_argmin", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::q_argmin(tensor.into_inner_for("q_argmin"), dim, out_dtype))
     }
     fn q_max(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
@@ -300,7 +300,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_max_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("q_max_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_max_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::q_max_dim_with_indices(tensor.into_inner_for("q_max_dim_with_indices"), dim, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
@@ -316,7 +316,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_min_dim_with_indices(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("q_min_dim_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_min_dim_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::q_min_dim_with_indices(tensor.into_inner_for("q_min_dim_with_indices"), dim, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
@@ -332,22 +332,22 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_any", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_any", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::q_any(tensor.into_inner_for("q_any"), out_dtype))
     }
     fn q_any_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_any_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_any_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::q_any_dim(tensor.into_inner_for("q_any_dim"), dim, out_dtype))
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_all", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_all", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::q_all(tensor.into_inner_for("q_all"), out_dtype))
     }
     fn q_all_dim(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_all_dim", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_all_dim", rules::inputs([tensor.input()]));
         log.bool::<I>(rank, I::q_all_dim(tensor.into_inner_for("q_all_dim"), dim, out_dtype))
     }
     fn q_sort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool) -> QuantizedTensor<Self> {
@@ -356,7 +356,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_sort_with_indices(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> (QuantizedTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
-        let log = Eager::new("q_sort_with_indices", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_sort_with_indices", rules::inputs([tensor.input()]));
         {
             let (a, b) = I::q_sort_with_indices(tensor.into_inner_for("q_sort_with_indices"), dim, descending, out_dtype);
             (CTensor::new(a, rank), log.int::<I>(rank, b))
@@ -364,7 +364,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
     }
     fn q_argsort(tensor: QuantizedTensor<Self>, dim: usize, descending: bool, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("q_argsort", rules::inputs([tensor.seq()]));
+        let log = Eager::new("q_argsort", rules::inputs([tensor.input()]));
         log.int::<I>(rank, I::q_argsort(tensor.into_inner_for("q_argsort"), dim, descending, out_dtype))
     }
 }
