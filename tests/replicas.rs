@@ -72,10 +72,10 @@ fn start(world: u32, initial_weights: InitialWeights, timeout: Duration) -> Vec<
     devices
 }
 
-/// One SGD step on rows of the rank's share of a fixed batch.
-fn step(m: Mlp, rank: usize) -> Mlp {
+/// The gradients of the MSE loss on the rank's rows of batch `k`.
+fn grads(m: &Mlp, rank: usize, k: usize) -> GradientsParams {
     let d = device(rank as u32);
-    let (x, y) = synthetic_batch::<B>(0, (rank * 2, rank * 2 + 2), WIDTHS[0], 3, &d);
+    let (x, y) = synthetic_batch::<B>(k, (rank * 2, rank * 2 + 2), WIDTHS[0], 3, &d);
     let mut h = x;
     for (i, l) in m.iter().enumerate() {
         h = l.forward(h);
@@ -84,7 +84,12 @@ fn step(m: Mlp, rank: usize) -> Mlp {
         }
     }
     let loss = MseLoss::new().forward(h, y, Reduction::Mean);
-    let grads = GradientsParams::from_grads(loss.backward(), &m);
+    GradientsParams::from_grads(loss.backward(), m)
+}
+
+/// One SGD step on rows of the rank's share of a fixed batch.
+fn step(m: Mlp, rank: usize) -> Mlp {
+    let grads = grads(&m, rank, 0);
     SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
 }
 
@@ -479,19 +484,9 @@ fn a_checkpoint_of_model_and_optimizer_resumes_bit_for_bit() {
     let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
     let adam_steps = |mut m: Mlp, o: &mut _, r: usize, steps: std::ops::Range<usize>| -> Mlp {
         let o: &mut burn_optim::adaptor::OptimizerAdaptor<burn_optim::Adam, Mlp, B> = o;
-        let d = device(r as u32);
         for k in steps {
             m = mark_distributed::<B, Mlp>(m).expect("marking");
-            let (x, y) = synthetic_batch::<B>(k, (r * 2, r * 2 + 2), WIDTHS[0], 3, &d);
-            let mut h = x;
-            for (i, l) in m.iter().enumerate() {
-                h = l.forward(h);
-                if i + 1 < m.len() {
-                    h = burn_core::tensor::activation::relu(h);
-                }
-            }
-            let loss = MseLoss::new().forward(h, y, Reduction::Mean);
-            let grads = GradientsParams::from_grads(loss.backward(), &m);
+            let grads = grads(&m, r, k);
             m = o.step(0.01, m, grads);
         }
         m
