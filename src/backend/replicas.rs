@@ -28,8 +28,8 @@
 //! parameters that keep their ids but whose values were drawn again since (initialized by this
 //! marking, or trained parameters whose value derives from a random draw the ranks did not agree
 //! on since: [`CTensor::is_drawn`]). Running statistics (no gradient) drawn from dropped-out
-//! activations stay each rank's own. Values cross in
-//! host memory (a one-time cost per model; the device path is the gradients').
+//! activations stay each rank's own. Values cross in host memory (a one-time cost per model;
+//! the device path is the gradients').
 
 use std::any::Any;
 use std::collections::HashSet;
