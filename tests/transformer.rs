@@ -8,6 +8,9 @@
 mod common;
 
 use burn_autodiff::Autodiff;
+use burn_autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_backend::{AutodiffBackend, Backend};
 use burn_core::tensor::{Int, Tensor, TensorData};
@@ -15,6 +18,7 @@ use burn_nn::attention::generate_autoregressive_mask;
 use burn_nn::loss::CrossEntropyLossConfig;
 use burn_nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn_nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn_optim::grad_clipping::GradientClippingConfig;
 use burn_optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
@@ -30,8 +34,8 @@ const WORLD: u32 = 2;
 const STEPS: usize = 3;
 
 type Net<B> = (Embedding<B>, TransformerEncoder<B>, Linear<B>);
-/// The backend under test over inner backend `I`.
-type A<I> = Autodiff<Collective<I>>;
+/// The backend under test over inner backend `I`, keeping activations by strategy `C`.
+type A<I, C = NoCheckpointing> = Autodiff<Collective<I>, C>;
 
 /// The ranks' recorders are per process: one test at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -68,6 +72,8 @@ fn batch<B: Backend>(
 #[derive(Clone, Copy, Debug)]
 enum Optim {
     Sgd,
+    /// SGD on gradients clipped to a norm of 0.1 (after the sync).
+    ClippedSgd,
     Adam,
 }
 
@@ -81,6 +87,9 @@ fn train<B: AutodiffBackend>(
     optim: Optim,
 ) -> Vec<f32> {
     let mut sgd = SgdConfig::new().init::<B, Net<B>>();
+    let mut clipped = SgdConfig::new()
+        .with_gradient_clipping(Some(GradientClippingConfig::Norm(0.1)))
+        .init::<B, Net<B>>();
     let mut adam = AdamConfig::new().init::<B, Net<B>>();
     let n = rows.1 - rows.0;
     for step in 0..STEPS {
@@ -95,15 +104,19 @@ fn train<B: AutodiffBackend>(
         let grads = GradientsParams::from_grads(loss.backward(), &m);
         m = match optim {
             Optim::Sgd => sgd.step(0.05, m, grads),
+            Optim::ClippedSgd => clipped.step(0.05, m, grads),
             Optim::Adam => adam.step(1e-2, m, grads),
         };
     }
     module_weights::<B, Net<B>>(&m)
 }
 
-/// `WORLD` ranks over `inner` train the model with SGD; each rank's weights, and rank 0's sync
-/// statistics.
-fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
+/// `WORLD` ranks over `inner` train the model with `optim`; each rank's weights, and rank 0's
+/// sync statistics.
+fn on_ranks<I: Backend, C: CheckpointStrategy>(
+    inner: &I::Device,
+    optim: Optim,
+) -> (Vec<Vec<f32>>, SyncStats) {
     let devices: Vec<CollectiveDevice<I::Device>> = (0..WORLD)
         .map(|r| CollectiveDevice::new(inner.clone(), r))
         .collect();
@@ -118,9 +131,9 @@ fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
             all_reduce_op: ReduceOperation::Mean,
         },
     );
-    let start = init::<A<I>>(&devices[0]);
-    let ranks = common::ranks::forked_per_rank::<A<I>, _, _>(&devices, &start, |m, d, r| {
-        train::<A<I>>(m, (r * ROWS, (r + 1) * ROWS), d, true, Optim::Sgd)
+    let start = init::<A<I, C>>(&devices[0]);
+    let ranks = common::ranks::forked_per_rank::<A<I, C>, _, _>(&devices, &start, |m, d, r| {
+        train::<A<I, C>>(m, (r * ROWS, (r + 1) * ROWS), d, true, optim)
     });
     let stats = sync_stats::<I>(0);
     Collective::<I>::close_communication_server(&devices[0]);
@@ -129,8 +142,8 @@ fn on_ranks<I: Backend>(inner: &I::Device) -> (Vec<Vec<f32>>, SyncStats) {
 
 /// The ranks agree bit for bit and end where one rank on all `WORLD * ROWS` sequences ends
 /// (f32 rounding apart: two half-batch means averaged against one mean), having moved.
-fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
-    let (ranks, stats) = on_ranks::<I>(&inner);
+fn equals_one_rank<I: Backend, C: CheckpointStrategy>(inner: I::Device, optim: Optim) -> SyncStats {
+    let (ranks, stats) = on_ranks::<I, C>(&inner, optim);
     assert_eq!(
         stats.eager_steps + stats.flushed_steps,
         STEPS as u64,
@@ -139,8 +152,8 @@ fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     let d = CollectiveDevice::new(inner, 0);
     let all = (0, WORLD as usize * ROWS);
-    let reference = train::<A<I>>(init::<A<I>>(&d), all, &d, false, Optim::Sgd);
-    let initial = module_weights::<A<I>, Net<A<I>>>(&init::<A<I>>(&d));
+    let reference = train::<A<I, C>>(init::<A<I, C>>(&d), all, &d, false, optim);
+    let initial = module_weights::<A<I, C>, Net<A<I, C>>>(&init::<A<I, C>>(&d));
     common::ranks::assert_ends_as_one_rank(&ranks[0], &reference, &initial, 1e-5, 1e-2);
     stats
 }
@@ -148,7 +161,22 @@ fn equals_one_rank<I: Backend>(inner: I::Device) -> SyncStats {
 #[test]
 fn a_transformer_on_two_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    equals_one_rank::<burn_ndarray::NdArray>(burn_ndarray::NdArrayDevice::Cpu);
+    equals_one_rank::<burn_ndarray::NdArray, NoCheckpointing>(
+        burn_ndarray::NdArrayDevice::Cpu,
+        Optim::Sgd,
+    );
+}
+
+/// Burn's activation checkpointing (`Autodiff<_, BalancedCheckpointing>`: backward computes some
+/// forward ops again) and gradient clipping by norm (applied to the synced gradients) change
+/// nothing about data parallelism: two ranks still end where one rank ends.
+#[test]
+fn a_checkpointed_transformer_with_clipped_gradients_on_two_ranks_equals_one_rank() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    equals_one_rank::<burn_ndarray::NdArray, BalancedCheckpointing>(
+        burn_ndarray::NdArrayDevice::Cpu,
+        Optim::ClippedSgd,
+    );
 }
 
 /// Burn's default wgpu backend (fusion on): the gradients are packed on the device, and one
@@ -161,7 +189,7 @@ fn a_transformer_on_fused_wgpu_trains_as_burn_alone_and_on_two_ranks_as_on_one()
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     type W = burn_wgpu::Wgpu;
     let wd = burn_wgpu::WgpuDevice::DefaultDevice;
-    let stats = equals_one_rank::<W>(wd.clone());
+    let stats = equals_one_rank::<W, NoCheckpointing>(wd.clone(), Optim::Sgd);
     assert!(stats.device_buckets >= STEPS as u64, "{stats:?}");
     let all = (0, WORLD as usize * ROWS);
     let alone = train::<Autodiff<W>>(init::<Autodiff<W>>(&wd), all, &wd, false, Optim::Adam);
