@@ -72,12 +72,16 @@ fn start(world: u32, initial_weights: InitialWeights, timeout: Duration) -> Vec<
     devices
 }
 
-/// The gradients of the MSE loss on the rank's rows of batch `k`.
-fn grads(m: &Mlp, rank: usize, k: usize) -> GradientsParams {
+/// The gradients of the MSE loss on the rank's rows of batch `k`, with `dropout` before each
+/// layer if given.
+fn grads(m: &Mlp, rank: usize, k: usize, dropout: Option<&burn_nn::Dropout>) -> GradientsParams {
     let d = device(rank as u32);
     let (x, y) = synthetic_batch::<B>(k, (rank * 2, rank * 2 + 2), WIDTHS[0], 3, &d);
     let mut h = x;
     for (i, l) in m.iter().enumerate() {
+        if let Some(dropout) = dropout {
+            h = dropout.forward(h);
+        }
         h = l.forward(h);
         if i + 1 < m.len() {
             h = burn_core::tensor::activation::relu(h);
@@ -89,7 +93,7 @@ fn grads(m: &Mlp, rank: usize, k: usize) -> GradientsParams {
 
 /// One SGD step on rows of the rank's share of a fixed batch.
 fn step(m: Mlp, rank: usize) -> Mlp {
-    let grads = grads(&m, rank, 0);
+    let grads = grads(&m, rank, 0, None);
     SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
 }
 
@@ -446,17 +450,7 @@ fn training_with_dropout_leaves_marking_silent() {
     let models: Vec<Mlp> = (0..world).map(|r| model(&WIDTHS, 6, r)).collect();
     let dropout = DropoutConfig::new(0.5).init();
     let train = |m: Mlp, r: usize, k: usize| -> Mlp {
-        let d = device(r as u32);
-        let (x, y) = synthetic_batch::<B>(k, (r * 2, r * 2 + 2), WIDTHS[0], 3, &d);
-        let mut h = x;
-        for (i, l) in m.iter().enumerate() {
-            h = l.forward(dropout.forward(h));
-            if i + 1 < m.len() {
-                h = burn_core::tensor::activation::relu(h);
-            }
-        }
-        let loss = MseLoss::new().forward(h, y, Reduction::Mean);
-        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        let grads = grads(&m, r, k, Some(&dropout));
         SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
     };
     let out = on_every_rank(models, |r, m| {
@@ -486,7 +480,7 @@ fn a_checkpoint_of_model_and_optimizer_resumes_bit_for_bit() {
         let o: &mut burn_optim::adaptor::OptimizerAdaptor<burn_optim::Adam, Mlp, B> = o;
         for k in steps {
             m = mark_distributed::<B, Mlp>(m).expect("marking");
-            let grads = grads(&m, r, k);
+            let grads = grads(&m, r, k, None);
             m = o.step(0.01, m, grads);
         }
         m

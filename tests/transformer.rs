@@ -158,13 +158,15 @@ fn equals_one_rank<I: Backend, C: CheckpointStrategy>(inner: I::Device, optim: O
     stats
 }
 
+/// [`equals_one_rank`] on NdArray, one test at a time.
+fn on_ndarray<C: CheckpointStrategy>(optim: Optim) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    equals_one_rank::<burn_ndarray::NdArray, C>(burn_ndarray::NdArrayDevice::Cpu, optim);
+}
+
 #[test]
 fn a_transformer_on_two_ndarray_ranks_equals_one_rank_on_the_concatenated_batch() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    equals_one_rank::<burn_ndarray::NdArray, NoCheckpointing>(
-        burn_ndarray::NdArrayDevice::Cpu,
-        Optim::Sgd,
-    );
+    on_ndarray::<NoCheckpointing>(Optim::Sgd);
 }
 
 /// Burn's activation checkpointing (`Autodiff<_, BalancedCheckpointing>`: backward computes some
@@ -172,11 +174,7 @@ fn a_transformer_on_two_ndarray_ranks_equals_one_rank_on_the_concatenated_batch(
 /// nothing about data parallelism: two ranks still end where one rank ends.
 #[test]
 fn a_checkpointed_transformer_with_clipped_gradients_on_two_ranks_equals_one_rank() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    equals_one_rank::<burn_ndarray::NdArray, BalancedCheckpointing>(
-        burn_ndarray::NdArrayDevice::Cpu,
-        Optim::ClippedSgd,
-    );
+    on_ndarray::<BalancedCheckpointing>(Optim::ClippedSgd);
 }
 
 /// Burn's default wgpu backend (fusion on): the gradients are packed on the device, and one

@@ -193,15 +193,14 @@ pub(super) fn replicate<I: Backend>(
     // Parameters replicated before whose values were drawn again since (a lazily initialized
     // model forked again, a layer initialized again): the ids are the same, the values are each
     // rank's own. Running statistics (no gradient) may differ by design and are left out.
-    let drawn: Vec<bool> = params
+    let drawn_again = params
         .iter()
         .zip(&entries)
-        .map(|(m, e)| m.initialized_now || (m.requires_grad && e.tensor.is_drawn()))
-        .collect();
+        .any(|(m, e)| m.initialized_now || (m.requires_grad && e.tensor.is_drawn()));
     let new = {
         let st = session.state(rank, "mark_distributed");
         st.replicas.agreed != Some(fingerprint)
-            || drawn.contains(&true)
+            || drawn_again
             || params.iter().any(|m| !st.replicas.synced.contains(&m.id))
     };
     if !new {
@@ -228,8 +227,8 @@ pub(super) fn replicate<I: Backend>(
     .map(|mut values| {
         // Values this rank keeps are now agreed on: marked so, so that marking them again
         // (before every backward pass) sees nothing new.
-        for ((v, e), d) in values.iter_mut().zip(&entries).zip(&drawn) {
-            if v.is_none() && (*d || e.tensor.is_drawn()) {
+        for (v, e) in values.iter_mut().zip(&entries) {
+            if v.is_none() && e.tensor.is_drawn() {
                 *v = Some(Box::new(e.tensor.agreed()));
             }
         }

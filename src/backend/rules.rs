@@ -191,20 +191,14 @@ pub(crate) struct Inputs {
     pub drawn: bool,
 }
 
-impl FromIterator<Input> for Inputs {
-    fn from_iter<T: IntoIterator<Item = Input>>(iter: T) -> Self {
-        let mut out = Inputs::default();
-        for i in iter {
-            out.seqs.extend(i.seq);
-            out.drawn |= i.drawn;
-        }
-        out
-    }
-}
-
 /// What an op records of its inputs.
 pub(crate) fn inputs(inputs: impl IntoIterator<Item = Input>) -> Inputs {
-    inputs.into_iter().collect()
+    let mut out = Inputs::default();
+    for i in inputs {
+        out.seqs.extend(i.seq);
+        out.drawn |= i.drawn;
+    }
+    out
 }
 
 /// Elements of a shape (0 when unknown).
