@@ -412,8 +412,8 @@ fn a_lazy_model_forked_again_is_replicated_again() {
     Inner::close_communication_server(&devices[0]);
 }
 
-/// A parameter given new random values (its id kept) is replicated again at the next marking;
-/// a trained one is not.
+/// A parameter given new random values (its id kept) is replicated again at the next marking
+/// (a trained one is not: `training_with_dropout_leaves_marking_silent`).
 #[test]
 fn a_parameter_drawn_again_is_replicated_again() {
     use burn_core::tensor::{Distribution, Tensor};
