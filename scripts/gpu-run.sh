@@ -41,10 +41,24 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export CF_REQUIRE_GPUS=$gpus
 export CF_CLI=$PWD/bin/collective-fusion
 
-timeout 240 bin/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.log" 2>&1
-rc=$?
-grep -E "^test |test result|SKIPPED|panicked|in a child process" "$OUT/gpu-tests.log" | tail -44
-record "GPU tests" "exit $rc, $(grep -c ' \.\.\. ok$' "$OUT/gpu-tests.log") passed, $(grep -c ' \.\.\. FAILED$' "$OUT/gpu-tests.log") failed"
+# Each line of the log starts with the seconds since the tests began, so a slow test shows.
+stamp() {
+  local t0=${EPOCHREALTIME/./} t line
+  while IFS= read -r line; do
+    t=$(((${EPOCHREALTIME/./} - t0) / 100000))
+    printf '%5d.%d %s\n' $((t / 10)) $((t % 10)) "$line"
+  done
+}
+# CF_GPU_TESTS_FILTER runs only the tests whose names hold it (libtest's filter).
+timeout "${CF_GPU_TESTS_TIMEOUT:-300}" bin/gpu-tests ${CF_GPU_TESTS_FILTER:-} --nocapture \
+  --test-threads=1 2>&1 \
+  | stamp > "$OUT/gpu-tests.log"
+rc=${PIPESTATUS[0]}
+grep -E "^ *[0-9]+\.[0-9] test |test result|SKIPPED|panicked|in a child process" "$OUT/gpu-tests.log" \
+  | tail -60
+# libtest's own count (a test's output can split its "... ok" from its name); skips pass.
+result=$(grep -o "test result: .*" "$OUT/gpu-tests.log" | tail -1)
+record "GPU tests" "exit $rc, ${result:-no result line}, $(grep -c "SKIPPED" "$OUT/gpu-tests.log") skipped"
 grep -A30 "pack bandwidth\|overlap\|overhead\|pinned staging" "$OUT/gpu-tests.log" > "$OUT/benches.txt" || true
 
 bin=bin/collective-fusion

@@ -108,20 +108,23 @@ mod kernels {
         cubecl::future::block_on(c.sync()).expect("device sync");
     }
 
-    /// Seconds per call of `f`, the median of `reps` timed calls after a warm-up.
-    fn time(c: &ComputeClient<CudaRuntime>, reps: usize, mut f: impl FnMut()) -> f64 {
+    /// Seconds per call of `f` until the device is done, and until `f` returned (the host's
+    /// share: building and launching), the medians of `reps` timed calls after a warm-up.
+    fn time(c: &ComputeClient<CudaRuntime>, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
         f();
         sync(c);
-        let mut t: Vec<f64> = (0..reps)
+        let (mut done, mut launched): (Vec<f64>, Vec<f64>) = (0..reps)
             .map(|_| {
                 let t0 = Instant::now();
                 f();
+                let launched = t0.elapsed().as_secs_f64();
                 sync(c);
-                t0.elapsed().as_secs_f64()
+                (t0.elapsed().as_secs_f64(), launched)
             })
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t[reps / 2]
+            .unzip();
+        done.sort_by(f64::total_cmp);
+        launched.sort_by(f64::total_cmp);
+        (done[reps / 2], launched[reps / 2])
     }
 
     /// Not a pass/fail test: prints the pack and unpack kernels' bandwidth against a
@@ -133,8 +136,22 @@ mod kernels {
         };
         let ctx = cudarc::driver::CudaContext::new(0).expect("CUDA context");
         let stream = ctx.default_stream();
-        println!("bytes        members  pack GB/s  unpack GB/s  copy GB/s  pack/copy");
-        for (members, each) in [(16u64, 1u64 << 18), (64, 1 << 20), (32, 1 << 23)] {
+        // What a CubeCL sync costs with nothing queued: part of every pack and unpack time
+        // below, not of the copy's (timed on a bare CUDA stream).
+        let (idle, _) = time(&c, 9, || {});
+        println!("cubecl sync with nothing queued: {:.1} us", idle * 1e6);
+        println!(
+            "bytes        members  pack GB/s  unpack GB/s  copy GB/s  pack/copy  pack us  (launch)  unpack us  (launch)  copy us"
+        );
+        // The same bytes in fewer members too, so that a cost per member shows.
+        for (members, each) in [
+            (16u64, 1u64 << 18),
+            (1, 1 << 22),
+            (64, 1 << 20),
+            (4, 1 << 24),
+            (1, 1 << 26),
+            (32, 1 << 23),
+        ] {
             let sizes = vec![each; members as usize];
             let l: BucketLayout = layout(&sizes, DType::F32, DType::F32, Some(8));
             let bytes = l.bytes as usize;
@@ -143,11 +160,12 @@ mod kernels {
                 .map(|n| upload(&c, &HostBuffer::zeros(DType::F32, *n as usize).unwrap()))
                 .collect();
             let mut flat = None;
-            let pack = time(&c, 9, || {
+            let (pack, pack_launch) = time(&c, 9, || {
                 flat = Some(cube::pack(&c, &l, &dev, Some(8)).expect("pack"));
             });
             let flat = flat.expect("packed");
-            let unpack = time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
+            let (unpack, unpack_launch) =
+                time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
             let src = stream.alloc_zeros::<u8>(bytes).expect("alloc");
             let mut dst = stream.alloc_zeros::<u8>(bytes).expect("alloc");
             let mut copy_t: Vec<f64> = (0..9)
@@ -164,11 +182,16 @@ mod kernels {
             // Read + write, as bandwidth tools count a copy.
             let gbs = |t: f64| 2.0 * bytes as f64 / t / 1e9;
             println!(
-                "{bytes:>11}  {members:>7}  {:>9.1}  {:>11.1}  {:>9.1}  {:>9.2}",
+                "{bytes:>11}  {members:>7}  {:>9.1}  {:>11.1}  {:>9.1}  {:>9.2}  {:>7.1}  {:>8.1}  {:>9.1}  {:>8.1}  {:>7.1}",
                 gbs(pack),
                 gbs(unpack),
                 gbs(copy),
-                copy / pack
+                copy / pack,
+                pack * 1e6,
+                pack_launch * 1e6,
+                unpack * 1e6,
+                unpack_launch * 1e6,
+                copy * 1e6
             );
         }
     }

@@ -11,8 +11,8 @@
 //! in vectors, extent being what the member's cubes cover), followed by the total cube count. A
 //! cube finds its member once, by bisecting the members' first cubes; after that no element
 //! pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
-//! `CUBE_DIM` apart, so a cube's loads and stores are coalesced and several are in flight per
-//! unit. `rounds` is 1 unless the bucket needs more cubes than the launcher allows, which keeps
+//! `CUBE_DIM` apart, so a cube's loads and stores are coalesced; it loads all of them into
+//! registers before it stores any, so `per_unit` loads are in flight per unit. `rounds` is 1 unless the bucket needs more cubes than the launcher allows, which keeps
 //! the grid about one wave of the device on large buckets. Cubes past the total (the launcher may
 //! round the grid up) find no member and do nothing.
 //!
@@ -87,15 +87,26 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
             let len = m.len();
             let start = unit_start(table, j, rounds, per_unit);
             let factor = Vector::<F, N>::new(scale);
+            let mut moved = Array::<Vector<W, N>>::new(per_unit as usize);
             for r in 0..rounds {
                 let at = start + r as usize * chunk;
+                // Every load of the chunk before any store: the compiler cannot move a load
+                // past a store to another buffer it may alias, so a load, store, load order
+                // would leave one load in flight per unit.
                 #[unroll]
                 for u in 0..per_unit {
                     let i = at + (u * CUBE_DIM) as usize;
+                    let mut v = Vector::<W, N>::new(W::from_int(0));
                     if i < len {
-                        out[base + i] = Vector::cast_from(m[i] * factor);
-                    } else if i < extent {
-                        out[base + i] = Vector::<W, N>::new(W::from_int(0));
+                        v = Vector::cast_from(m[i] * factor);
+                    }
+                    moved[u as usize] = v;
+                }
+                #[unroll]
+                for u in 0..per_unit {
+                    let i = at + (u * CUBE_DIM) as usize;
+                    if i < extent {
+                        out[base + i] = moved[u as usize];
                     }
                 }
             }
@@ -122,13 +133,22 @@ pub fn bucket_unpack<W: Float, F: Float, N: Size>(
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let len = m.len();
             let start = unit_start(table, j, rounds, per_unit);
+            let mut moved = Array::<Vector<F, N>>::new(per_unit as usize);
             for r in 0..rounds {
                 let at = start + r as usize * chunk;
+                // Loads first, then stores, as in the pack.
                 #[unroll]
                 for u in 0..per_unit {
                     let i = at + (u * CUBE_DIM) as usize;
                     if i < len {
-                        m[i] = Vector::cast_from(buffer[base + i]);
+                        moved[u as usize] = Vector::cast_from(buffer[base + i]);
+                    }
+                }
+                #[unroll]
+                for u in 0..per_unit {
+                    let i = at + (u * CUBE_DIM) as usize;
+                    if i < len {
+                        m[i] = moved[u as usize];
                     }
                 }
             }
