@@ -140,6 +140,29 @@ mod kernels {
         // below, not of the copy's (timed on a bare CUDA stream).
         let (idle, _) = time(&c, 9, || {});
         println!("cubecl sync with nothing queued: {:.1} us", idle * 1e6);
+        // The kernels are specialized on the member count: the first pack of a count compiles
+        // its kernel. Counts no other test here packs, small members.
+        for members in [7usize, 15, 31, 63] {
+            let sizes = vec![4096u64; members];
+            let l: BucketLayout = layout(&sizes, DType::F32, DType::F32, Some(8));
+            let dev: Vec<DeviceMember> = sizes
+                .iter()
+                .map(|n| upload(&c, &HostBuffer::zeros(DType::F32, *n as usize).unwrap()))
+                .collect();
+            let t0 = Instant::now();
+            let flat = cube::pack(&c, &l, &dev, Some(8)).expect("pack");
+            sync(&c);
+            let first = t0.elapsed().as_secs_f64();
+            drop(flat);
+            let (again, _) = time(&c, 5, || {
+                cube::pack(&c, &l, &dev, Some(8)).expect("pack");
+            });
+            println!(
+                "first pack of {members} members: {:.1} ms (compiling its kernel); after: {:.1} us",
+                first * 1e3,
+                again * 1e6
+            );
+        }
         println!(
             "bytes        members  pack GB/s  unpack GB/s  copy GB/s  pack/copy  pack us  (launch)  unpack us  (launch)  copy us"
         );

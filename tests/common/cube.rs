@@ -5,7 +5,7 @@
 use collective_fusion::codegen::layout::BucketLayout;
 use collective_fusion::graph::DType;
 use collective_fusion::runtime::HostBuffer;
-use collective_fusion::runtime::cube::{self, DeviceMember};
+use collective_fusion::runtime::cube::{self, DeviceMember, MAX_MEMBERS_PER_LAUNCH};
 use collective_fusion::runtime::host;
 use collective_fusion::runtime::synthetic::SplitMix64;
 use cubecl::prelude::*;
@@ -127,11 +127,17 @@ pub fn within_rounding(a: &HostBuffer, b: &HostBuffer, mantissa_bits: i32) {
 /// f32 pack/unpack equal the host path bit for bit, for no scale and two divisors, with and
 /// without empty members.
 pub fn check_f32_bitwise<R: Runtime>(client: &ComputeClient<R>) {
+    // More members than one launch takes, vectorizable and odd-sized: consecutive launches of
+    // both widths into one buffer.
+    let many: Vec<u64> = (0..2 * MAX_MEMBERS_PER_LAUNCH as u64 + 5)
+        .map(|i| [4096, 5, 1000, 3][i as usize % 4] + 8 * i)
+        .collect();
     for (sizes, scale) in [
         (&SIZES[..], None),
         (&SIZES, Some(4)),
         (&SIZES, Some(3)),
         (&SIZES_WITH_EMPTY, Some(4)),
+        (&many, Some(2)),
     ] {
         let Some((host_flat, dev_flat, host_back, dev_back)) =
             round_trip_sizes(client, sizes, DType::F32, DType::F32, scale)
