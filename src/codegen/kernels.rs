@@ -12,8 +12,9 @@
 //! cube finds its member once, by bisecting the members' first cubes; after that no element
 //! pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
 //! `CUBE_DIM` apart, so a cube's loads and stores are coalesced; it loads all of them into
-//! registers before it stores any, so `per_unit` loads are in flight per unit. `rounds` is 1 unless the bucket needs more cubes than the launcher allows, which keeps
-//! the grid about one wave of the device on large buckets. Cubes past the total (the launcher may
+//! registers before it stores any, so `per_unit` loads are in flight per unit. `rounds` is 1
+//! unless the bucket needs more cubes than the launcher allows, which keeps the grid about one
+//! wave of the device on large buckets. Cubes past the total (the launcher may
 //! round the grid up) find no member and do nothing.
 //!
 //! **Vectors.** All arrays of a launch share the vector width `N` (up to 16 bytes per access);

@@ -4,9 +4,10 @@
 //!
 //! A bucket is one launch when every member can be moved in 16-byte vectors (length, offset and
 //! buffer start multiples of the vector width, which bucket alignment gives all but odd-sized
-//! tensors) and the members fit the device's binding limit (every member is one storage
-//! binding). Members that cannot be vectorized go to a second launch of width 1; buckets with
-//! more members than one launch binds are packed in consecutive launches into the same buffer.
+//! tensors) and there are at most [`MAX_MEMBERS_PER_LAUNCH`] members, within the device's
+//! binding limit (every member is one storage binding). Members that cannot be vectorized go to
+//! a second launch of width 1; buckets with more members than one launch takes are packed in
+//! consecutive launches into the same buffer.
 
 use cubecl::prelude::*;
 use cubecl::server::{CubeCountSelection, Handle};
@@ -62,7 +63,7 @@ pub struct DeviceMember {
 /// their body per member (a sequence is indexed at compile time), and that copy is paid for
 /// twice: on an H200 a kernel of 63 members took 6.3 s to compile against 0.66 s for 15 and
 /// 1.5 s for 31 (the first pack of each count compiles its own), and 64 members packed 256 MiB
-/// at 0.35 of a device copy in all four runs against 0.66–0.78 for 4 members; on lavapipe,
+/// at 0.35 of a device copy in every run against 0.66–0.78 for 4 members; on lavapipe,
 /// which runs every member's copy masked, a 4 MiB bucket of 64 members took 16.4 ms against
 /// 10.5 ms for 16. More members take consecutive launches into the same buffer.
 pub const MAX_MEMBERS_PER_LAUNCH: usize = 16;
