@@ -16,7 +16,9 @@ use super::buffer::HostBuffer;
 use super::grad::{CudaMemory, DeviceBucket, DeviceGrad, Packed, Unpacked};
 use super::host::KernelError;
 use crate::codegen::kernels::{bucket_pack, bucket_unpack};
-use crate::codegen::launches::{CUBE_DIM, Extent, PER_UNIT, launches, table};
+use crate::codegen::launches::{
+    CUBE_DIM, Extent, MAX_MEMBERS_PER_LAUNCH, PER_UNIT, launches, table,
+};
 use crate::codegen::layout::{BucketLayout, MemberLayout};
 use crate::graph::DType;
 
@@ -58,15 +60,6 @@ pub struct DeviceMember {
     /// Elements.
     pub len: usize,
 }
-
-/// The most members one launch takes, whatever the device binds. The kernels hold one copy of
-/// their body per member (a sequence is indexed at compile time), and that copy is paid for
-/// twice: on an H200 a kernel of 63 members took 6.3 s to compile against 0.66 s for 15 and
-/// 1.5 s for 31 (the first pack of each count compiles its own), and 64 members packed 256 MiB
-/// at 0.35 of a device copy in every run against 0.66–0.78 for 4 members; on lavapipe,
-/// which runs every member's copy masked, a 4 MiB bucket of 64 members took 16.4 ms against
-/// 10.5 ms for 16. More members take consecutive launches into the same buffer.
-pub const MAX_MEMBERS_PER_LAUNCH: usize = 16;
 
 /// Members per launch on this client.
 fn members_per_launch<R: Runtime>(client: &ComputeClient<R>) -> usize {

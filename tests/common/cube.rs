@@ -2,10 +2,11 @@
 //! (`tests/cube_kernels.rs`) and the CUDA ones (`tests/gpu.rs`) run the same checks.
 #![allow(dead_code)]
 
+use collective_fusion::codegen::launches::MAX_MEMBERS_PER_LAUNCH;
 use collective_fusion::codegen::layout::BucketLayout;
 use collective_fusion::graph::DType;
 use collective_fusion::runtime::HostBuffer;
-use collective_fusion::runtime::cube::{self, DeviceMember, MAX_MEMBERS_PER_LAUNCH};
+use collective_fusion::runtime::cube::{self, DeviceMember};
 use collective_fusion::runtime::host;
 use collective_fusion::runtime::synthetic::SplitMix64;
 use cubecl::prelude::*;
