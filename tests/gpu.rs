@@ -127,6 +127,28 @@ mod kernels {
         (done[reps / 2], launched[reps / 2])
     }
 
+    /// Seconds per call of `f` when `QUEUED` calls are made back to back and then waited for
+    /// once (`wait`), the median of five such batches: what a call costs when calls queue
+    /// behind each other, as a step's packs queue behind its backward. The host's share and the
+    /// device's overlap, so this is the larger of the two per call.
+    fn queued(mut f: impl FnMut(), mut wait: impl FnMut()) -> f64 {
+        const QUEUED: usize = 20;
+        f();
+        wait();
+        let mut per: Vec<f64> = (0..5)
+            .map(|_| {
+                let t0 = Instant::now();
+                for _ in 0..QUEUED {
+                    f();
+                }
+                wait();
+                t0.elapsed().as_secs_f64() / QUEUED as f64
+            })
+            .collect();
+        per.sort_by(f64::total_cmp);
+        per[2]
+    }
+
     /// Not a pass/fail test: prints the pack and unpack kernels' bandwidth against a
     /// device-to-device copy of the same bytes (cudarc's `cuMemcpyDtoD`), measured side by side.
     #[test]
@@ -163,8 +185,11 @@ mod kernels {
                 again * 1e6
             );
         }
+        // Two ways to time each: one call waited for alone (the host's launch, CubeCL's sync and
+        // the device's work in a row), and calls queued back to back (see `queued`). The copy
+        // is timed both ways too, on its own bare CUDA stream.
         println!(
-            "bytes        members  pack GB/s  unpack GB/s  copy GB/s  pack/copy  pack us  (launch)  unpack us  (launch)  copy us"
+            "bytes        members  pack/copy  queued  pack us  (launch)  queued  unpack us  queued  copy us  queued  pack GB/s queued"
         );
         // The same bytes in fewer members too, so that a cost per member shows.
         for (members, each) in [
@@ -187,8 +212,7 @@ mod kernels {
                 flat = Some(cube::pack(&c, &l, &dev, Some(8)).expect("pack"));
             });
             let flat = flat.expect("packed");
-            let (unpack, unpack_launch) =
-                time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
+            let (unpack, _) = time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
             let src = stream.alloc_zeros::<u8>(bytes).expect("alloc");
             let mut dst = stream.alloc_zeros::<u8>(bytes).expect("alloc");
             let mut copy_t: Vec<f64> = (0..9)
@@ -202,19 +226,32 @@ mod kernels {
                 .collect();
             copy_t.sort_by(f64::total_cmp);
             let copy = copy_t[4];
+            let pack_q = queued(
+                || drop(cube::pack(&c, &l, &dev, Some(8)).expect("pack")),
+                || sync(&c),
+            );
+            let unpack_q = queued(
+                || cube::unpack(&c, &l, &flat, &dev).expect("unpack"),
+                || sync(&c),
+            );
+            let copy_q = queued(
+                || stream.memcpy_dtod(&src, &mut dst).expect("copy"),
+                || stream.synchronize().unwrap(),
+            );
             // Read + write, as bandwidth tools count a copy.
             let gbs = |t: f64| 2.0 * bytes as f64 / t / 1e9;
             println!(
-                "{bytes:>11}  {members:>7}  {:>9.1}  {:>11.1}  {:>9.1}  {:>9.2}  {:>7.1}  {:>8.1}  {:>9.1}  {:>8.1}  {:>7.1}",
-                gbs(pack),
-                gbs(unpack),
-                gbs(copy),
+                "{bytes:>11}  {members:>7}  {:>9.2}  {:>6.2}  {:>7.1}  {:>8.1}  {:>6.1}  {:>9.1}  {:>6.1}  {:>7.1}  {:>6.1}  {:>16.1}",
                 copy / pack,
+                copy_q / pack_q,
                 pack * 1e6,
                 pack_launch * 1e6,
+                pack_q * 1e6,
                 unpack * 1e6,
-                unpack_launch * 1e6,
-                copy * 1e6
+                unpack_q * 1e6,
+                copy * 1e6,
+                copy_q * 1e6,
+                gbs(pack_q),
             );
         }
     }
@@ -937,6 +974,21 @@ mod training {
                             batch,
                             false,
                         ));
+                        // The same with the recorder handing work to the inner backend every
+                        // 32 or 256 ops instead of at the step's read: what recording the
+                        // step ahead of the device costs.
+                        for window in [64, 512] {
+                            rows.push(
+                                StepRow::new::<C, N>(
+                                    &format!("  lazy window {window}"),
+                                    cd,
+                                    model,
+                                    batch,
+                                    false,
+                                )
+                                .with_lazy_window(window),
+                            );
+                        }
                         rows.push(StepRow::new::<C, N>(
                             "  + one-rank NCCL server, skip",
                             cd,

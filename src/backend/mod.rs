@@ -51,7 +51,7 @@ pub use distributed::{
     measured_link, measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
     take_trace, trace_span,
 };
-pub use lazy::{CTensor, LazyStats, lazy_stats};
+pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as};
 pub use replicas::{InitialWeights, ReplicaError};

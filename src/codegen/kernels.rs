@@ -5,17 +5,20 @@
 //! (CubeCL caches one compiled kernel per count, dtype pair and vector width) while sizes and
 //! offsets stay runtime values.
 //!
-//! **Work split.** Every cube owns one contiguous range of one member: `rounds` chunks of
-//! `CUBE_DIM × per_unit` vectors. The launcher gives each member as many consecutive cubes as its
-//! ranges, and writes a table with, per member, `[first cube, offset, extent]` (offset and extent
-//! in vectors, extent being what the member's cubes cover), followed by the total cube count. A
-//! cube finds its member once, by bisecting the members' first cubes; after that no element
-//! pays for a member lookup. In each chunk a unit moves `per_unit` vectors,
-//! `CUBE_DIM` apart, so a cube's loads and stores are coalesced; it loads all of them into
-//! registers before it stores any, so `per_unit` loads are in flight per unit. `rounds` is 1
-//! unless the bucket needs more cubes than the launcher allows, which keeps the grid about one
-//! wave of the device on large buckets. Cubes past the total (the launcher may
-//! round the grid up) find no member and do nothing.
+//! **Work split.** Every cube works in one member, `rounds` chunks of `CUBE_DIM × per_unit`
+//! vectors. The launcher gives each member as many consecutive cubes as it needs, and writes a
+//! table with, per member, `[first cube, offset, extent]` (offset and extent in vectors, extent
+//! being what the member's cubes cover), followed by the total cube count. A cube finds its
+//! member once, by bisecting the members' first cubes; after that no element pays for a member
+//! lookup. A member's `n` cubes move it together, round by round: in round `r` cube `k` moves
+//! chunk `r·n + k`, so each round of a member is one contiguous span (a cube owning one long
+//! range instead would put the grid's concurrent accesses a range apart, all on the same few
+//! memory channels). In each chunk a unit moves `per_unit` vectors, `CUBE_DIM` apart, so a
+//! cube's loads and stores are coalesced; it loads all of them into registers before it stores
+//! any, so `per_unit` loads are in flight per unit. `rounds` is 1 unless the bucket needs more
+//! cubes than the launcher allows, which keeps the grid about one wave of the device on large
+//! buckets. Cubes past the total (the launcher may round the grid up) find no member and do
+//! nothing.
 //!
 //! **Vectors.** All arrays of a launch share the vector width `N` (up to 16 bytes per access);
 //! the launcher puts members whose length and offset are not multiples of it in a launch of
@@ -54,12 +57,19 @@ fn member_of(table: &Array<u32>, #[comptime] count: usize) -> usize {
     found
 }
 
-/// The first vector this unit moves in member `j` (on a cube [`member_of`] gives `j`): the cube's
-/// range starts `rounds` chunks per cube after the member's first cube.
+/// Where this unit starts in member `j` (on a cube [`member_of`] gives `j`), and how far it
+/// steps each round, in vectors: the cube's place among the member's cubes picks its chunk of
+/// the round, and a round spans all of them. The member's cubes run up to the next member's
+/// first cube, or the launch's total (the entry after the last member).
 #[cube]
-fn unit_start(table: &Array<u32>, j: usize, rounds: u32, #[comptime] per_unit: u32) -> usize {
+fn unit_start(table: &Array<u32>, j: usize, #[comptime] per_unit: u32) -> (usize, usize) {
     let chunk = (CUBE_DIM * per_unit) as usize;
-    (CUBE_POS - table[TABLE_STRIDE * j] as usize) * chunk * rounds as usize + UNIT_POS as usize
+    let first = table[TABLE_STRIDE * j] as usize;
+    let cubes = table[TABLE_STRIDE * (j + 1)] as usize - first;
+    (
+        (CUBE_POS - first) * chunk + UNIT_POS as usize,
+        cubes * chunk,
+    )
 }
 
 /// Gathers the members into the flat buffer `out` at their offsets, multiplying by `scale` in the
@@ -77,7 +87,6 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
     rounds: u32,
     #[comptime] per_unit: u32,
 ) {
-    let chunk = (CUBE_DIM * per_unit) as usize;
     let owner = member_of(table, members.len());
     #[unroll]
     for j in 0..members.len() {
@@ -86,11 +95,11 @@ pub fn bucket_pack<F: Float + CubeElement, W: Float, N: Size>(
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let extent = table[TABLE_STRIDE * j + 2] as usize;
             let len = m.len();
-            let start = unit_start(table, j, rounds, per_unit);
+            let (start, stride) = unit_start(table, j, per_unit);
             let factor = Vector::<F, N>::new(scale);
             let mut moved = Array::<Vector<W, N>>::new(per_unit as usize);
             for r in 0..rounds {
-                let at = start + r as usize * chunk;
+                let at = start + r as usize * stride;
                 // Every load of the chunk before any store: the compiler cannot move a load
                 // past a store to another buffer it may alias, so a load, store, load order
                 // would leave one load in flight per unit.
@@ -125,7 +134,6 @@ pub fn bucket_unpack<W: Float, F: Float, N: Size>(
     rounds: u32,
     #[comptime] per_unit: u32,
 ) {
-    let chunk = (CUBE_DIM * per_unit) as usize;
     let owner = member_of(table, members.len());
     #[unroll]
     for j in 0..members.len() {
@@ -133,10 +141,10 @@ pub fn bucket_unpack<W: Float, F: Float, N: Size>(
             let m = members.index_mut(j);
             let base = table[TABLE_STRIDE * j + 1] as usize;
             let len = m.len();
-            let start = unit_start(table, j, rounds, per_unit);
+            let (start, stride) = unit_start(table, j, per_unit);
             let mut moved = Array::<Vector<F, N>>::new(per_unit as usize);
             for r in 0..rounds {
-                let at = start + r as usize * chunk;
+                let at = start + r as usize * stride;
                 // Loads first, then stores, as in the pack.
                 #[unroll]
                 for u in 0..per_unit {

@@ -104,8 +104,9 @@ pub struct Table {
     pub rounds: u32,
 }
 
-/// The kernels' table for one launch: each member gets consecutive cubes of `rounds` chunks,
-/// `rounds` the fewest that keep the launch near [`TARGET_CUBES`].
+/// The kernels' table for one launch: each member gets consecutive cubes, which move it
+/// `rounds` chunks each, a round at a time (see [`kernels`](super::kernels)); `rounds` is
+/// the fewest that keep the launch near [`TARGET_CUBES`].
 pub fn table(layout: &BucketLayout, launch: &Launch, extent: Extent) -> Table {
     let w = launch.width as u64;
     let chunk = u64::from(CUBE_DIM * PER_UNIT);

@@ -147,7 +147,7 @@ fn per_launch<R: Runtime, T: CubePrimitive>(
         if t.cubes == 0 {
             continue;
         }
-        let tab_handle = client.create_from_slice(u32::as_bytes(&t.entries));
+        let tab_handle = table_handle(client, &t.entries);
         let seq: SequenceArg<R, Array<T>> = l
             .members
             .iter()
@@ -175,6 +175,36 @@ fn per_launch<R: Runtime, T: CubePrimitive>(
         };
         launch(grid, seq, tab_arg, flat_arg);
     }
+}
+
+/// Tables cached at most, over all devices, before the cache starts again.
+const TABLES_CACHED: usize = 4096;
+
+/// The device copy of a launch's table. A training step packs the same buckets every step, so
+/// a table is uploaded once per device and content, not once per launch (each upload is one
+/// more request to CubeCL's device thread on the launch's path). The cache is keyed by the
+/// runtime, the device (the address of the server's info, which every client of one device
+/// shares) and the entries; it starts again past [`TABLES_CACHED`] tables, a few hundred bytes
+/// of device memory each. A cached handle is only ever read by the kernels, and the cache's own
+/// reference keeps CubeCL from reusing its memory.
+fn table_handle<R: Runtime>(client: &ComputeClient<R>, entries: &[u32]) -> Handle {
+    type Key = (std::any::TypeId, usize, Vec<u32>);
+    static TABLES: std::sync::Mutex<Option<hashbrown::HashMap<Key, Handle>>> =
+        std::sync::Mutex::new(None);
+    let device = std::ptr::from_ref(client.info()).cast::<()>() as usize;
+    let key = (std::any::TypeId::of::<R>(), device, entries.to_vec());
+    // A panic while the lock was held left at worst a missing entry.
+    let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
+    let tables = tables.get_or_insert_with(hashbrown::HashMap::new);
+    if let Some(h) = tables.get(&key) {
+        return h.clone();
+    }
+    if tables.len() >= TABLES_CACHED {
+        tables.clear();
+    }
+    let h = client.create_from_slice(u32::as_bytes(entries));
+    tables.insert(key, h.clone());
+    h
 }
 
 /// Packs into `out`, which holds `layout.numel` elements of `W`.

@@ -63,6 +63,24 @@ impl StepRow {
     }
 }
 
+impl StepRow {
+    /// This row with the lazy recorder's window ([`set_lazy_window`]) at `ops` during each of
+    /// its steps, and the window it found put back after.
+    ///
+    /// [`set_lazy_window`]: crate::backend::set_lazy_window
+    pub fn with_lazy_window(mut self, ops: usize) -> Self {
+        let mut step = self.step;
+        self.step = Box::new(move || {
+            let before = crate::backend::lazy_window();
+            crate::backend::set_lazy_window(ops);
+            let ms = step();
+            crate::backend::set_lazy_window(before);
+            ms
+        });
+        self
+    }
+}
+
 /// Reads one value of the first parameter a visit meets.
 struct ReadOne(bool);
 
