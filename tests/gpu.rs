@@ -916,7 +916,8 @@ mod training {
     /// backward, SGD, a one-element read that waits for the device), median of 20 after 5
     /// warm-up steps, one rank, rows in turn (`train::overhead`), for the GPU-sized overhead
     /// models (three MLPs, the convnet, the blocks): Burn alone (`Autodiff<Cuda>`, fusion on),
-    /// `Autodiff<Collective<Cuda>>` with the model unmarked (the lazy layer only), marked under a
+    /// `Autodiff<Collective<Cuda>>` with the model unmarked (the lazy layer only; also with the
+    /// recorder's window at 512 and 4096 ops instead of the default 64), marked under a
     /// one-rank NCCL server (the default `SingleRank::Skip`: what a user with one GPU gets), and
     /// with the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
     /// place, as with more GPUs).
@@ -975,9 +976,10 @@ mod training {
                             false,
                         ));
                         // The same with the recorder handing work to the inner backend every
-                        // 32 or 256 ops instead of at the step's read: what recording the
-                        // step ahead of the device costs.
-                        for window in [64, 512] {
+                        // 256 or 2048 ops instead of every 32 (the default window, 64): what
+                        // recording a step ahead of the device costs (4096 kept a whole step
+                        // until its read).
+                        for window in [512, 4096] {
                             rows.push(
                                 StepRow::new::<C, N>(
                                     &format!("  lazy window {window}"),

@@ -16,6 +16,7 @@ use burn_backend::{Backend, DeviceId, TensorData};
 use hashbrown::HashMap;
 
 use super::options::CollectiveOptions;
+use super::record::StepRecord;
 use super::replicas::ReplicaState;
 use super::session::{DeviceCounts, RankState, Session, lock, param_name, session, sessions};
 use super::step_clock::StepClock;
@@ -195,7 +196,7 @@ pub fn expected_plan<I: Backend>(rank: usize) -> Option<(Arc<Plan>, String)> {
 pub fn recorded_step_graph<I: Backend>(rank: usize) -> Option<Graph> {
     let s = session::<I>("recorded_step_graph");
     let st = s.state(rank, "recorded_step_graph");
-    st.last_step.clone()
+    st.last_step.as_ref().map(StepRecord::graph)
 }
 
 /// The order in which the ops of the last step `rank` synchronized ran, up to its sync point:

@@ -25,6 +25,36 @@ pub(crate) struct SubmittedGradient<'a> {
     pub seq: Option<u64>,
 }
 
+/// What one synced step of a rank recorded, kept as it came: its graph ([`step_graph`]) is built
+/// only when someone asks for it, so a step does not pay for a graph nobody reads (thousands of
+/// nodes for a step of small ops, on the training thread, every step).
+pub(crate) struct StepRecord {
+    /// Ranks in the group.
+    pub world: u32,
+    /// The gradient sync's reduction.
+    pub reduce: ReduceOp,
+    /// The submitted gradients in ready order: parameter, type, node (see [`SubmittedGradient`]).
+    pub grads: Vec<(String, TensorType, Option<u64>)>,
+    /// The log of the step, in record order.
+    pub log: Vec<LogEntry>,
+}
+
+impl StepRecord {
+    /// The step's graph.
+    pub(crate) fn graph(&self) -> Graph {
+        let grads: Vec<SubmittedGradient<'_>> = self
+            .grads
+            .iter()
+            .map(|(name, ty, seq)| SubmittedGradient {
+                name,
+                ty,
+                seq: *seq,
+            })
+            .collect();
+        step_graph(self.world, self.reduce, &grads, &self.log)
+    }
+}
+
 /// The graph dtype of a Burn dtype (integers by width; flex32 is f32 arithmetic).
 fn dtype(d: burn_std::DType) -> DType {
     use burn_std::DType as B;

@@ -21,7 +21,7 @@ use hashbrown::HashMap;
 
 use super::distributed::{from_host, graph_dtype, read_host};
 use super::options::{CollectiveOptions, SingleRank, UnusedParameters};
-use super::record::{SubmittedGradient, step_graph};
+use super::record::StepRecord;
 use super::replicas::ReplicaState;
 use super::step_clock::StepClock;
 use super::user_collectives::UserQueue;
@@ -77,8 +77,9 @@ pub(super) struct RankState<I: Backend> {
     pub(super) expected: Option<Arc<Plan>>,
     /// Its segment graph as recorded (compiled again only when someone inspects it).
     pub(super) expected_segment: Option<Graph>,
-    /// The graph of the last synced step: every recorded op, the gradients, their syncs.
-    pub(super) last_step: Option<Graph>,
+    /// The last synced step as recorded: every op, the gradients, their syncs (its graph is
+    /// built when someone asks, [`recorded_step_graph`](super::recorded_step_graph)).
+    pub(super) last_step: Option<StepRecord>,
     /// The ops of the last synced step that ran by its sync point, in the order they ran
     /// (record sequence numbers), and every op it recorded (sequence numbers in record order):
     /// kept as they come, mapped to positions only when someone asks
@@ -623,22 +624,17 @@ impl<I: Backend> Session<I> {
     /// Ends a synced step: keeps its recorded graph, forgets its gradients.
     fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: super::lazy::StepLog) {
         self.clock(rank).end_step(self.world, self.clocks.len());
-        let grads: Vec<SubmittedGradient<'_>> = st
-            .submitted
-            .iter()
-            .map(|x| SubmittedGradient {
-                name: &x.name,
-                ty: &x.ty,
-                seq: x.seq,
-            })
-            .collect();
         st.last_ran = (log.ran, log.entries.iter().map(|e| e.seq).collect());
-        st.last_step = Some(step_graph(
-            self.world as u32,
-            self.reduce,
-            &grads,
-            &log.entries,
-        ));
+        st.last_step = Some(StepRecord {
+            world: self.world as u32,
+            reduce: self.reduce,
+            grads: st
+                .submitted
+                .iter()
+                .map(|x| (x.name.clone(), x.ty.clone(), x.seq))
+                .collect(),
+            log: log.entries,
+        });
         self.plan_from_measured(rank, st);
         st.submitted.clear();
         st.index.clear();
