@@ -53,12 +53,10 @@ const DEFAULT_WINDOW: usize = 64;
 /// The window in force: [`DEFAULT_WINDOW`] unless [`set_lazy_window`] changed it.
 static WINDOW: AtomicUsize = AtomicUsize::new(DEFAULT_WINDOW);
 
-/// Sets how many recorded ops a thread keeps queued on a rank before the older half runs
-/// (64 by default; at least 2), for every rank of the process, from the next op recorded on.
-/// A smaller window hands work to the inner backend sooner, so a device starts on a step while
-/// the rest of it is still being recorded; a larger one leaves more of the step for the
-/// `hoist-producers` rule to reorder at a gradient sync. Values are never affected: a window
-/// only moves where the queue is run.
+/// Sets how many recorded ops a thread keeps queued on a rank before the older half runs (64
+/// by default, at least 2), for every rank, from the next op on. A smaller window hands work
+/// to the inner backend sooner; a larger one leaves more for the `hoist-producers` rule to
+/// reorder at a gradient sync. Values never depend on it: it only moves where the queue runs.
 pub fn set_lazy_window(ops: usize) {
     WINDOW.store(ops.max(2), Ordering::Relaxed);
 }
