@@ -184,9 +184,9 @@ const TABLES_CACHED: usize = 4096;
 /// a table is uploaded once per device and content, not once per launch (each upload is one
 /// more request to CubeCL's device thread on the launch's path). The cache is keyed by the
 /// runtime, the device (the address of the server's info, which every client of one device
-/// shares) and the entries; it starts again past [`TABLES_CACHED`] tables, a few hundred bytes
-/// of device memory each. A cached handle is only ever read by the kernels, and the cache's own
-/// reference keeps CubeCL from reusing its memory.
+/// shares) and the entries; it starts again past [`TABLES_CACHED`] tables, each a small
+/// allocation (at most 196 bytes) in CubeCL's memory pool. A cached handle is only ever read by
+/// the kernels, and the cache's own reference keeps CubeCL from reusing its memory.
 fn table_handle<R: Runtime>(client: &ComputeClient<R>, entries: &[u32]) -> Handle {
     type Key = (std::any::TypeId, usize, Vec<u32>);
     static TABLES: std::sync::Mutex<Option<hashbrown::HashMap<Key, Handle>>> =

@@ -61,9 +61,7 @@ impl StepRow {
             step: Box::new(step),
         }
     }
-}
 
-impl StepRow {
     /// This row with the lazy recorder's window ([`set_lazy_window`]) at `ops` during each of
     /// its steps, and the window it found put back after.
     ///
