@@ -108,17 +108,18 @@ mod kernels {
         cubecl::future::block_on(c.sync()).expect("device sync");
     }
 
-    /// Seconds per call of `f` until the device is done, and until `f` returned (the host's
-    /// share: building and launching), the medians of `reps` timed calls after a warm-up.
-    fn time(c: &ComputeClient<CudaRuntime>, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
+    /// Seconds per call of `f` until `wait` says the device is done, and until `f` returned
+    /// (the host's share: building and launching), the medians of `reps` timed calls after a
+    /// warm-up.
+    fn time(reps: usize, mut f: impl FnMut(), mut wait: impl FnMut()) -> (f64, f64) {
         f();
-        sync(c);
+        wait();
         let (mut done, mut launched): (Vec<f64>, Vec<f64>) = (0..reps)
             .map(|_| {
                 let t0 = Instant::now();
                 f();
                 let launched = t0.elapsed().as_secs_f64();
-                sync(c);
+                wait();
                 (t0.elapsed().as_secs_f64(), launched)
             })
             .unzip();
@@ -160,7 +161,7 @@ mod kernels {
         let stream = ctx.default_stream();
         // What a CubeCL sync costs with nothing queued: part of every pack and unpack time
         // below, not of the copy's (timed on a bare CUDA stream).
-        let (idle, _) = time(&c, 9, || {});
+        let (idle, _) = time(9, || {}, || sync(&c));
         println!("cubecl sync with nothing queued: {:.1} us", idle * 1e6);
         // The kernels are specialized on the member count: the first pack of a count compiles
         // its kernel. Counts no other test here packs, small members.
@@ -176,9 +177,11 @@ mod kernels {
             sync(&c);
             let first = t0.elapsed().as_secs_f64();
             drop(flat);
-            let (again, _) = time(&c, 5, || {
-                cube::pack(&c, &l, &dev, Some(8)).expect("pack");
-            });
+            let (again, _) = time(
+                5,
+                || drop(cube::pack(&c, &l, &dev, Some(8)).expect("pack")),
+                || sync(&c),
+            );
             println!(
                 "first pack of {members} members: {:.1} ms (compiling its kernel); after: {:.1} us",
                 first * 1e3,
@@ -208,24 +211,24 @@ mod kernels {
                 .map(|n| upload(&c, &HostBuffer::zeros(DType::F32, *n as usize).unwrap()))
                 .collect();
             let mut flat = None;
-            let (pack, pack_launch) = time(&c, 9, || {
-                flat = Some(cube::pack(&c, &l, &dev, Some(8)).expect("pack"));
-            });
+            let (pack, pack_launch) = time(
+                9,
+                || flat = Some(cube::pack(&c, &l, &dev, Some(8)).expect("pack")),
+                || sync(&c),
+            );
             let flat = flat.expect("packed");
-            let (unpack, _) = time(&c, 9, || cube::unpack(&c, &l, &flat, &dev).expect("unpack"));
+            let (unpack, _) = time(
+                9,
+                || cube::unpack(&c, &l, &flat, &dev).expect("unpack"),
+                || sync(&c),
+            );
             let src = stream.alloc_zeros::<u8>(bytes).expect("alloc");
             let mut dst = stream.alloc_zeros::<u8>(bytes).expect("alloc");
-            let mut copy_t: Vec<f64> = (0..9)
-                .map(|_| {
-                    stream.synchronize().unwrap();
-                    let t0 = Instant::now();
-                    stream.memcpy_dtod(&src, &mut dst).expect("copy");
-                    stream.synchronize().unwrap();
-                    t0.elapsed().as_secs_f64()
-                })
-                .collect();
-            copy_t.sort_by(f64::total_cmp);
-            let copy = copy_t[4];
+            let (copy, _) = time(
+                9,
+                || stream.memcpy_dtod(&src, &mut dst).expect("copy"),
+                || stream.synchronize().unwrap(),
+            );
             let pack_q = queued(
                 || drop(cube::pack(&c, &l, &dev, Some(8)).expect("pack")),
                 || sync(&c),

@@ -188,22 +188,26 @@ const TABLES_CACHED: usize = 4096;
 /// allocation (at most 196 bytes) in CubeCL's memory pool. A cached handle is only ever read by
 /// the kernels, and the cache's own reference keeps CubeCL from reusing its memory.
 fn table_handle<R: Runtime>(client: &ComputeClient<R>, entries: &[u32]) -> Handle {
-    type Key = (std::any::TypeId, usize, Vec<u32>);
-    static TABLES: std::sync::Mutex<Option<hashbrown::HashMap<Key, Handle>>> =
-        std::sync::Mutex::new(None);
+    type Tables =
+        hashbrown::HashMap<(std::any::TypeId, usize), hashbrown::HashMap<Vec<u32>, Handle>>;
+    static TABLES: std::sync::Mutex<Option<Tables>> = std::sync::Mutex::new(None);
     let device = std::ptr::from_ref(client.info()).cast::<()>() as usize;
-    let key = (std::any::TypeId::of::<R>(), device, entries.to_vec());
     // A panic while the lock was held left at worst a missing entry.
     let mut tables = TABLES.lock().unwrap_or_else(|e| e.into_inner());
-    let tables = tables.get_or_insert_with(hashbrown::HashMap::new);
-    if let Some(h) = tables.get(&key) {
+    let tables = tables.get_or_insert_with(Default::default);
+    let key = (std::any::TypeId::of::<R>(), device);
+    // Looked up by the slice: a hit allocates nothing.
+    if let Some(h) = tables.get(&key).and_then(|t| t.get(entries)) {
         return h.clone();
     }
-    if tables.len() >= TABLES_CACHED {
+    if tables.values().map(hashbrown::HashMap::len).sum::<usize>() >= TABLES_CACHED {
         tables.clear();
     }
     let h = client.create_from_slice(u32::as_bytes(entries));
-    tables.insert(key, h.clone());
+    tables
+        .entry(key)
+        .or_default()
+        .insert(entries.to_vec(), h.clone());
     h
 }
 
