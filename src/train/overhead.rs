@@ -14,15 +14,34 @@ use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use super::nets::{INPUTS, Net, OUTPUTS, RunModel};
 use super::synthetic_batch;
-use crate::backend::mark_distributed;
+use crate::backend::{LazyStats, lazy_stats, mark_distributed};
 use crate::measure::median;
 
+/// The parts of one training step, in the order they run, as [`StepPhases`] times them.
+pub const PHASES: [&str; 5] = ["mark", "forward", "backward", "optimizer", "read"];
+
+/// Where one step's wall time went, in milliseconds, one entry per [`PHASES`] name: marking the
+/// model (zero when it is not marked), the forward pass and the loss, `backward` (the sync
+/// hooks of a marked model run inside it), the optimizer (gradients taken, SGD), and the final
+/// one-value read. On a device backend every part but the read is host time (what recording and
+/// launching cost); the read waits for whatever the device has left, so the work a lazy layer
+/// still holds at the step's end shows there.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepPhases(pub [f64; 5]);
+
+impl StepPhases {
+    /// The whole step, ms.
+    pub fn total(&self) -> f64 {
+        self.0.iter().sum()
+    }
+}
+
 /// One configuration: a model on a backend, which runs one training step when called and
-/// returns its wall time in milliseconds.
+/// returns where its wall time went.
 pub struct StepRow {
     /// What the table calls it.
     pub label: String,
-    step: Box<dyn FnMut() -> f64>,
+    step: Box<dyn FnMut() -> StepPhases>,
 }
 
 impl StepRow {
@@ -44,17 +63,23 @@ impl StepRow {
         let (x, y) = synthetic_batch::<Bk>(0, (0, batch), INPUTS, OUTPUTS, device);
         let mut optim = SgdConfig::new().init::<Bk, M>();
         let step = move || {
-            let start = Instant::now();
+            let mut clock = PhaseClock::start();
             let mut m = held.take().expect("the model between steps");
             if marked {
                 m = mark_distributed::<Bk, M>(m).expect("marking the model");
             }
+            clock.lap(0);
             let loss = MseLoss::new().forward(m.forward(x.clone()), y.clone(), Reduction::Mean);
-            let grads = GradientsParams::from_grads(loss.backward(), &m);
+            clock.lap(1);
+            let grads = loss.backward();
+            clock.lap(2);
+            let grads = GradientsParams::from_grads(grads, &m);
             m = optim.step(1e-3, m, grads);
+            clock.lap(3);
             m.visit(&mut ReadOne(false));
+            clock.lap(4);
             held = Some(m);
-            start.elapsed().as_secs_f64() * 1e3
+            clock.phases
         };
         StepRow {
             label: label.to_string(),
@@ -71,11 +96,33 @@ impl StepRow {
         self.step = Box::new(move || {
             let before = crate::backend::lazy_window();
             crate::backend::set_lazy_window(ops);
-            let ms = step();
+            let phases = step();
             crate::backend::set_lazy_window(before);
-            ms
+            phases
         });
         self
+    }
+}
+
+/// Times the phases of one step: each [`PhaseClock::lap`] ends one.
+struct PhaseClock {
+    last: Instant,
+    phases: StepPhases,
+}
+
+impl PhaseClock {
+    fn start() -> Self {
+        PhaseClock {
+            last: Instant::now(),
+            phases: StepPhases::default(),
+        }
+    }
+
+    /// Ends phase `i` now.
+    fn lap(&mut self, i: usize) {
+        let now = Instant::now();
+        self.phases.0[i] = (now - self.last).as_secs_f64() * 1e3;
+        self.last = now;
     }
 }
 
@@ -100,6 +147,11 @@ pub struct StepTable {
     pub labels: Vec<String>,
     /// Each row's timed steps, ms, in the order they ran.
     pub times: Vec<Vec<f64>>,
+    /// The same steps' phases.
+    pub phases: Vec<Vec<StepPhases>>,
+    /// What rank 0's lazy recorder did in each row's last timed step (all zero for a row whose
+    /// backend is not `Collective`).
+    pub lazy: Vec<LazyStats>,
     /// Untimed steps each row ran first.
     pub warmup: usize,
 }
@@ -108,21 +160,41 @@ impl StepTable {
     /// Runs `rows` in turn: `warmup` untimed rounds, then `rounds` timed ones (one step of
     /// every row per round, in the rows' order).
     pub fn measure(title: &str, mut rows: Vec<StepRow>, warmup: usize, rounds: usize) -> Self {
-        let mut times = vec![Vec::with_capacity(rounds); rows.len()];
+        let mut phases = vec![Vec::with_capacity(rounds); rows.len()];
+        let mut lazy = vec![LazyStats::default(); rows.len()];
         for round in 0..warmup + rounds {
-            for (row, t) in rows.iter_mut().zip(&mut times) {
-                let ms = (row.step)();
+            for ((row, p), l) in rows.iter_mut().zip(&mut phases).zip(&mut lazy) {
+                let before = lazy_stats(0);
+                let step = (row.step)();
+                *l = lazy_stats(0).since(&before);
                 if round >= warmup {
-                    t.push(ms);
+                    p.push(step);
                 }
             }
         }
         StepTable {
             title: title.to_string(),
             labels: rows.into_iter().map(|r| r.label).collect(),
-            times,
+            times: phases
+                .iter()
+                .map(|p| p.iter().map(StepPhases::total).collect())
+                .collect(),
+            phases,
+            lazy,
             warmup,
         }
+    }
+
+    /// Each row's median of each phase, ms (NaN for a row without timed steps).
+    pub fn phase_medians(&self) -> Vec<StepPhases> {
+        self.phases
+            .iter()
+            .map(|p| {
+                StepPhases(std::array::from_fn(|i| {
+                    median(p.iter().map(|s| s.0[i]).collect()).unwrap_or(f64::NAN)
+                }))
+            })
+            .collect()
     }
 
     /// Each row's median step time, ms (NaN for a row without timed steps).
@@ -135,16 +207,20 @@ impl StepTable {
 }
 
 impl std::fmt::Display for StepTable {
-    /// The title, then a line per row: median, ratio to the first row's median, min and max.
+    /// The title, then two lines per row: median, ratio to the first row's median, min and
+    /// max; then the median of each phase ([`PHASES`]), and for a `Collective` row what its
+    /// lazy recorder did in the last step (ops recorded, and what made the queue run).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let medians = self.medians();
+        let phases = self.phase_medians();
         let rounds = self.times.first().map_or(0, Vec::len);
         writeln!(
             f,
             "{} (median of {rounds} steps after {} warm-up, rows in turn)",
             self.title, self.warmup
         )?;
-        for ((label, t), m) in self.labels.iter().zip(&self.times).zip(&medians) {
+        let rows = self.labels.iter().zip(&self.times).zip(&medians);
+        for ((((label, t), m), p), l) in rows.zip(&phases).zip(&self.lazy) {
             let lo = t.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = t.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             writeln!(
@@ -152,6 +228,22 @@ impl std::fmt::Display for StepTable {
                 "  {label:<34} {m:>10.3} ms  {:>5.2}x   (min {lo:.3}, max {hi:.3})",
                 m / medians[0]
             )?;
+            write!(f, "    ms:")?;
+            for (name, v) in PHASES.iter().zip(p.0) {
+                write!(f, " {name} {v:.3}")?;
+            }
+            if l.recorded > 0 {
+                write!(
+                    f,
+                    "; {} ops, forced by value {}, metadata {}, sync {}, window {}",
+                    l.recorded,
+                    l.forced_by_value,
+                    l.forced_by_metadata,
+                    l.forced_by_sync,
+                    l.forced_by_bound
+                )?;
+            }
+            writeln!(f)?;
         }
         Ok(())
     }
@@ -196,7 +288,7 @@ mod tests {
                 label: name.to_string(),
                 step: Box::new(move || {
                     order.borrow_mut().push(name);
-                    1.0
+                    StepPhases([0.25, 0.25, 0.25, 0.125, 0.125])
                 }),
             }
         };
@@ -206,6 +298,10 @@ mod tests {
             ["a", "b", "c", "a", "b", "c", "a", "b", "c"]
         );
         assert_eq!(table.times, vec![vec![1.0, 1.0]; 3]);
+        assert_eq!(
+            table.phase_medians(),
+            vec![StepPhases([0.25, 0.25, 0.25, 0.125, 0.125]); 3]
+        );
     }
 
     #[test]
@@ -226,7 +322,16 @@ mod tests {
         assert!(table.medians().iter().all(|m| m.is_finite() && *m >= 0.0));
         let text = table.to_string();
         assert!(text.starts_with("tiny (median of 3 steps after 1 warm-up"));
-        assert_eq!(text.lines().count(), 3, "{text}");
+        assert_eq!(text.lines().count(), 5, "{text}");
+        let phases = text
+            .lines()
+            .filter(|l| l.starts_with("    ms: mark "))
+            .count();
+        assert_eq!(phases, 2, "{text}");
+        for (p, t) in table.phases.iter().zip(&table.times) {
+            let sums: Vec<f64> = p.iter().map(StepPhases::total).collect();
+            assert_eq!(&sums, t, "a step's time is the sum of its phases");
+        }
         assert!(text.contains(" 1.00x"), "{text}");
     }
 }
