@@ -60,8 +60,46 @@ pub(super) fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
 /// A float tensor of `I` read into host memory (on a device backend, after the work queued
 /// before it).
 pub(super) fn read_host<I: Backend>(p: I::FloatTensorPrimitive) -> Result<HostBuffer, String> {
+    if let Some(buf) = ndarray_host(&p) {
+        return Ok(buf);
+    }
     let data = cubecl::future::block_on(I::float_into_data(p)).map_err(|e| e.to_string())?;
     to_host(&data)
+}
+
+/// An NdArray tensor's values in row-major order, copied straight out of its array: what
+/// `float_into_data` gives, without its two slow steps for a gradient (one that other handles
+/// still share, as a synced gradient is, is read element by element through a dynamic-rank
+/// iterator, then copied again out of the bytes). A row-major array is one `memcpy`; any other
+/// layout (a transposed weight gradient) is copied a last-axis lane at a time. `None` for
+/// another backend's tensor or a dtype that is not a float.
+fn ndarray_host(p: &dyn std::any::Any) -> Option<HostBuffer> {
+    use burn_ndarray::NdArrayTensor;
+    // A macro, not a function: the storage and view types are not nameable from here.
+    macro_rules! row_major {
+        ($storage:expr) => {{
+            let v = $storage.view();
+            match v.as_slice() {
+                Some(s) => s.to_vec(),
+                None if v.ndim() == 0 => v.iter().copied().collect(),
+                None => {
+                    let mut out = Vec::with_capacity(v.len());
+                    for lane in v.rows() {
+                        match lane.as_slice() {
+                            Some(s) => out.extend_from_slice(s),
+                            None => out.extend(lane.iter().copied()),
+                        }
+                    }
+                    out
+                }
+            }
+        }};
+    }
+    Some(match p.downcast_ref::<NdArrayTensor>()? {
+        NdArrayTensor::F32(s) => HostBuffer::F32(row_major!(s)),
+        NdArrayTensor::F64(s) => HostBuffer::F64(row_major!(s)),
+        _ => return None,
+    })
 }
 
 pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
@@ -436,4 +474,66 @@ pub fn trace_span<I: Backend>(rank: usize, name: &str, start: Instant, end: Inst
 /// Takes the spans traced so far (times in microseconds since the server started).
 pub fn take_trace<I: Backend>() -> Vec<TraceSpan> {
     std::mem::take(&mut *lock(&session::<I>("take_trace").trace))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ndarray_host, to_host};
+    use burn_backend::tensor::FloatTensor;
+    use burn_backend::{Backend, TensorData};
+    use burn_ndarray::{NdArray, NdArrayDevice};
+
+    /// What Burn's own read gives, through `TensorData`.
+    fn burns<B: Backend>(p: FloatTensor<B>) -> crate::runtime::HostBuffer {
+        let data = cubecl::future::block_on(B::float_into_data(p)).unwrap();
+        to_host(&data).unwrap()
+    }
+
+    /// Tensors of `B` in many layouts: row-major, transposed, permuted, sliced, empty, a scalar.
+    fn layouts<B: Backend>(d: &B::Device) -> Vec<(&'static str, FloatTensor<B>)> {
+        let values: Vec<f32> = (0..2 * 3 * 4).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let base = || B::float_from_data(TensorData::new(values.clone(), [2, 3, 4]), d);
+        let f64s = TensorData::new(vec![1.0f64, -2.5, 3.0, 4.0, 5.0, 6.0], [2, 3]);
+        let cut = |a: isize, b: isize| burn_std::Slice::new(a, Some(b), 1);
+        let all = |n: isize| cut(0, n);
+        let scalar = TensorData::new(vec![-0.0f32], Vec::<usize>::new());
+        vec![
+            ("row-major", base()),
+            ("transposed", B::float_swap_dims(base(), 1, 2)),
+            ("permuted", B::float_permute(base(), &[2, 0, 1])),
+            (
+                "a slice",
+                B::float_slice(base(), &[all(2), all(3), cut(1, 3)]),
+            ),
+            (
+                "a slice of the first axis",
+                B::float_slice(base(), &[cut(1, 2), all(3), all(4)]),
+            ),
+            (
+                "empty",
+                B::float_slice(base(), &[all(2), cut(0, 0), all(4)]),
+            ),
+            ("a scalar", B::float_from_data(scalar, d)),
+            (
+                "f64, transposed",
+                B::float_swap_dims(B::float_from_data(f64s, d), 0, 1),
+            ),
+        ]
+    }
+
+    #[test]
+    fn the_ndarray_read_gives_burns_values_in_every_layout() {
+        for (what, p) in layouts::<NdArray>(&NdArrayDevice::Cpu) {
+            // A second handle, as a synced gradient has (Burn keeps its own).
+            let held = p.clone();
+            let fast = ndarray_host(&p).expect("an NdArray float tensor");
+            assert!(fast.bits_eq(&burns::<NdArray>(p)), "{what}");
+            drop(held);
+        }
+    }
+
+    #[test]
+    fn another_backends_tensor_is_left_to_burn() {
+        assert!(ndarray_host(&1.0f32).is_none());
+    }
 }
