@@ -984,6 +984,15 @@ mod training {
                             batch,
                             false,
                         ));
+                        // Marked, right after the same model unmarked (it ran after the window
+                        // rows before, which a row's place in the turn might have slowed).
+                        rows.push(StepRow::new::<C, N>(
+                            "  + one-rank NCCL server, skip",
+                            cd,
+                            model,
+                            batch,
+                            true,
+                        ));
                         // The same with the recorder handing work to the inner backend every
                         // op (window 2), every 8, or once a step (4096: a whole step kept until
                         // its read) instead of every 32 (the default window, 64): what
@@ -1000,13 +1009,6 @@ mod training {
                                 .with_lazy_window(window),
                             );
                         }
-                        rows.push(StepRow::new::<C, N>(
-                            "  + one-rank NCCL server, skip",
-                            cd,
-                            model,
-                            batch,
-                            true,
-                        ));
                     } else {
                         rows.push(StepRow::new::<C, N>(
                             "  + plan run over NCCL",
