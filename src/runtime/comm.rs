@@ -297,6 +297,56 @@ pub fn wait_bound(timeout: Duration) -> Duration {
     timeout.saturating_mul(2) + Duration::from_secs(1)
 }
 
+/// How a thread that polls for a device event (a collective's completion) waits between polls:
+/// it yields for the first [`PollBackoff::SPIN`] of the wait, so a collective that ends within
+/// it is seen at once, then sleeps, from 10 µs doubling up to 50 µs. A plain sleep between
+/// polls adds about half a sleep, plus the kernel's timer slack (50 µs by default on Linux), to
+/// every wait, and a step that waits for its buckets feels it on a step of a millisecond.
+// Only the NCCL communicator polls a device (feature `cuda`); its test runs everywhere.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PollBackoff {
+    start: Instant,
+    sleep: Duration,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl PollBackoff {
+    /// How long a wait yields before it sleeps.
+    pub(crate) const SPIN: Duration = Duration::from_micros(100);
+    const FIRST_SLEEP: Duration = Duration::from_micros(10);
+    const MAX_SLEEP: Duration = Duration::from_micros(50);
+
+    /// A wait that starts now.
+    pub(crate) fn new() -> Self {
+        Self::starting(Instant::now())
+    }
+
+    fn starting(start: Instant) -> Self {
+        PollBackoff {
+            start,
+            sleep: Self::FIRST_SLEEP,
+        }
+    }
+
+    /// Waits before the next poll.
+    pub(crate) fn pause(&mut self) {
+        match self.next(Instant::now()) {
+            None => std::thread::yield_now(),
+            Some(d) => std::thread::sleep(d),
+        }
+    }
+
+    /// How long to sleep before the next poll at `now` (`None`: only yield).
+    fn next(&mut self, now: Instant) -> Option<Duration> {
+        if now.saturating_duration_since(self.start) < Self::SPIN {
+            return None;
+        }
+        let d = self.sleep;
+        self.sleep = (d * 2).min(Self::MAX_SLEEP);
+        Some(d)
+    }
+}
+
 /// A collective in flight.
 pub struct PendingReduce<T = HostBuffer> {
     rank: usize,
@@ -563,5 +613,23 @@ mod purpose_tests {
             "a user all-reduce (sum f32×3)"
         );
         assert!(desc(*agreement.start()).to_string().contains("agreement"));
+    }
+}
+
+#[cfg(test)]
+mod backoff_tests {
+    use super::*;
+
+    #[test]
+    fn a_poll_yields_first_then_sleeps_longer_up_to_its_cap() {
+        let t0 = Instant::now();
+        let mut b = PollBackoff::starting(t0);
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        assert_eq!(b.next(at(0)), None);
+        assert_eq!(b.next(at(99)), None);
+        let sleeps: Vec<u64> = (0..5)
+            .map(|i| b.next(at(100 + i)).unwrap().as_micros() as u64)
+            .collect();
+        assert_eq!(sleeps, [10, 20, 40, 50, 50]);
     }
 }

@@ -15,6 +15,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys::CUevent_flags};
 
 use super::staging::Staging;
 use super::*;
+use crate::runtime::comm::PollBackoff;
 
 /// Events that can be timed (CUDA's default flags; cudarc's default disables timing).
 const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -522,6 +523,7 @@ fn await_stream(
         .record_event(TIMED)
         .map_err(device_failed("recording the completion event"))?;
     let deadline = Instant::now() + timeout;
+    let mut backoff = PollBackoff::new();
     loop {
         match done.try_is_complete() {
             Ok(true) => return Ok((done, Instant::now())),
@@ -540,7 +542,7 @@ fn await_stream(
         if Instant::now() >= deadline {
             return Err(Failure::Timeout);
         }
-        std::thread::sleep(Duration::from_micros(50));
+        backoff.pause();
     }
 }
 
