@@ -5,7 +5,13 @@
 //! - `Autodiff<B>`: Burn alone (not for NdArray, see below);
 //! - `Autodiff<Collective<B>>`: the lazy layer, the model not marked (nothing to sync);
 //! - `+ sync, one rank`: a server of one rank and the model marked, so every backward pass
-//!   submits its gradients and syncs them (a group of one leaves them as they are, `SingleRank`).
+//!   submits its gradients and syncs them (a group of one leaves them as they are, `SingleRank`);
+//! - then a second table per model with the plan run anyway (`SingleRank::Run`): the lazy layer,
+//!   and `+ plan run, one rank`, whose gradients are read (or packed on the device), reduced
+//!   and handed back as with more ranks.
+//!
+//! Each row's second line is where its step went (`train::overhead::PHASES`) and what the lazy
+//! recorder did.
 //!
 //! `B` is NdArray, Burn's default wgpu backend (`burn_wgpu::Wgpu`, its fusion layer on; Mesa's
 //! software Vulkan on a machine without a GPU: a noisy proxy for a GPU), skipped without an
@@ -18,7 +24,7 @@ mod common;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
-use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions};
+use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions, SingleRank};
 use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
 use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
@@ -45,32 +51,58 @@ macro_rules! rows {
     (@alone false, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {};
 }
 
-/// Every selected model's table over inner backend `$inner` on `$device`.
+/// The rows of model `$m` with the plan run at world 1 (`SingleRank::Run`): the lazy layer,
+/// then the model marked, so its gradients are read, bucketed, reduced and handed back as with
+/// more ranks.
+macro_rules! run_rows {
+    ($inner:ty, $device:expr, $net:ident, $m:expr) => {{
+        let (_, model, batch) = $m;
+        let cd = CollectiveDevice::new($device.clone(), 0);
+        type C = Autodiff<Collective<$inner>>;
+        vec![
+            StepRow::new::<C, $net<C>>("Autodiff<Collective<B>>", &cd, model, batch, false),
+            StepRow::new::<C, $net<C>>("  + plan run, one rank", &cd, model, batch, true),
+        ]
+    }};
+}
+
+/// Every selected model's table over inner backend `$inner` on `$device`: with the default
+/// options (a group of one leaves its gradients alone), then with the plan run anyway.
 macro_rules! backend {
     ($inner:ty, $label:expr, $device:expr, alone: $alone:tt, gpu: $gpu:expr, $args:expr) => {{
         let (rounds, only) = $args;
         let device = $device;
         let cd = CollectiveDevice::new(device.clone(), 0);
-        CollectiveOptions::default().install::<$inner>();
-        Collective::<$inner>::start_communication_server(
-            std::slice::from_ref(&cd),
-            DistributedConfig {
-                all_reduce_op: ReduceOperation::Mean,
-            },
-        );
-        for m in overhead_models($gpu) {
-            if only.is_some_and(|o: &str| !m.0.contains(o)) {
-                continue;
+        for single_rank in [SingleRank::Skip, SingleRank::Run] {
+            CollectiveOptions {
+                single_rank,
+                ..CollectiveOptions::default()
             }
-            let rows = match m.1 {
-                RunModel::Mlp { .. } => rows!($inner, device, Mlp, m, $alone),
-                RunModel::ConvNet => rows!($inner, device, ConvNet, m, $alone),
-                RunModel::Blocks { .. } => rows!($inner, device, Blocks, m, $alone),
-            };
-            let title = format!("{} · {}, batch {}", $label, m.0, m.2);
-            print!("{}", StepTable::measure(&title, rows, WARMUP, rounds));
+            .install::<$inner>();
+            Collective::<$inner>::start_communication_server(
+                std::slice::from_ref(&cd),
+                DistributedConfig {
+                    all_reduce_op: ReduceOperation::Mean,
+                },
+            );
+            for m in overhead_models($gpu) {
+                if only.is_some_and(|o: &str| !m.0.contains(o)) {
+                    continue;
+                }
+                let skip = single_rank == SingleRank::Skip;
+                let rows = match (m.1, skip) {
+                    (RunModel::Mlp { .. }, true) => rows!($inner, device, Mlp, m, $alone),
+                    (RunModel::ConvNet, true) => rows!($inner, device, ConvNet, m, $alone),
+                    (RunModel::Blocks { .. }, true) => rows!($inner, device, Blocks, m, $alone),
+                    (RunModel::Mlp { .. }, false) => run_rows!($inner, device, Mlp, m),
+                    (RunModel::ConvNet, false) => run_rows!($inner, device, ConvNet, m),
+                    (RunModel::Blocks { .. }, false) => run_rows!($inner, device, Blocks, m),
+                };
+                let title = format!("{} · {}, batch {}, {single_rank:?}", $label, m.0, m.2);
+                print!("{}", StepTable::measure(&title, rows, WARMUP, rounds));
+            }
+            Collective::<$inner>::close_communication_server(&cd);
         }
-        Collective::<$inner>::close_communication_server(&cd);
     }};
 }
 
