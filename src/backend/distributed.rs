@@ -80,8 +80,8 @@ fn ndarray_host(p: &dyn std::any::Any) -> Option<HostBuffer> {
         ($storage:expr) => {{
             let v = $storage.view();
             match v.as_slice() {
+                // Row-major and contiguous (a 0-d array always is): one copy.
                 Some(s) => s.to_vec(),
-                None if v.ndim() == 0 => v.iter().copied().collect(),
                 None => {
                     let mut out = Vec::with_capacity(v.len());
                     for lane in v.rows() {
