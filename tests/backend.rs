@@ -15,8 +15,9 @@ use burn_nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, MeasuredPlans, SingleRank, SyncStats,
-    UnusedParameters, executed_step_order, expected_plan, last_zero_filled, mark_distributed,
-    measured_link, measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
+    UnusedParameters, executed_step_order, expected_plan, hook_times, last_zero_filled,
+    mark_distributed, measured_link, measured_step, no_sync, recorded_collectives,
+    recorded_step_graph, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::cost::CostModel;
@@ -1147,22 +1148,31 @@ fn a_single_rank_sync_leaves_the_gradients_alone_and_trains_alike() {
             },
             ReduceOperation::Mean,
         );
+        let hooks_before = hook_times(0);
         let model = mark_distributed::<B, Mlp>(init_model()).expect("marking the model");
         let synced = weights(&train(model, (0, ROWS_PER_RANK), &d));
         let stats = sync_stats::<NdArray>(0);
         let calls = recorded_collectives::<NdArray>(0).expect("recorded");
+        let hooks = hook_times(0).since(&hooks_before);
         Inner::close_communication_server(&d);
         assert_eq!(synced, alone, "{single_rank:?}");
+        // Three layers, a weight and a bias each, every step.
+        assert_eq!(hooks.gradients, 6 * STEPS as u64, "{hooks:?}");
+        assert_eq!(hooks.syncs, STEPS as u64, "{hooks:?}");
+        assert!(hooks.sync_ns >= hooks.writeback_ns, "{hooks:?}");
         match single_rank {
             SingleRank::Skip => {
                 assert_eq!(stats.local_steps, STEPS as u64, "{stats:?}");
                 assert_eq!(stats.compiled, 0, "{stats:?}");
                 assert!(calls.is_empty(), "{calls:?}");
+                // Nothing is read, so nothing is computed or written back in the hooks.
+                assert_eq!((hooks.force_ns, hooks.writeback_ns), (0, 0), "{hooks:?}");
             }
             SingleRank::Run => {
                 assert_eq!(stats.local_steps, 0, "{stats:?}");
                 assert_eq!(stats.eager_steps + stats.flushed_steps, STEPS as u64);
                 assert!(!calls.is_empty());
+                assert!(hooks.force_ns > 0 && hooks.writeback_ns > 0, "{hooks:?}");
             }
         }
     }

@@ -430,14 +430,18 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let rank = unsafe { &*tensor.0 }.rank as usize;
         // The user's all-reduces issued before go first, on every rank alike.
+        let start = Instant::now();
         s.flush_user(rank, None);
-        s.submit(tensor, &params);
+        let forced = s.submit(tensor, &params);
+        super::hook_times::submitted(rank, start.elapsed(), forced);
     }
 
     fn submit_sync_collective(device: &Self::Device) {
         let s = session::<I>("submit_sync_collective");
+        let start = Instant::now();
         s.flush_user(device.rank as usize, None);
-        s.sync(device);
+        let writeback = s.sync(device);
+        super::hook_times::synced(device.rank as usize, start.elapsed(), writeback);
     }
 
     fn all_reduce(

@@ -25,6 +25,7 @@ mod api;
 mod device;
 mod distributed;
 mod forward;
+mod hook_times;
 mod lazy;
 mod op_table;
 mod ops;
@@ -51,6 +52,7 @@ pub use distributed::{
     measured_link, measured_step, no_sync, recorded_collectives, recorded_step_graph, sync_stats,
     take_trace, trace_span,
 };
+pub use hook_times::{HookTimes, hook_times};
 pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as};

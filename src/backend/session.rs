@@ -332,7 +332,13 @@ fn segment(world: usize, entries: &[(String, TensorType)], reduce: ReduceOp) -> 
 }
 
 impl<I: Backend> Session<I> {
-    pub(super) fn submit(&self, tref: TensorRef<Collective<I>>, params: &DistributedParams) {
+    /// Takes in one gradient (Burn's `submit_gradient_sync`); returns how long computing its
+    /// value took (the queued ops that produce it), for [`super::hook_times`].
+    pub(super) fn submit(
+        &self,
+        tref: TensorRef<Collective<I>>,
+        params: &DistributedParams,
+    ) -> std::time::Duration {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };
         let rank = t.rank as usize;
@@ -375,7 +381,7 @@ impl<I: Backend> Session<I> {
                 data: None,
                 seq,
             });
-            return;
+            return std::time::Duration::ZERO;
         }
         st.index.insert(name.clone(), i);
         // The gradient's producers first (the `hoist-producers` rule), so its bucket can start
@@ -392,7 +398,9 @@ impl<I: Backend> Session<I> {
         } else {
             self.options.config.hoist_bytes
         };
+        let forcing = Instant::now();
         let inner = t.inner_hoisted("gradient sync", hoist);
+        let forced = forcing.elapsed();
         let on_device = self.options.device_buckets
             && !self.options.check_finite
             && !st.no_sync
@@ -434,7 +442,7 @@ impl<I: Backend> Session<I> {
                             st.accumulated.insert(name.clone(), (ty.clone(), buf));
                         }
                     }
-                    return;
+                    return forced;
                 }
                 if let Some((t, mut acc)) = st.accumulated.remove(&name) {
                     if t != ty {
@@ -482,6 +490,7 @@ impl<I: Backend> Session<I> {
             data,
             seq,
         });
+        forced
     }
 
     /// Runs a live execution as far as its gradients allow (`to_end`: to the end, waiting for
@@ -541,7 +550,9 @@ impl<I: Backend> Session<I> {
         (live.grads, live.source)
     }
 
-    pub(super) fn sync(&self, device: &CollectiveDevice<I::Device>) {
+    /// Burn's `submit_sync_collective`: reduces what is left and writes every reduced gradient
+    /// back; returns how long the write-back took, for [`super::hook_times`].
+    pub(super) fn sync(&self, device: &CollectiveDevice<I::Device>) -> std::time::Duration {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
@@ -554,7 +565,7 @@ impl<I: Backend> Session<I> {
             st.submitted.clear();
             st.index.clear();
             st.registered.clear();
-            return;
+            return std::time::Duration::ZERO;
         }
         if !st.accumulated.is_empty() {
             let mut names: Vec<&str> = st.accumulated.keys().map(String::as_str).collect();
@@ -571,7 +582,7 @@ impl<I: Backend> Session<I> {
             }
             st.local_steps += 1;
             self.finish_step(rank, st, log);
-            return;
+            return std::time::Duration::ZERO;
         }
         if self.options.probe_link && !st.probed && self.world > 1 {
             // Every rank's first synced step, before any of its collectives.
@@ -594,6 +605,7 @@ impl<I: Backend> Session<I> {
         // Write back in place, through the pointers Burn gave us; only now, so a failed step
         // leaves every gradient as it was.
         self.clock(rank).handback();
+        let writeback = Instant::now();
         for (sub, g) in st.submitted.iter().zip(reduced) {
             let Some(g) = g else { continue };
             // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
@@ -618,7 +630,9 @@ impl<I: Backend> Session<I> {
             let dev = t.device(|p| I::float_device(p));
             t.set(I::float_from_data(data, &dev));
         }
+        let writeback = writeback.elapsed();
         self.finish_step(rank, st, log);
+        writeback
     }
 
     /// Ends a synced step: keeps its recorded graph, forgets its gradients.

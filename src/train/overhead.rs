@@ -14,7 +14,7 @@ use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use super::nets::{INPUTS, Net, OUTPUTS, RunModel};
 use super::synthetic_batch;
-use crate::backend::{LazyStats, lazy_stats, mark_distributed};
+use crate::backend::{HookTimes, LazyStats, hook_times, lazy_stats, mark_distributed};
 use crate::measure::median;
 
 /// The parts of one training step, in the order they run, as [`StepPhases`] times them.
@@ -152,6 +152,9 @@ pub struct StepTable {
     /// What rank 0's lazy recorder did in each row's last timed step (all zero for a row whose
     /// backend is not `Collective`).
     pub lazy: Vec<LazyStats>,
+    /// What rank 0's gradient-sync hooks spent over each row's timed steps, summed (all zero
+    /// for a row whose model is not marked).
+    pub hooks: Vec<HookTimes>,
     /// Untimed steps each row ran first.
     pub warmup: usize,
 }
@@ -162,17 +165,25 @@ impl StepTable {
     pub fn measure(title: &str, mut rows: Vec<StepRow>, warmup: usize, rounds: usize) -> Self {
         let mut phases = vec![Vec::with_capacity(rounds); rows.len()];
         let mut lazy = vec![LazyStats::default(); rows.len()];
+        let mut hooks = vec![HookTimes::default(); rows.len()];
         for round in 0..warmup + rounds {
             // The recorder's counters are read around the last round's steps only.
             let last = round + 1 == warmup + rounds;
-            for ((row, p), l) in rows.iter_mut().zip(&mut phases).zip(&mut lazy) {
+            let rows = rows
+                .iter_mut()
+                .zip(&mut phases)
+                .zip(&mut lazy)
+                .zip(&mut hooks);
+            for (((row, p), l), h) in rows {
                 let before = last.then(|| lazy_stats(0));
+                let hooks_before = hook_times(0);
                 let step = (row.step)();
                 if let Some(before) = before {
                     *l = lazy_stats(0).since(&before);
                 }
                 if round >= warmup {
                     p.push(step);
+                    h.add(&hook_times(0).since(&hooks_before));
                 }
             }
         }
@@ -185,6 +196,7 @@ impl StepTable {
                 .collect(),
             phases,
             lazy,
+            hooks,
             warmup,
         }
     }
@@ -212,8 +224,10 @@ impl StepTable {
 
 impl std::fmt::Display for StepTable {
     /// The title, then two lines per row: median, ratio to the first row's median, min and
-    /// max; then the median of each phase ([`PHASES`]), and for a `Collective` row what its
-    /// lazy recorder did in the last step (ops recorded, and what made the queue run).
+    /// max; then the median of each phase ([`PHASES`]), for a `Collective` row what its lazy
+    /// recorder did in the last step (ops recorded, and what made the queue run), and for a
+    /// marked row what its sync hooks spent per step (mean over the timed steps: gradients
+    /// submitted, computing them, our own work on them, the sync point and its write-back).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let medians = self.medians();
         let phases = self.phase_medians();
@@ -224,7 +238,7 @@ impl std::fmt::Display for StepTable {
             self.title, self.warmup
         )?;
         let rows = self.labels.iter().zip(&self.times).zip(&medians);
-        for ((((label, t), m), p), l) in rows.zip(&phases).zip(&self.lazy) {
+        for (((((label, t), m), p), l), h) in rows.zip(&phases).zip(&self.lazy).zip(&self.hooks) {
             let lo = t.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = t.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             writeln!(
@@ -239,12 +253,26 @@ impl std::fmt::Display for StepTable {
             if l.recorded > 0 {
                 write!(
                     f,
-                    "; {} ops, forced by value {}, metadata {}, sync {}, window {}",
+                    "; {} ops ({} ran, {} skipped), forced by value {}, metadata {}, sync {}, window {}",
                     l.recorded,
+                    l.executed,
+                    l.skipped,
                     l.forced_by_value,
                     l.forced_by_metadata,
                     l.forced_by_sync,
                     l.forced_by_bound
+                )?;
+            }
+            if h.gradients + h.syncs > 0 {
+                let per = |ns: u64| ns as f64 / 1e6 / rounds.max(1) as f64;
+                write!(
+                    f,
+                    "; sync hooks per step: {:.0} gradients, forcing {:.3} ms, submitting {:.3}, sync point {:.3} (write-back {:.3})",
+                    h.gradients as f64 / rounds.max(1) as f64,
+                    per(h.force_ns),
+                    per(h.submit_ns),
+                    per(h.sync_ns),
+                    per(h.writeback_ns)
                 )?;
             }
             writeln!(f)?;
@@ -337,5 +365,36 @@ mod tests {
             assert_eq!(&sums, t, "a step's time is the sum of its phases");
         }
         assert!(text.contains(" 1.00x"), "{text}");
+        assert!(!text.contains("sync hooks"), "no row is marked: {text}");
+    }
+
+    #[test]
+    fn a_marked_row_prints_its_sync_hooks_per_step() {
+        let hooks = HookTimes {
+            gradients: 8,
+            force_ns: 3_000_000,
+            submit_ns: 1_000_000,
+            syncs: 2,
+            sync_ns: 500_000,
+            writeback_ns: 100_000,
+        };
+        let table = StepTable {
+            title: "t".into(),
+            labels: vec!["a".into(), "b".into()],
+            times: vec![vec![1.0, 1.0]; 2],
+            phases: vec![vec![StepPhases([0.2; 5]); 2]; 2],
+            lazy: vec![LazyStats::default(); 2],
+            hooks: vec![HookTimes::default(), hooks],
+            warmup: 0,
+        };
+        let text = table.to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(!lines[2].contains("sync hooks"), "{text}");
+        assert!(
+            lines[4].ends_with(
+                "; sync hooks per step: 4 gradients, forcing 1.500 ms, submitting 0.500, sync point 0.250 (write-back 0.050)"
+            ),
+            "{text}"
+        );
     }
 }

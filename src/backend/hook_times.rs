@@ -1,0 +1,140 @@
+//! Host time the gradient-sync hooks spend, per rank, whatever the inner backend: what the step
+//! tables (`train::overhead`) print beside each step's phases, so a marked step's extra time can
+//! be told apart (running the gradients' producers, our own work per gradient, the sync point).
+//!
+//! Guarantees: every call of `submit_gradient_sync` and `submit_sync_collective` on a rank adds
+//! its wall time here, split as [`HookTimes`] says; the counters only grow, so a reader takes
+//! the difference around what it measures ([`HookTimes::since`]).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// What the gradient-sync hooks of one rank spent so far, in nanoseconds of wall time on the
+/// calling (training) thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HookTimes {
+    /// Gradients submitted (`submit_gradient_sync` calls).
+    pub gradients: u64,
+    /// Of their time: computing each gradient's value (the queued ops that produce it run; on a
+    /// device backend, their launches).
+    pub force_ns: u64,
+    /// The rest of `submit_gradient_sync`: reading or packing the gradient, launching the
+    /// collectives the plan can start.
+    pub submit_ns: u64,
+    /// Sync points (`submit_sync_collective` calls).
+    pub syncs: u64,
+    /// Their time: the collectives still running waited for, the rest reduced, every reduced
+    /// gradient written back.
+    pub sync_ns: u64,
+    /// Of `sync_ns`: writing the reduced gradients back into their tensors.
+    pub writeback_ns: u64,
+}
+
+impl HookTimes {
+    /// What happened between `before` and `self`.
+    pub fn since(&self, before: &HookTimes) -> HookTimes {
+        HookTimes {
+            gradients: self.gradients - before.gradients,
+            force_ns: self.force_ns - before.force_ns,
+            submit_ns: self.submit_ns - before.submit_ns,
+            syncs: self.syncs - before.syncs,
+            sync_ns: self.sync_ns - before.sync_ns,
+            writeback_ns: self.writeback_ns - before.writeback_ns,
+        }
+    }
+
+    /// Adds `other`'s counts and times to these.
+    pub fn add(&mut self, other: &HookTimes) {
+        self.gradients += other.gradients;
+        self.force_ns += other.force_ns;
+        self.submit_ns += other.submit_ns;
+        self.syncs += other.syncs;
+        self.sync_ns += other.sync_ns;
+        self.writeback_ns += other.writeback_ns;
+    }
+}
+
+type Table = hashbrown::HashMap<u32, HookTimes>;
+
+static TIMES: Mutex<Option<Table>> = Mutex::new(None);
+
+fn update(rank: usize, f: impl FnOnce(&mut HookTimes)) {
+    // A panic while the lock was held left at worst a counter short.
+    let mut t = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+    f(t.get_or_insert_with(Default::default)
+        .entry(rank as u32)
+        .or_default());
+}
+
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// One `submit_gradient_sync` on `rank`: `total` of wall time, `force` of it computing the
+/// gradient.
+pub(super) fn submitted(rank: usize, total: Duration, force: Duration) {
+    update(rank, |h| {
+        h.gradients += 1;
+        h.force_ns += ns(force);
+        h.submit_ns += ns(total.saturating_sub(force));
+    });
+}
+
+/// One `submit_sync_collective` on `rank`: `total` of wall time, `writeback` of it writing the
+/// gradients back.
+pub(super) fn synced(rank: usize, total: Duration, writeback: Duration) {
+    update(rank, |h| {
+        h.syncs += 1;
+        h.sync_ns += ns(total);
+        h.writeback_ns += ns(writeback);
+    });
+}
+
+/// The hook times of `rank` so far (all zero for a rank that never synced).
+pub fn hook_times(rank: u32) -> HookTimes {
+    let t = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+    t.as_ref()
+        .and_then(|t| t.get(&rank).copied())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hook_times_add_up_per_rank_and_split_as_measured() {
+        // A rank no other test uses: the table is the process's.
+        let rank = 9_001;
+        let before = hook_times(rank);
+        submitted(
+            rank as usize,
+            Duration::from_micros(30),
+            Duration::from_micros(10),
+        );
+        submitted(
+            rank as usize,
+            Duration::from_micros(5),
+            Duration::from_micros(7),
+        );
+        synced(
+            rank as usize,
+            Duration::from_micros(50),
+            Duration::from_micros(20),
+        );
+        let d = hook_times(rank).since(&before);
+        assert_eq!(
+            d,
+            HookTimes {
+                gradients: 2,
+                // A force longer than its call (clock granularity) leaves no negative rest.
+                force_ns: 17_000,
+                submit_ns: 20_000,
+                syncs: 1,
+                sync_ns: 50_000,
+                writeback_ns: 20_000,
+            }
+        );
+        assert_eq!(hook_times(rank + 1), HookTimes::default());
+    }
+}
