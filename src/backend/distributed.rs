@@ -429,8 +429,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let s = session::<I>("submit_gradient_sync");
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let rank = unsafe { &*tensor.0 }.rank as usize;
-        // The user's all-reduces issued before go first, on every rank alike.
         let start = Instant::now();
+        // The user's all-reduces issued before go first, on every rank alike.
         s.flush_user(rank, None);
         let forced = s.submit(tensor, &params);
         super::hook_times::submitted(rank, start.elapsed(), forced);
