@@ -604,8 +604,7 @@ impl<I: Backend> Session<I> {
         };
         // Write back in place, through the pointers Burn gave us; only now, so a failed step
         // leaves every gradient as it was.
-        self.clock(rank).handback();
-        let writeback = Instant::now();
+        let writeback = self.clock(rank).handback();
         for (sub, g) in st.submitted.iter().zip(reduced) {
             let Some(g) = g else { continue };
             // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else

@@ -57,9 +57,12 @@ impl StepClock {
         );
     }
 
-    /// Every collective of the step is done: the reduced gradients are handed back now.
-    pub(super) fn handback(&mut self) {
-        self.handback = Some(Instant::now());
+    /// Every collective of the step is done: the reduced gradients are handed back now (the
+    /// moment returned).
+    pub(super) fn handback(&mut self) -> Instant {
+        let now = Instant::now();
+        self.handback = Some(now);
+        now
     }
 
     /// The backward pass reached the sync point.

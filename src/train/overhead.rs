@@ -176,12 +176,13 @@ impl StepTable {
                 .zip(&mut hooks);
             for (((row, p), l), h) in rows {
                 let before = last.then(|| lazy_stats(0));
-                let hooks_before = hook_times(0);
+                // The hooks' times are summed over the timed rounds only.
+                let hooks_before = (round >= warmup).then(|| hook_times(0));
                 let step = (row.step)();
                 if let Some(before) = before {
                     *l = lazy_stats(0).since(&before);
                 }
-                if round >= warmup {
+                if let Some(hooks_before) = hooks_before {
                     p.push(step);
                     h.add(&hook_times(0).since(&hooks_before));
                 }
