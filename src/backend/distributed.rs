@@ -340,6 +340,8 @@ impl<I: Backend> Collective<I> {
                         replicas: ReplicaState::default(),
                         probed: false,
                         planner: Default::default(),
+                        history: Default::default(),
+                        agreed: Default::default(),
                     })
                 })
                 .collect(),

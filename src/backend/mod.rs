@@ -24,6 +24,7 @@
 mod api;
 mod device;
 mod distributed;
+mod follow;
 mod forward;
 mod hook_times;
 mod lazy;

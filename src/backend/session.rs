@@ -66,6 +66,9 @@ pub(super) struct Live {
     pub(super) source: Vec<Option<usize>>,
     /// A gradient arrived out of the plan's order: launch nothing more.
     pub(super) diverged: bool,
+    /// The plan's segment graph, when the step follows a predicted plan rather than the
+    /// previous step's ([`super::follow`]).
+    pub(super) predicted: Option<Graph>,
 }
 
 pub(super) struct RankState<I: Backend> {
@@ -114,6 +117,11 @@ pub(super) struct RankState<I: Backend> {
     pub(super) probed: bool,
     /// Plans from measured steps ([`CollectiveOptions::measured_plans`]).
     pub(super) planner: super::planner::Planner,
+    /// The segments this rank synced and what followed what ([`super::follow`]).
+    pub(super) history: super::follow::History,
+    /// The plans (by hash) every rank agreed on ([`crate::runtime::agree`]): a plan is a pure
+    /// function of its segment and options, so the ranks agree on it once.
+    pub(super) agreed: hashbrown::HashSet<u64>,
 }
 
 pub(super) struct Session<I: Backend> {
@@ -311,7 +319,7 @@ impl<I: Backend> Session<I> {
 
 /// The graph of a sync segment over `world` ranks: a gradient and a `grad_sync` per entry, in
 /// ready order, then one `sync`.
-fn segment(world: usize, entries: &[(String, TensorType)], reduce: ReduceOp) -> Graph {
+pub(super) fn segment(world: usize, entries: &[(String, TensorType)], reduce: ReduceOp) -> Graph {
     let mut g = Graph::new("sync");
     let group = g.add_group(world as u32);
     let mut syncs = Vec::with_capacity(entries.len());
@@ -462,12 +470,25 @@ impl<I: Backend> Session<I> {
         };
         // Its value exists: the one clock read of a gradient.
         self.clock(rank).gradient(&name, ty.bytes());
-        // The first gradient of a step starts following the previous step's plan.
-        if st.live.is_none()
-            && i == 0
-            && let Some(plan) = st.expected.clone()
-        {
-            st.live = Some(self.start_live(rank, st, plan));
+        // The first gradient of a step starts following a plan: the one of the segment that
+        // came after the last one last time, when it starts with this gradient; else the
+        // previous step's.
+        if st.live.is_none() && i == 0 {
+            let predicted = (self.options.unused != UnusedParameters::ZeroFill)
+                .then(|| st.history.predicted(&name, &ty))
+                .flatten()
+                .filter(|(p, _)| {
+                    st.expected
+                        .as_ref()
+                        .is_none_or(|e| e.graph_hash != p.graph_hash)
+                });
+            if let Some((plan, segment)) = predicted {
+                let mut live = self.start_live(rank, st, plan);
+                live.predicted = Some(segment);
+                st.live = Some(live);
+            } else if let Some(plan) = st.expected.clone() {
+                st.live = Some(self.start_live(rank, st, plan));
+            }
         }
         let mut data = Some(grad);
         if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
@@ -516,8 +537,31 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    /// Starts running `plan` (the expected plan) for this step.
+    /// Agrees with every rank on `plan` unless they did before, and readies `ws` for it. Call
+    /// it where every rank's training thread gets to, outside backward: Burn's autodiff ends
+    /// each backward pass by locking every thread's graph, so a rank waiting inside backward for
+    /// another rank's thread can wait for a thread that waits for it.
+    pub(super) fn agree_once(
+        &self,
+        rank: usize,
+        agreed: &mut hashbrown::HashSet<u64>,
+        ws: &mut Workspace,
+        plan: &Plan,
+    ) {
+        if !agreed.contains(&plan.graph_hash) {
+            let timeout = self.options.timeout;
+            if let Err(e) = crate::runtime::agree::agree(plan, self.comm(rank), timeout) {
+                self.fail(rank, e.to_string());
+            }
+            agreed.insert(plan.graph_hash);
+        }
+        ws.agreed(plan);
+    }
+
+    /// Starts running `plan` for this step, during backward: a plan the ranks agreed on at a
+    /// sync point ([`Session::agree_ahead`]).
     pub(super) fn start_live(&self, rank: usize, st: &mut RankState<I>, plan: Arc<Plan>) -> Live {
+        self.agree_once(rank, &mut st.agreed, &mut st.workspace, &plan);
         match Execution::new(&plan, self.comm(rank), &mut st.workspace, self.opts()) {
             Ok(exec) => {
                 let n = plan.slots.len();
@@ -527,6 +571,7 @@ impl<I: Backend> Session<I> {
                     ready: vec![false; n],
                     source: vec![None; n],
                     diverged: false,
+                    predicted: None,
                     plan,
                 }
             }
@@ -581,7 +626,7 @@ impl<I: Backend> Session<I> {
                 self.check_registered(rank, st);
             }
             st.local_steps += 1;
-            self.finish_step(rank, st, log);
+            self.finish_step(rank, st, log, false);
             return std::time::Duration::ZERO;
         }
         if self.options.probe_link && !st.probed && self.world > 1 {
@@ -630,12 +675,33 @@ impl<I: Backend> Session<I> {
             t.set(I::float_from_data(data, &dev));
         }
         let writeback = writeback.elapsed();
-        self.finish_step(rank, st, log);
+        self.finish_step(rank, st, log, true);
+        self.agree_ahead(rank, st);
         writeback
     }
 
-    /// Ends a synced step: keeps its recorded graph, forgets its gradients.
-    fn finish_step(&self, rank: usize, st: &mut RankState<I>, log: super::lazy::StepLog) {
+    /// At a sync point, where every rank's training thread gets to: agrees on the plans the
+    /// next step may follow during backward (the previous step's, the predicted one) unless
+    /// the ranks did before, so following one never waits for another rank.
+    fn agree_ahead(&self, rank: usize, st: &mut RankState<I>) {
+        let next = st.history.next_plan();
+        for plan in st.expected.clone().into_iter().chain(next) {
+            if !st.agreed.contains(&plan.graph_hash) {
+                let mut ws = Workspace::default();
+                self.agree_once(rank, &mut st.agreed, &mut ws, &plan);
+            }
+        }
+    }
+
+    /// Ends a step (`synced`: its gradients were reduced): keeps its recorded graph and the
+    /// plan its segment ran with, forgets its gradients.
+    fn finish_step(
+        &self,
+        rank: usize,
+        st: &mut RankState<I>,
+        log: super::lazy::StepLog,
+        synced: bool,
+    ) {
         self.clock(rank).end_step(self.world, self.clocks.len());
         st.last_ran = (log.ran, log.entries.iter().map(|e| e.seq).collect());
         st.last_step = Some(StepRecord {
@@ -649,6 +715,14 @@ impl<I: Backend> Session<I> {
             log: log.entries,
         });
         self.plan_from_measured(rank, st);
+        if synced
+            && self.options.unused != UnusedParameters::ZeroFill
+            && let (Some(plan), Some(segment)) = (&st.expected, &st.expected_segment)
+        {
+            let key =
+                super::follow::segment_key(st.submitted.iter().map(|s| (s.name.as_str(), &s.ty)));
+            st.history.synced(key, plan, segment);
+        }
         st.submitted.clear();
         st.index.clear();
         st.registered.clear();
@@ -672,6 +746,12 @@ impl<I: Backend> Session<I> {
                 && live.ready.iter().all(|r| *r)
                 && live.plan.slots.len() == st.submitted.len();
             if complete {
+                if let Some(segment) = live.predicted.take() {
+                    // This step ran the predicted plan: the next one follows from there.
+                    st.expected = Some(Arc::clone(&live.plan));
+                    st.expected_segment = Some(segment);
+                    st.planner.stale = st.planner.base.is_some();
+                }
                 let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
                 st.eager_steps += 1;
                 for (slot, buf) in grads.into_iter().enumerate() {
@@ -731,6 +811,7 @@ impl<I: Backend> Session<I> {
             } else {
                 &mut st.leftover_workspace
             };
+            self.agree_once(rank, &mut st.agreed, ws, &plan);
             match execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
                 Ok(report) => self.record(rank, &report),
                 Err(e) => self.fail(rank, e.to_string()),

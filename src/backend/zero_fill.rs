@@ -157,6 +157,7 @@ impl<I: Backend> Session<I> {
                     }
                 }
             }
+            self.agree_once(rank, &mut st.agreed, &mut st.leftover_workspace, &plan);
             match execute_in(
                 &plan,
                 comm,

@@ -327,11 +327,12 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(st) = &report.step {
         writeln!(
             out,
-            "recorded step (rank 0): {} ops ({} matmul/conv), {:.1} MFLOP; {} buckets; the first launches with {} of {} ops after it still to run",
+            "recorded step (rank 0): {} ops ({} matmul/conv), {:.1} MFLOP; {} bucket{}; the first launches with {} of {} ops after it still to run",
             st.ops,
             st.heavy_ops,
             st.flops as f64 / 1e6,
             st.buckets,
+            if st.buckets == 1 { "" } else { "s" },
             st.ops_after_first_launch,
             st.ops
         )?;

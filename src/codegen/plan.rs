@@ -463,6 +463,16 @@ pub fn nccl_op(op: ReduceOp) -> &'static str {
 }
 
 impl Plan {
+    /// The slot of the first gradient the compute stream takes at or after step `pc`, if any.
+    pub fn gradient_from(&self, pc: usize) -> Option<u32> {
+        self.compute[pc.min(self.compute.len())..]
+            .iter()
+            .find_map(|s| match s {
+                Step::Gradient { slot } => Some(*slot),
+                _ => None,
+            })
+    }
+
     /// Bytes all collectives put on the wire.
     pub fn wire_bytes(&self) -> u64 {
         self.collectives.iter().map(|c| c.layout.bytes).sum()

@@ -239,6 +239,15 @@ impl Workspace {
             agreed: true,
         }
     }
+
+    /// Readies this workspace for `plan`, on which the ranks already agreed (its buffers kept
+    /// when it was `plan`'s already), so [`Execution::new`] does not agree again.
+    pub fn agreed(&mut self, plan: &Plan) {
+        if self.plan_hash != plan.graph_hash || self.buffers.len() != plan.collectives.len() {
+            *self = Workspace::agreed_on(plan);
+        }
+        self.agreed = true;
+    }
 }
 
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
@@ -343,12 +352,7 @@ impl Execution {
 
     /// The slot of the next gradient the plan expects, if any is still to come.
     pub fn next_gradient(&self, plan: &Plan) -> Option<u32> {
-        plan.compute[self.pc.min(plan.compute.len())..]
-            .iter()
-            .find_map(|s| match s {
-                Step::Gradient { slot } => Some(*slot),
-                _ => None,
-            })
+        plan.gradient_from(self.pc)
     }
 
     /// Whether every step has run.

@@ -1,0 +1,145 @@
+//! Steps that sync different gradient lists: a model whose middle layers a schedule skips on
+//! some steps (every rank alike), as a GAN's alternating steps or a multi-task model's heads
+//! do. Once each pattern was seen, every step follows the plan of the segment that came after
+//! the last one (its buckets launch during backward), and the ranks still end where one rank on
+//! the concatenated batch ends.
+
+mod common;
+
+use burn_autodiff::Autodiff;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::tensor::Tensor;
+use burn_ndarray::{NdArray, NdArrayDevice};
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
+};
+use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+use collective_fusion::train::{module_weights, synthetic_batch};
+
+type Inner = Collective<NdArray>;
+type B = Autodiff<Inner>;
+type Dev = CollectiveDevice<NdArrayDevice>;
+type Net = Vec<Linear<B>>;
+
+const WORLD: u32 = 2;
+const ROWS: usize = 3;
+const WIDTH: usize = 8;
+const STEPS: usize = 9;
+
+/// Sessions are per backend type: one test at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn init(d: &Dev) -> Net {
+    <B as burn_backend::Backend>::seed(d, 5);
+    let net: Net = (0..4)
+        .map(|_| LinearConfig::new(WIDTH, WIDTH).init(d))
+        .collect();
+    // Parameters initialize lazily; materialize them now, under this seed.
+    let _ = module_weights::<B, Net>(&net);
+    net
+}
+
+/// Step `step` skips layer `1 + step % period` of the middle ones (none when `period` is 1):
+/// `period` gradient lists in turn.
+fn forward(net: &Net, x: Tensor<B, 2>, step: usize, period: usize) -> Tensor<B, 2> {
+    let skip = (period > 1).then_some(1 + step % period);
+    net.iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != skip)
+        .fold(x, |h, (_, l)| {
+            burn_core::tensor::activation::relu(l.forward(h))
+        })
+}
+
+fn train(
+    mut net: Net,
+    rows: (usize, usize),
+    d: &Dev,
+    distributed: bool,
+    period: usize,
+) -> Vec<f32> {
+    let mut sgd = SgdConfig::new().init::<B, Net>();
+    for step in 0..STEPS {
+        if distributed {
+            net = mark_distributed::<B, Net>(net).expect("marking the model");
+        }
+        let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
+        let loss = MseLoss::new().forward(forward(&net, x, step, period), y, Reduction::Mean);
+        let grads = GradientsParams::from_grads(loss.backward(), &net);
+        net = sgd.step(0.1, net, grads);
+    }
+    module_weights::<B, Net>(&net)
+}
+
+/// `WORLD` ranks train with `period` gradient lists in turn; checks they agree and end where
+/// one rank ends, and returns rank 0's sync statistics.
+fn alternating(period: usize) -> SyncStats {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        // Several buckets per step, so a step that follows a plan launches during backward.
+        config: CompileConfig {
+            bucket: BucketConfig {
+                policy: BucketPolicy::Ddp,
+                cap_bytes: 300,
+                first_bucket_bytes: 300,
+            },
+            ..CompileConfig::default()
+        },
+        ..CollectiveOptions::default()
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let start = init(&devices[0]);
+    let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true, period)
+    });
+    let stats = sync_stats::<NdArray>(0);
+    Inner::close_communication_server(&devices[0]);
+    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+    let one = train(init(&d), (0, WORLD as usize * ROWS), &d, false, period);
+    let initial = module_weights::<B, Net>(&init(&d));
+    common::ranks::assert_ends_as_one_rank(&ranks[0], &one, &initial, 1e-5, 1e-3);
+    stats
+}
+
+/// One gradient list: every step after the first follows the previous step's plan.
+#[test]
+fn steps_that_sync_one_list_follow_the_previous_plan() {
+    let st = alternating(1);
+    assert_eq!(
+        (st.eager_steps, st.flushed_steps),
+        (STEPS as u64 - 1, 1),
+        "{st:?}"
+    );
+}
+
+/// Two and three lists in turn: the first `period` steps compile their plans, the next one
+/// meets a segment no history follows yet, and from then on every step follows the plan of the
+/// segment that came next last time (following the previous step's plan instead, every step
+/// would diverge and reduce at its sync point).
+#[test]
+fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time() {
+    for period in [2, 3] {
+        let st = alternating(period);
+        let flushed = period as u64 + 1;
+        assert_eq!(
+            (st.eager_steps, st.flushed_steps),
+            (STEPS as u64 - flushed, flushed),
+            "period {period}: {st:?}"
+        );
+        assert_eq!(st.compiled, period as u64, "period {period}: {st:?}");
+    }
+}
