@@ -14,7 +14,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed, sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, SyncStats, all_reduce, mark_distributed,
+    sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::train::{module_weights, synthetic_batch};
@@ -54,29 +55,53 @@ fn forward(net: &Net, x: Tensor<B, 2>, step: usize, period: usize) -> Tensor<B, 
         })
 }
 
+/// How a rank logs its loss.
+#[derive(Clone, Copy, PartialEq)]
+enum Log {
+    Nothing,
+    /// Each step's loss all-reduced (mean over the ranks) before backward, the values read
+    /// only after the last step, as a training loop logs a metric.
+    MeanLoss,
+}
+
+/// Trains `STEPS` steps; the weights at the end, and the logged losses.
 fn train(
     mut net: Net,
     rows: (usize, usize),
     d: &Dev,
     distributed: bool,
     period: usize,
-) -> Vec<f32> {
+    log: Log,
+) -> (Vec<f32>, Vec<f32>) {
     let mut sgd = SgdConfig::new().init::<B, Net>();
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+        .collect();
+    let mut logged = Vec::new();
     for step in 0..STEPS {
         if distributed {
             net = mark_distributed::<B, Net>(net).expect("marking the model");
         }
         let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
         let loss = MseLoss::new().forward(forward(&net, x, step, period), y, Reduction::Mean);
+        if log == Log::MeanLoss {
+            let l = loss.clone().inner().reshape([1]);
+            logged.push(all_reduce::<Inner, 1>(l, ReduceOperation::Mean, &devices));
+        }
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         net = sgd.step(0.1, net, grads);
     }
-    module_weights::<B, Net>(&net)
+    let losses = logged
+        .into_iter()
+        .flat_map(|l| l.resolve().into_data().to_vec::<f32>().expect("f32"))
+        .collect();
+    (module_weights::<B, Net>(&net), losses)
 }
 
-/// `WORLD` ranks train with `period` gradient lists in turn; checks they agree and end where
-/// one rank ends, and returns rank 0's sync statistics.
-fn alternating(period: usize) -> SyncStats {
+/// `WORLD` ranks train with `period` gradient lists in turn, logging as `log` says; checks
+/// they agree and end where one rank ends, and returns rank 0's sync statistics and the losses
+/// each rank logged.
+fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
@@ -103,22 +128,30 @@ fn alternating(period: usize) -> SyncStats {
     );
     let start = init(&devices[0]);
     let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
-        train(m, (r * ROWS, (r + 1) * ROWS), d, true, period)
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true, period, log)
     });
+    let (ranks, logged): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ranks.into_iter().unzip();
     let stats = sync_stats::<NdArray>(0);
     Inner::close_communication_server(&devices[0]);
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
-    let one = train(init(&d), (0, WORLD as usize * ROWS), &d, false, period);
+    let (one, _) = train(
+        init(&d),
+        (0, WORLD as usize * ROWS),
+        &d,
+        false,
+        period,
+        Log::Nothing,
+    );
     let initial = module_weights::<B, Net>(&init(&d));
     common::ranks::assert_ends_as_one_rank(&ranks[0], &one, &initial, 1e-5, 1e-3);
-    stats
+    (stats, logged)
 }
 
 /// One gradient list: every step after the first follows the previous step's plan.
 #[test]
 fn steps_that_sync_one_list_follow_the_previous_plan() {
-    let st = alternating(1);
+    let (st, _) = alternating(1, Log::Nothing);
     assert_eq!(
         (st.eager_steps, st.flushed_steps),
         (STEPS as u64 - 1, 1),
@@ -133,7 +166,7 @@ fn steps_that_sync_one_list_follow_the_previous_plan() {
 #[test]
 fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time() {
     for period in [2, 3] {
-        let st = alternating(period);
+        let (st, _) = alternating(period, Log::Nothing);
         let flushed = period as u64 + 1;
         assert_eq!(
             (st.eager_steps, st.flushed_steps),
@@ -141,5 +174,29 @@ fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time()
             "period {period}: {st:?}"
         );
         assert_eq!(st.compiled, period as u64, "period {period}: {st:?}");
+    }
+}
+
+/// An all-reduce of each step's loss issued before backward and read after the last step (a
+/// logged metric): launching it needs the ranks to exchange queue lengths, which inside
+/// backward could wait for a rank stuck in Burn's cleanup of its previous backward pass, which
+/// waits for this rank's graph (it hung about one run in ten). It launches at the sync point,
+/// before the step's gradients, which reduce there too; the logged means are every rank's the
+/// same, and training is unchanged.
+#[test]
+fn a_loss_all_reduced_before_backward_launches_at_the_sync_point() {
+    for period in [1, 2] {
+        let (st, logged) = alternating(period, Log::MeanLoss);
+        assert_eq!(
+            (st.eager_steps, st.flushed_steps),
+            (0, STEPS as u64),
+            "period {period}: {st:?}"
+        );
+        assert_eq!(logged[0].len(), STEPS);
+        assert_eq!(logged[0], logged[1], "the ranks logged different means");
+        assert!(
+            logged[0].iter().all(|l| l.is_finite() && *l > 0.0),
+            "{logged:?}"
+        );
     }
 }

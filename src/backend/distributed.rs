@@ -432,8 +432,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let rank = unsafe { &*tensor.0 }.rank as usize;
         let start = Instant::now();
-        // The user's all-reduces issued before go first, on every rank alike.
-        s.flush_user(rank, None);
+        // The user's all-reduces issued before stay queued: launching them needs the ranks to
+        // exchange queue lengths, which must not happen inside backward (see `Session::submit`);
+        // the sync point launches them, before this step's gradients.
         let forced = s.submit(tensor, &params);
         super::hook_times::submitted(rank, start.elapsed(), forced);
     }

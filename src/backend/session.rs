@@ -5,8 +5,9 @@
 //! per submitted tensor, one `sync`), takes its plan from the rank's plan cache (compiled once per
 //! distinct segment: bucketing, fused pack/unpack, async collectives, overlap schedule), runs it on
 //! the rank's communicator, and writes every reduced gradient back through Burn's `TensorRef`
-//! before returning, as Burn requires. From the second step on, a step follows the previous
-//! step's plan during backward: a bucket is packed and launched as its last gradient arrives.
+//! before returning, as Burn requires. From the second step on, a step follows a plan during
+//! backward (the previous step's, or the one [`super::follow`] predicts): a bucket is packed and
+//! launched as its last gradient arrives.
 //!
 //! The hooks return nothing, so a failure (a rank that never arrives, mismatched segments, a bad
 //! gradient) aborts the group, so that no other rank waits for this one, and then panics with
@@ -54,8 +55,8 @@ pub(super) struct Submitted<I: Backend> {
     pub(super) seq: Option<u64>,
 }
 
-/// A step following the previous step's plan: buckets are packed and launched as their last
-/// gradient arrives, during backward.
+/// A step following a plan (the previous step's, or a predicted one): buckets are packed and
+/// launched as their last gradient arrives, during backward.
 pub(super) struct Live {
     pub(super) plan: Arc<Plan>,
     pub(super) exec: Execution,
@@ -472,8 +473,9 @@ impl<I: Backend> Session<I> {
         self.clock(rank).gradient(&name, ty.bytes());
         // The first gradient of a step starts following a plan: the one of the segment that
         // came after the last one last time, when it starts with this gradient; else the
-        // previous step's.
-        if st.live.is_none() && i == 0 {
+        // previous step's. Not while the user's all-reduces issued before backward are still
+        // queued: they launch first, at the sync point, and this step's gradients after them.
+        if st.live.is_none() && i == 0 && !self.user_queued(rank) {
             let predicted = (self.options.unused != UnusedParameters::ZeroFill)
                 .then(|| st.history.predicted(&name, &ty))
                 .flatten()
@@ -729,8 +731,8 @@ impl<I: Backend> Session<I> {
         SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The default sync: every registered gradient must have arrived; the step follows the
-    /// previous step's plan as far as its gradients came in that plan's order, and reduces the
+    /// The default sync: every registered gradient must have arrived; the step follows its plan
+    /// as far as its gradients came in that plan's order, and reduces the
     /// rest with a plan of its own. Returns the reduced gradients by submission index.
     pub(super) fn reduce_following(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
         self.check_registered(rank, st);

@@ -227,9 +227,17 @@ impl UserReduce {
 }
 
 impl<I: Backend> Session<I> {
+    /// Whether `rank` has all-reduces queued, not launched yet.
+    pub(super) fn user_queued(&self, rank: usize) -> bool {
+        self.user
+            .get(rank)
+            .is_some_and(|q| !lock(q).queued.is_empty())
+    }
+
     /// Launches `rank`'s queued all-reduces: all of them, or (`until`) as many as it takes to
     /// launch that one. Each round the ranks exchange their queue lengths and all launch the
-    /// smallest, as one plan per run of the same reduce op.
+    /// smallest, as one plan per run of the same reduce op. Never inside backward (see
+    /// [`Session::agree_once`]).
     pub(super) fn flush_user(&self, rank: usize, until: Option<&UserReduce>) {
         let Some(q) = self.user.get(rank) else {
             return;
