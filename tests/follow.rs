@@ -7,7 +7,7 @@
 mod common;
 
 use burn_autodiff::Autodiff;
-use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::tensor::Tensor;
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::loss::{MseLoss, Reduction};
@@ -106,7 +106,7 @@ fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
         .collect();
-    CollectiveOptions {
+    let options = CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
         // Several buckets per step, so a step that follows a plan launches during backward.
         config: CompileConfig {
@@ -118,14 +118,8 @@ fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
             ..CompileConfig::default()
         },
         ..CollectiveOptions::default()
-    }
-    .install::<NdArray>();
-    Inner::start_communication_server(
-        &devices,
-        DistributedConfig {
-            all_reduce_op: ReduceOperation::Mean,
-        },
-    );
+    };
+    common::ranks::start_server::<NdArray>(&devices, options, ReduceOperation::Mean);
     let start = init(&devices[0]);
     let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
         train(m, (r * ROWS, (r + 1) * ROWS), d, true, period, log)

@@ -2,7 +2,20 @@
 //! one rank trained on the concatenated batch ends.
 
 use burn_backend::Backend;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_core::module::Module;
+use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions};
+
+/// Installs `options` for inner backend `I` and starts the communication server of `devices`
+/// (rank `r` is `devices[r]`), reducing gradients with `op`.
+pub fn start_server<I: Backend>(
+    devices: &[CollectiveDevice<I::Device>],
+    options: CollectiveOptions,
+    op: ReduceOperation,
+) {
+    options.install::<I>();
+    Collective::<I>::start_communication_server(devices, DistributedConfig { all_reduce_op: op });
+}
 
 /// Runs `train` on a thread per device (`devices[r]` is rank `r`), each given `start` forked to
 /// its device and its rank; the results in rank order.
