@@ -22,7 +22,7 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use crate::codegen::plan::Plan;
-use crate::graph::{Graph, TensorType, fnv64};
+use crate::graph::{Fnv64, Graph, TensorType};
 
 /// Segments a rank remembers before its history starts again.
 pub(super) const SEGMENTS: usize = 32;
@@ -40,8 +40,12 @@ pub(super) struct History {
 
 /// The key of a gradient list (parameter names and types, in ready order).
 pub(super) fn segment_key<'a>(entries: impl IntoIterator<Item = (&'a str, &'a TensorType)>) -> u64 {
-    let list: Vec<(&str, &TensorType)> = entries.into_iter().collect();
-    fnv64(&list)
+    use std::hash::{Hash, Hasher};
+    let mut h = Fnv64::default();
+    for e in entries {
+        e.hash(&mut h);
+    }
+    h.finish()
 }
 
 /// Whether `plan` expects `(name, ty)` as its first gradient.
@@ -74,9 +78,8 @@ impl History {
 
     /// The plan of the segment that came after the last synced one last time, and its segment
     /// graph, when its first gradient is `(name, ty)`.
-    pub(super) fn predicted(&self, name: &str, ty: &TensorType) -> Option<(Arc<Plan>, Graph)> {
-        let (plan, segment) = self.next()?;
-        starts_with(plan, name, ty).then(|| (Arc::clone(plan), segment.clone()))
+    pub(super) fn predicted(&self, name: &str, ty: &TensorType) -> Option<&(Arc<Plan>, Graph)> {
+        self.next().filter(|(plan, _)| starts_with(plan, name, ty))
     }
 
     /// The plan of the segment that came after the last synced one last time.
@@ -122,7 +125,7 @@ mod tests {
         h.synced(ka, &pa, &ga);
         // After A came B last time: a step starting with B's first gradient follows B.
         let (p, _) = h.predicted("g.w", &ty).expect("B follows A");
-        assert!(Arc::ptr_eq(&p, &pb));
+        assert!(Arc::ptr_eq(p, &pb));
         // Not when the step starts otherwise, or with another type.
         assert!(h.predicted("d.w", &ty).is_none());
         assert!(
@@ -131,7 +134,7 @@ mod tests {
         );
         h.synced(kb, &pb, &gb);
         let (p, _) = h.predicted("d.w", &ty).expect("A follows B");
-        assert!(Arc::ptr_eq(&p, &pa));
+        assert!(Arc::ptr_eq(p, &pa));
     }
 
     #[test]

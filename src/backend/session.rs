@@ -476,6 +476,7 @@ impl<I: Backend> Session<I> {
         // previous step's. Not while the user's all-reduces issued before backward are still
         // queued: they launch first, at the sync point, and this step's gradients after them.
         if st.live.is_none() && i == 0 && !self.user_queued(rank) {
+            // (The previous step's plan predicted again is just the previous step's plan.)
             let predicted = (self.options.unused != UnusedParameters::ZeroFill)
                 .then(|| st.history.predicted(&name, &ty))
                 .flatten()
@@ -483,7 +484,8 @@ impl<I: Backend> Session<I> {
                     st.expected
                         .as_ref()
                         .is_none_or(|e| e.graph_hash != p.graph_hash)
-                });
+                })
+                .map(|(p, g)| (Arc::clone(p), g.clone()));
             if let Some((plan, segment)) = predicted {
                 let mut live = self.start_live(rank, st, plan);
                 live.predicted = Some(segment);
