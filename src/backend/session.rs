@@ -541,31 +541,30 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    /// Agrees with every rank on `plan` unless they did before, and readies `ws` for it. Call
-    /// it where every rank's training thread gets to, outside backward: Burn's autodiff ends
-    /// each backward pass by locking every thread's graph, so a rank waiting inside backward for
+    /// Agrees with every rank on `plan` unless they did before (`agreed` holds the hashes of
+    /// the plans they did); a workspace that runs it then needs [`Workspace::agreed`]. Call it
+    /// where every rank's training thread gets to, outside backward: Burn's autodiff ends each
+    /// backward pass by locking every thread's graph, so a rank waiting inside backward for
     /// another rank's thread can wait for a thread that waits for it.
     pub(super) fn agree_once(
         &self,
         rank: usize,
         agreed: &mut hashbrown::HashSet<u64>,
-        ws: &mut Workspace,
         plan: &Plan,
     ) {
-        if !agreed.contains(&plan.graph_hash) {
+        if agreed.insert(plan.graph_hash) {
             let timeout = self.options.timeout;
             if let Err(e) = crate::runtime::agree::agree(plan, self.comm(rank), timeout) {
                 self.fail(rank, e.to_string());
             }
-            agreed.insert(plan.graph_hash);
         }
-        ws.agreed(plan);
     }
 
     /// Starts running `plan` for this step, during backward: a plan the ranks agreed on at a
     /// sync point ([`Session::agree_ahead`]).
     pub(super) fn start_live(&self, rank: usize, st: &mut RankState<I>, plan: Arc<Plan>) -> Live {
-        self.agree_once(rank, &mut st.agreed, &mut st.workspace, &plan);
+        self.agree_once(rank, &mut st.agreed, &plan);
+        st.workspace.agreed(&plan);
         match Execution::new(&plan, self.comm(rank), &mut st.workspace, self.opts()) {
             Ok(exec) => {
                 let n = plan.slots.len();
@@ -690,10 +689,7 @@ impl<I: Backend> Session<I> {
     fn agree_ahead(&self, rank: usize, st: &mut RankState<I>) {
         let next = st.history.next_plan();
         for plan in st.expected.clone().into_iter().chain(next) {
-            if !st.agreed.contains(&plan.graph_hash) {
-                let mut ws = Workspace::default();
-                self.agree_once(rank, &mut st.agreed, &mut ws, &plan);
-            }
+            self.agree_once(rank, &mut st.agreed, &plan);
         }
     }
 
@@ -815,7 +811,8 @@ impl<I: Backend> Session<I> {
             } else {
                 &mut st.leftover_workspace
             };
-            self.agree_once(rank, &mut st.agreed, ws, &plan);
+            self.agree_once(rank, &mut st.agreed, &plan);
+            ws.agreed(&plan);
             match execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
                 Ok(report) => self.record(rank, &report),
                 Err(e) => self.fail(rank, e.to_string()),

@@ -294,12 +294,7 @@ impl<I: Backend> Session<I> {
             run[0].op,
             "the user all-reduces",
         );
-        if !q.agreed.contains(&plan.graph_hash) {
-            if let Err(e) = crate::runtime::agree::agree(&plan, comm, self.options.timeout) {
-                self.fail(rank, e.to_string());
-            }
-            q.agreed.insert(plan.graph_hash);
-        }
+        self.agree_once(rank, &mut q.agreed, &plan);
         let mut ws = Workspace::agreed_on(&plan);
         let mut by_slot: Vec<Grad> = (0..plan.slots.len()).map(|_| Grad::default()).collect();
         let mut cells: Vec<(Arc<UserReduce>, usize)> = Vec::with_capacity(run.len());

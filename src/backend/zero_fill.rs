@@ -157,7 +157,8 @@ impl<I: Backend> Session<I> {
                     }
                 }
             }
-            self.agree_once(rank, &mut st.agreed, &mut st.leftover_workspace, &plan);
+            self.agree_once(rank, &mut st.agreed, &plan);
+            st.leftover_workspace.agreed(&plan);
             match execute_in(
                 &plan,
                 comm,
