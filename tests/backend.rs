@@ -201,6 +201,7 @@ fn train_data_parallel_with<M: Net>(
             SyncStats {
                 eager_steps: STEPS as u64 - 1,
                 flushed_steps: 1,
+                held_steps: 0,
                 local_steps: 0,
                 compiled: 1,
                 zero_filled: 0,

@@ -14,8 +14,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, all_reduce, mark_distributed,
-    sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, CollectiveTensor, SyncStats, all_reduce,
+    mark_distributed, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
 use collective_fusion::train::{module_weights, synthetic_batch};
@@ -62,6 +62,14 @@ enum Log {
     /// Each step's loss all-reduced (mean over the ranks) before backward, the values read
     /// only after the last step, as a training loop logs a metric.
     MeanLoss,
+    /// The mean and then the sum of each step's loss, all-reduced before backward; rank 0
+    /// reads the mean before it issues the sum (it prints it), the others read both after the
+    /// last step. So the ranks enter backward with different numbers of all-reduces queued.
+    Rank0ReadsTheMean,
+}
+
+fn read(t: CollectiveTensor<Inner, 1>) -> Vec<f32> {
+    t.resolve().into_data().to_vec::<f32>().expect("f32")
 }
 
 /// Trains `STEPS` steps; the weights at the end, and the logged losses.
@@ -77,24 +85,37 @@ fn train(
     let devices: Vec<Dev> = (0..WORLD)
         .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
         .collect();
-    let mut logged = Vec::new();
+    let mut logged: Vec<Box<dyn FnOnce() -> Vec<f32>>> = Vec::new();
     for step in 0..STEPS {
         if distributed {
             net = mark_distributed::<B, Net>(net).expect("marking the model");
         }
         let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
         let loss = MseLoss::new().forward(forward(&net, x, step, period), y, Reduction::Mean);
-        if log == Log::MeanLoss {
-            let l = loss.clone().inner().reshape([1]);
-            logged.push(all_reduce::<Inner, 1>(l, ReduceOperation::Mean, &devices));
+        let l = || loss.clone().inner().reshape([1]);
+        match log {
+            Log::Nothing => {}
+            Log::MeanLoss => {
+                let mean = all_reduce::<Inner, 1>(l(), ReduceOperation::Mean, &devices);
+                logged.push(Box::new(move || read(mean)));
+            }
+            Log::Rank0ReadsTheMean => {
+                let mean = all_reduce::<Inner, 1>(l(), ReduceOperation::Mean, &devices);
+                if rows.0 == 0 {
+                    // A value, read now: the queue launches (the sum is not issued yet).
+                    let now = read(mean);
+                    logged.push(Box::new(move || now));
+                } else {
+                    logged.push(Box::new(move || read(mean)));
+                }
+                let sum = all_reduce::<Inner, 1>(l(), ReduceOperation::Sum, &devices);
+                logged.push(Box::new(move || read(sum)));
+            }
         }
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         net = sgd.step(0.1, net, grads);
     }
-    let losses = logged
-        .into_iter()
-        .flat_map(|l| l.resolve().into_data().to_vec::<f32>().expect("f32"))
-        .collect();
+    let losses = logged.into_iter().flat_map(|l| l()).collect();
     (module_weights::<B, Net>(&net), losses)
 }
 
@@ -172,24 +193,55 @@ fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time()
 }
 
 /// An all-reduce of each step's loss issued before backward and read after the last step (a
-/// logged metric): launching it needs the ranks to exchange queue lengths, which inside
-/// backward could wait for a rank stuck in Burn's cleanup of its previous backward pass, which
-/// waits for this rank's graph (it hung about one run in ten). It launches at the sync point,
-/// before the step's gradients, which reduce there too; the logged means are every rank's the
-/// same, and training is unchanged.
+/// logged metric) launches first, before the step's buckets; the ranks exchange how many they
+/// have queued while backward goes on (waiting for that inside backward could wait for a rank
+/// stuck in Burn's cleanup of its previous backward pass, which waits for this rank's graph),
+/// so the steps still follow their plans. The logged means are every rank's the same, and
+/// training is unchanged.
+///
+/// Whether a step's buckets launch during backward or wait for the sync point depends on when
+/// the other rank's count arrives (`held_steps` counts the latter), so the test asserts their
+/// sum, and that some steps launched during backward (before, none did).
 #[test]
-fn a_loss_all_reduced_before_backward_launches_at_the_sync_point() {
+fn a_loss_all_reduced_before_backward_launches_first_and_steps_still_follow_their_plans() {
+    let mut eager = 0;
     for period in [1, 2] {
         let (st, logged) = alternating(period, Log::MeanLoss);
+        let flushed = if period == 1 { 1 } else { period as u64 + 1 };
         assert_eq!(
-            (st.eager_steps, st.flushed_steps),
-            (0, STEPS as u64),
+            (st.eager_steps + st.held_steps, st.flushed_steps),
+            (STEPS as u64 - flushed, flushed),
             "period {period}: {st:?}"
         );
+        eager += st.eager_steps;
         assert_eq!(logged[0].len(), STEPS);
         assert_eq!(logged[0], logged[1], "the ranks logged different means");
         assert!(
             logged[0].iter().all(|l| l.is_finite() && *l > 0.0),
+            "{logged:?}"
+        );
+    }
+    assert!(eager > 0, "no step launched its buckets during backward");
+}
+
+/// Rank 0 reads each step's mean loss before it issues the sum; rank 1 issues both first. At
+/// backward rank 1 has two all-reduces queued and rank 0 one: the ranks launch the fewer each
+/// round (rank 1 launches the mean with rank 0's read, the sum with rank 0's backward), and
+/// only then the buckets. Both log the same values, and train as one rank does.
+#[test]
+fn ranks_that_enter_backward_with_different_queues_launch_alike() {
+    let (st, logged) = alternating(1, Log::Rank0ReadsTheMean);
+    assert_eq!(
+        (st.eager_steps + st.held_steps, st.flushed_steps),
+        (STEPS as u64 - 1, 1),
+        "{st:?}"
+    );
+    assert_eq!(logged[0].len(), 2 * STEPS);
+    assert_eq!(logged[0], logged[1], "the ranks logged different values");
+    for pair in logged[0].chunks(2) {
+        let (mean, sum) = (pair[0], pair[1]);
+        assert!(
+            (sum - WORLD as f32 * mean).abs() <= 1e-5 * sum.abs(),
             "{logged:?}"
         );
     }

@@ -120,6 +120,11 @@ pub struct SyncStats {
     /// Steps that reduced some or all gradients at the sync point (the first step, and steps
     /// whose gradient order changed).
     pub flushed_steps: u64,
+    /// Steps that followed a plan but launched their buckets only at the sync point: the
+    /// user's all-reduces issued before backward launch first, and the ranks' exchange of
+    /// how many each has queued had not come back before backward ended (a rank far behind),
+    /// or their plan was yet to be agreed on (the first time a set of them is issued).
+    pub held_steps: u64,
     /// Steps of a group of one rank that left their gradients as backward made them
     /// ([`SingleRank::Skip`](super::SingleRank::Skip)): no read, no bucket, no collective.
     pub local_steps: u64,
@@ -156,6 +161,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
     SyncStats {
         eager_steps: st.eager_steps,
         flushed_steps: st.flushed_steps,
+        held_steps: st.held_steps,
         local_steps: st.local_steps,
         compiled: st.cache.misses(),
         zero_filled: st.zero_filled,
@@ -337,6 +343,7 @@ impl<I: Backend> Collective<I> {
                         local_steps: 0,
                         eager_steps: 0,
                         flushed_steps: 0,
+                        held_steps: 0,
                         replicas: ReplicaState::default(),
                         probed: false,
                         planner: Default::default(),
@@ -432,9 +439,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let rank = unsafe { &*tensor.0 }.rank as usize;
         let start = Instant::now();
-        // The user's all-reduces issued before stay queued: launching them needs the ranks to
-        // exchange queue lengths, which must not happen inside backward (see `Session::submit`);
-        // the sync point launches them, before this step's gradients.
+        // The user's all-reduces issued before launch first, without waiting here: the ranks'
+        // exchange of queue lengths runs while backward goes on (`Session::hold_for_user`).
         let forced = s.submit(tensor, &params);
         super::hook_times::submitted(rank, start.elapsed(), forced);
     }
@@ -442,6 +448,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     fn submit_sync_collective(device: &Self::Device) {
         let s = session::<I>("submit_sync_collective");
         let start = Instant::now();
+        s.note_held(device.rank as usize);
         s.flush_user(device.rank as usize, None);
         let writeback = s.sync(device);
         super::hook_times::synced(device.rank as usize, start.elapsed(), writeback);

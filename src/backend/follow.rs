@@ -50,7 +50,7 @@ pub(super) fn segment_key<'a>(entries: impl IntoIterator<Item = (&'a str, &'a Te
 
 /// Whether `plan` expects `(name, ty)` as its first gradient.
 fn starts_with(plan: &Plan, name: &str, ty: &TensorType) -> bool {
-    plan.gradient_from(0)
+    plan.gradient_from(0, |_| true)
         .and_then(|s| plan.slots.get(s as usize))
         .is_some_and(|s| s.param == name && s.ty == *ty)
 }

@@ -70,6 +70,11 @@ pub(super) struct Live {
     /// The plan's segment graph, when the step follows a predicted plan rather than the
     /// previous step's ([`super::follow`]).
     pub(super) predicted: Option<Graph>,
+    /// Launches nothing until the user's all-reduces queued before its first gradient are
+    /// launched ([`Session::hold_for_user`]).
+    pub(super) held: bool,
+    /// It still was when the sync point came (its buckets launched there).
+    pub(super) held_to_sync: bool,
 }
 
 pub(super) struct RankState<I: Backend> {
@@ -112,6 +117,9 @@ pub(super) struct RankState<I: Backend> {
     /// Steps whose buckets launched during backward / steps that ran everything at the sync.
     pub(super) eager_steps: u64,
     pub(super) flushed_steps: u64,
+    /// Steps that followed a plan but held their buckets to the sync point for the user's
+    /// all-reduces issued before backward.
+    pub(super) held_steps: u64,
     /// What `mark_distributed` replicated on this rank.
     pub(super) replicas: ReplicaState,
     /// The link probe ran ([`CollectiveOptions::probe_link`]).
@@ -393,6 +401,13 @@ impl<I: Backend> Session<I> {
             return std::time::Duration::ZERO;
         }
         st.index.insert(name.clone(), i);
+        let on_device = self.options.device_buckets
+            && !self.options.check_finite
+            && !st.no_sync
+            && !st.accumulated.contains_key(&name);
+        // Not locked while the gradient is computed: the ops that produce it may wait for a
+        // user all-reduce, whose launch may release this step's held buckets.
+        drop(guard);
         // The gradient's producers first (the `hoist-producers` rule), so its bucket can start
         // before the ops it does not read.
         let hoist = if self
@@ -410,17 +425,13 @@ impl<I: Backend> Session<I> {
         let forcing = Instant::now();
         let inner = t.inner_hoisted("gradient sync", hoist);
         let forced = forcing.elapsed();
-        let on_device = self.options.device_buckets
-            && !self.options.check_finite
-            && !st.no_sync
-            && !st.accumulated.contains_key(&name);
         let grad = match on_device
             .then(|| super::device::device_grad::<I>(&inner))
             .flatten()
         {
             Some(g) => Grad::Device(g),
             None => {
-                let mut buf = match read_host::<I>(inner) {
+                let buf = match read_host::<I>(inner) {
                     Ok(h) => h,
                     Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
                 };
@@ -432,6 +443,13 @@ impl<I: Backend> Session<I> {
                         format!("the gradient of {name} ({ty}) has {v} at element {at}"),
                     );
                 }
+                Grad::Host(buf)
+            }
+        };
+        let mut guard = self.state(rank, "submit_gradient_sync");
+        let st = &mut *guard;
+        let grad = match grad {
+            Grad::Host(mut buf) => {
                 if st.no_sync {
                     // Accumulate locally; the gradient Burn holds stays this backward's own.
                     match st.accumulated.get_mut(&name) {
@@ -468,14 +486,14 @@ impl<I: Backend> Session<I> {
                 }
                 Grad::Host(buf)
             }
+            device => device,
         };
         // Its value exists: the one clock read of a gradient.
         self.clock(rank).gradient(&name, ty.bytes());
         // The first gradient of a step starts following a plan: the one of the segment that
         // came after the last one last time, when it starts with this gradient; else the
-        // previous step's. Not while the user's all-reduces issued before backward are still
-        // queued: they launch first, at the sync point, and this step's gradients after them.
-        if st.live.is_none() && i == 0 && !self.user_queued(rank) {
+        // previous step's. The user's all-reduces issued before it launch first.
+        if st.live.is_none() && i == 0 {
             // (The previous step's plan predicted again is just the previous step's plan.)
             let predicted = (self.options.unused != UnusedParameters::ZeroFill)
                 .then(|| st.history.predicted(&name, &ty))
@@ -493,17 +511,25 @@ impl<I: Backend> Session<I> {
             } else if let Some(plan) = st.expected.clone() {
                 st.live = Some(self.start_live(rank, st, plan));
             }
+            if let Some(live) = st.live.as_mut() {
+                live.held = self.hold_for_user(rank);
+            }
         }
         let mut data = Some(grad);
         if let Some(live) = st.live.as_mut().filter(|l| !l.diverged) {
-            let next = live.exec.next_gradient(&live.plan);
+            let next = live.exec.next_gradient(&live.plan, &live.ready);
             match next.map(|s| (s, &live.plan.slots[s as usize])) {
                 Some((slot, s)) if s.param == name && s.ty == ty => {
                     live.grads[slot as usize] = data.take().unwrap_or_default();
                     live.ready[slot as usize] = true;
                     live.source[slot as usize] = Some(i);
                     // Pack and launch every bucket this gradient completes; never wait here.
-                    self.advance_live(rank, live, &mut st.workspace, false);
+                    if live.held && self.poll_user(rank) {
+                        live.held = false;
+                    }
+                    if !live.held {
+                        self.advance_live(rank, live, &mut st.workspace, false);
+                    }
                 }
                 _ => live.diverged = true,
             }
@@ -575,6 +601,8 @@ impl<I: Backend> Session<I> {
                     source: vec![None; n],
                     diverged: false,
                     predicted: None,
+                    held: false,
+                    held_to_sync: false,
                     plan,
                 }
             }
@@ -752,8 +780,13 @@ impl<I: Backend> Session<I> {
                     st.expected_segment = Some(segment);
                     st.planner.stale = st.planner.base.is_some();
                 }
+                let held = live.held_to_sync;
                 let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
-                st.eager_steps += 1;
+                *if held {
+                    &mut st.held_steps
+                } else {
+                    &mut st.eager_steps
+                } += 1;
                 for (slot, buf) in grads.into_iter().enumerate() {
                     if let Some(i) = source[slot] {
                         reduced[i] = Some(buf);

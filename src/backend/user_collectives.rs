@@ -8,9 +8,9 @@
 //!
 //! **Coalescing** ([`CollectiveOptions::coalesce_user_collectives`], on by default). An
 //! all-reduce is not launched at the call but queued; the rank's queue is launched when a value
-//! is needed, at `sync_collective`, and before any other collective of the rank (a gradient
-//! bucket, a sync point, `mark_distributed`), so collectives keep the order each rank issued
-//! them in. All-reduces issued back to back with no use in between thus launch together: the
+//! is needed, at `sync_collective`, `mark_distributed` and a sync point, and those issued before
+//! a backward pass before its first gradient bucket, so every rank issues its collectives in
+//! the same order. All-reduces issued back to back with no use in between thus launch together: the
 //! queue is compiled as a sync segment by the same passes as the gradients (bucketed, packed
 //! on the device where the tensors are, one collective per bucket), so ten scalar metrics are
 //! one collective. Ranks may need a value at different points (rank 0 logs a metric between
@@ -19,6 +19,15 @@
 //! repeating until what the rank needs is launched. The cost: that exchange, and no overlap
 //! between the call and the first need of a value. Off, each all-reduce is launched alone at
 //! the call.
+//!
+//! **Inside backward** a rank never waits for another (Burn's autodiff ends each backward by
+//! locking every thread's graph). A step that follows a plan and starts backward with
+//! all-reduces queued holds its buckets back ([`Session::hold_for_user`]): its first gradient
+//! starts the count exchange, each later gradient looks for the result ([`Session::poll_user`]),
+//! and once the all-reduces queued before backward are launched the held buckets follow. A
+//! flush (a value needed, the sync point) finishes the exchange and releases the held buckets
+//! before any later round, so every rank issues the same sequence of collectives whichever
+//! gradient the counts arrived at.
 //!
 //! Requires: every rank issues the same collectives in the same order (as for any collective).
 //! Guarantees: a failed collective (a timeout, a mismatch, an aborted group) fails the group
@@ -42,6 +51,7 @@ use super::{CTensor, Collective};
 use crate::codegen::plan::Plan;
 use crate::graph::{ComputeKind, ReduceOp, TensorType};
 use crate::runtime::Grad;
+use crate::runtime::agree::PendingCounts;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::{CollectiveDesc, Communicator, wait_bound};
 use crate::runtime::exec::{ExecOptions, ExecReport, Execution, NoHooks, UserAllReduce, Workspace};
@@ -58,6 +68,13 @@ pub(super) struct UserQueue {
     cache: PlanCache,
     /// Graph hashes of the plans the ranks agreed on.
     agreed: HashSet<u64>,
+    /// How many of `queued` were queued before the live step's first gradient: that step's
+    /// buckets launch after them ([`Session::hold_for_user`]).
+    hold: usize,
+    /// A count exchange started inside backward and not yet finished.
+    round: Option<PendingCounts>,
+    /// A finished exchange whose launch waits for a plan agreement (which only a flush does).
+    counted: Option<Vec<u64>>,
 }
 
 /// An all-reduce queued for a coalesced launch.
@@ -227,73 +244,212 @@ impl UserReduce {
 }
 
 impl<I: Backend> Session<I> {
-    /// Whether `rank` has all-reduces queued, not launched yet.
-    pub(super) fn user_queued(&self, rank: usize) -> bool {
-        self.user
-            .get(rank)
-            .is_some_and(|q| !lock(q).queued.is_empty())
-    }
-
     /// Launches `rank`'s queued all-reduces: all of them, or (`until`) as many as it takes to
     /// launch that one. Each round the ranks exchange their queue lengths and all launch the
-    /// smallest, as one plan per run of the same reduce op. Never inside backward (see
-    /// [`Session::agree_once`]).
+    /// smallest, as one plan per run of the same reduce op. A round started inside backward
+    /// ([`Session::poll_user`]) finishes first. Waits; never call it inside backward but where
+    /// a value is needed (see [`Session::agree_once`]).
     pub(super) fn flush_user(&self, rank: usize, until: Option<&UserReduce>) {
-        let Some(q) = self.user.get(rank) else {
+        let Some(qm) = self.user.get(rank) else {
             return;
         };
-        let mut q = lock(q);
-        let comm = self.comm(rank);
-        while !q.queued.is_empty() && until.is_none_or(UserReduce::queued) {
-            let n = q.queued.len() as u64;
-            let counts = match crate::runtime::agree::gather_counts(comm, n, self.options.timeout) {
-                Ok(c) => c,
-                Err(e) => self.fail(rank, e.to_string()),
-            };
-            let (low, m) = counts
-                .iter()
-                .copied()
-                .enumerate()
-                .min_by_key(|(_, c)| *c)
-                .unwrap_or((rank, n));
-            if m == 0 {
-                self.fail(
-                    rank,
-                    format!(
-                        "rank {rank} has {n} all_reduce(s) to launch, but rank {low} has none: the ranks issued different collectives"
-                    ),
-                );
-            }
-            let batch: Vec<Queued> = q.queued.drain(..m as usize).collect();
-            let mut runs: Vec<Vec<Queued>> = Vec::new();
-            for item in batch {
-                match runs.last_mut() {
-                    Some(r) if r[0].op == item.op => r.push(item),
-                    _ => runs.push(vec![item]),
+        let mut q = lock(qm);
+        loop {
+            let counts = match (q.counted.take(), q.round.take()) {
+                (Some(c), _) => c,
+                (None, Some(round)) => match round.wait(self.options.timeout) {
+                    Ok(c) => c,
+                    Err(e) => self.fail(rank, e.to_string()),
+                },
+                (None, None) => {
+                    if q.queued.is_empty() || !until.is_none_or(UserReduce::queued) {
+                        return;
+                    }
+                    let n = q.queued.len() as u64;
+                    q.round = Some(self.start_round(rank, n));
+                    continue;
                 }
-            }
-            for run in runs {
-                self.launch_group(rank, &mut q, run);
+            };
+            if self.launch_round(rank, &mut q, counts, true) == Some(true) {
+                // The step held for them launches its buckets now, before any later round:
+                // every rank does so at this same place in its sequence of collectives.
+                drop(q);
+                self.release_held(rank);
+                q = lock(qm);
             }
         }
     }
 
-    /// Launches `run` (all-reduces of one op) as one plan: the segment of its tensors, compiled
-    /// and agreed on once per composition.
-    fn launch_group(&self, rank: usize, q: &mut UserQueue, run: Vec<Queued>) {
-        let comm = self.comm(rank);
+    /// Inside backward, never waiting: takes the result of the round in flight if it is in and
+    /// launches its all-reduces (unless their plan is yet to be agreed on, which waits for a
+    /// flush), then starts the next round while some of those held for remain. Whether every
+    /// all-reduce the live step holds for is launched.
+    pub(super) fn poll_user(&self, rank: usize) -> bool {
+        let Some(qm) = self.user.get(rank) else {
+            return true;
+        };
+        let mut q = lock(qm);
+        loop {
+            if q.counted.is_some() {
+                return false;
+            }
+            if let Some(round) = q.round.take() {
+                let Some(result) = round.try_take() else {
+                    q.round = Some(round);
+                    return false;
+                };
+                let counts = match result {
+                    Ok(c) => c,
+                    Err(e) => self.fail(rank, e.to_string()),
+                };
+                match self.launch_round(rank, &mut q, counts, false) {
+                    None => return false,
+                    Some(released) => {
+                        if released {
+                            return true;
+                        }
+                    }
+                }
+            }
+            if q.hold == 0 {
+                return true;
+            }
+            let n = q.queued.len() as u64;
+            q.round = Some(self.start_round(rank, n));
+        }
+    }
+
+    /// At the first gradient of a step that follows a plan: whether its buckets must wait for
+    /// the all-reduces queued before it (issued first, so launched first on every rank). If
+    /// so, the ranks' count exchange starts here and [`Session::poll_user`] or a flush
+    /// finishes it.
+    pub(super) fn hold_for_user(&self, rank: usize) -> bool {
+        let Some(qm) = self.user.get(rank) else {
+            return false;
+        };
+        {
+            let mut q = lock(qm);
+            if q.queued.is_empty() {
+                return false;
+            }
+            q.hold = q.queued.len();
+            if q.round.is_none() && q.counted.is_none() {
+                let n = q.queued.len() as u64;
+                q.round = Some(self.start_round(rank, n));
+            }
+        }
+        !self.poll_user(rank)
+    }
+
+    /// Launches what the live step held back (its buckets complete so far), once every
+    /// all-reduce it held for is launched.
+    fn release_held(&self, rank: usize) {
+        let mut guard = self.state(rank, "all_reduce");
+        let st = &mut *guard;
+        if let Some(live) = st.live.as_mut().filter(|l| l.held) {
+            live.held = false;
+            self.advance_live(rank, live, &mut st.workspace, false);
+        }
+    }
+
+    /// At the sync point, before the flush: whether the live step is still held.
+    pub(super) fn note_held(&self, rank: usize) {
+        if let Some(live) = self.state(rank, "submit_sync_collective").live.as_mut() {
+            live.held_to_sync = live.held;
+        }
+    }
+
+    fn start_round(&self, rank: usize, n: u64) -> PendingCounts {
+        match crate::runtime::agree::start_gather_counts(self.comm(rank), n) {
+            Ok(p) => p,
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+    }
+
+    /// Launches one round's all-reduces (the smallest count of `counts` from the front of the
+    /// queue). Without `may_agree`, launches nothing when a plan is yet to be agreed on and
+    /// keeps `counts` for a flush (`None`); else whether this round launched the last
+    /// all-reduce a live step held for.
+    fn launch_round(
+        &self,
+        rank: usize,
+        q: &mut UserQueue,
+        counts: Vec<u64>,
+        may_agree: bool,
+    ) -> Option<bool> {
+        let n = q.queued.len() as u64;
+        let (low, m) = counts
+            .iter()
+            .copied()
+            .enumerate()
+            .min_by_key(|(_, c)| *c)
+            .unwrap_or((rank, n));
+        if m == 0 {
+            self.fail(
+                rank,
+                format!(
+                    "rank {rank} has {n} all_reduce(s) to launch, but rank {low} has none: the ranks issued different collectives"
+                ),
+            );
+        }
+        let m = (m as usize).min(q.queued.len());
+        // Runs of one reduce op, each launched as one plan.
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for i in 0..m {
+            match runs.last_mut() {
+                Some(r) if q.queued[r.start].op == q.queued[i].op => r.end = i + 1,
+                _ => runs.push(i..i + 1),
+            }
+        }
+        let plans: Vec<_> = runs
+            .iter()
+            .map(|r| self.user_plan(rank, &mut q.cache, &q.queued[r.clone()]))
+            .collect();
+        if !may_agree && plans.iter().any(|(_, p)| !q.agreed.contains(&p.graph_hash)) {
+            q.counted = Some(counts);
+            return None;
+        }
+        let mut batch = q.queued.drain(..m);
+        let runs: Vec<Vec<Queued>> = runs
+            .iter()
+            .map(|r| batch.by_ref().take(r.len()).collect())
+            .collect();
+        drop(batch);
+        for (run, (entries, plan)) in runs.into_iter().zip(plans) {
+            self.launch_group(rank, q, run, &entries, plan);
+        }
+        let held = q.hold;
+        q.hold = held.saturating_sub(m);
+        Some(held > 0 && q.hold == 0)
+    }
+
+    /// The plan of a run of all-reduces of one op, and its entries (cached per composition).
+    fn user_plan(
+        &self,
+        rank: usize,
+        cache: &mut PlanCache,
+        run: &[Queued],
+    ) -> (Vec<(String, TensorType)>, Arc<Plan>) {
         let entries: Vec<(String, TensorType)> = run
             .iter()
             .enumerate()
             .map(|(i, x)| (format!("all_reduce.{i}"), x.ty.clone()))
             .collect();
-        let (_, plan) = self.compile_segment_with(
-            rank,
-            &mut q.cache,
-            &entries,
-            run[0].op,
-            "the user all-reduces",
-        );
+        let (_, plan) =
+            self.compile_segment_with(rank, cache, &entries, run[0].op, "the user all-reduces");
+        (entries, plan)
+    }
+
+    /// Launches `run` (all-reduces of one op) as `plan`, agreed on once per composition.
+    fn launch_group(
+        &self,
+        rank: usize,
+        q: &mut UserQueue,
+        run: Vec<Queued>,
+        entries: &[(String, TensorType)],
+        plan: Arc<Plan>,
+    ) {
+        let comm = self.comm(rank);
         self.agree_once(rank, &mut q.agreed, &plan);
         let mut ws = Workspace::agreed_on(&plan);
         let mut by_slot: Vec<Grad> = (0..plan.slots.len()).map(|_| Grad::default()).collect();

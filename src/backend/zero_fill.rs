@@ -57,6 +57,7 @@ impl<I: Backend> Session<I> {
                 None => self.start_live(rank, st, plan.clone()),
             };
             let launched_early = live.ready.iter().any(|r| *r);
+            let held = live.held_to_sync;
             for (slot, s) in plan.slots.iter().enumerate() {
                 if live.ready[slot] {
                     continue;
@@ -82,7 +83,11 @@ impl<I: Backend> Session<I> {
             }
             let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
             if launched_early {
-                st.eager_steps += 1;
+                *if held {
+                    &mut st.held_steps
+                } else {
+                    &mut st.eager_steps
+                } += 1;
             }
             for (slot, buf) in grads.into_iter().enumerate() {
                 if let Some(i) = source[slot] {

@@ -463,12 +463,13 @@ pub fn nccl_op(op: ReduceOp) -> &'static str {
 }
 
 impl Plan {
-    /// The slot of the first gradient the compute stream takes at or after step `pc`, if any.
-    pub fn gradient_from(&self, pc: usize) -> Option<u32> {
+    /// The slot of the first gradient the compute stream takes at or after step `pc` that
+    /// `wanted` accepts, if any.
+    pub fn gradient_from(&self, pc: usize, wanted: impl Fn(u32) -> bool) -> Option<u32> {
         self.compute[pc.min(self.compute.len())..]
             .iter()
             .find_map(|s| match s {
-                Step::Gradient { slot } => Some(*slot),
+                Step::Gradient { slot } if wanted(*slot) => Some(*slot),
                 _ => None,
             })
     }

@@ -13,7 +13,7 @@
 //! then the sequences, padded to the longest; on a mismatch, two more for the names.
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, Communicator, Purpose};
+use super::comm::{CollectiveDesc, CommError, Communicator, PendingReduce, Purpose};
 use crate::codegen::plan::Plan;
 use crate::graph::{DType, Fnv64, ReduceOp};
 
@@ -122,20 +122,25 @@ fn decode(f: &[f64]) -> Option<CollectiveDesc> {
     })
 }
 
+/// What an agreement exchange of `len` values is, to the communicator.
+fn exchange_desc(collective: u32, len: usize) -> CollectiveDesc {
+    CollectiveDesc {
+        collective,
+        bucket: None,
+        op: ReduceOp::Sum,
+        dtype: DType::F64,
+        count: len as u64,
+        params: vec![AGREEMENT_LABEL.to_string()],
+    }
+}
+
 fn exchange(
     comm: &dyn Communicator,
     collective: u32,
     data: Vec<f64>,
     timeout: std::time::Duration,
 ) -> Result<Vec<f64>, CommError> {
-    let what = CollectiveDesc {
-        collective,
-        bucket: None,
-        op: ReduceOp::Sum,
-        dtype: DType::F64,
-        count: data.len() as u64,
-        params: vec![AGREEMENT_LABEL.to_string()],
-    };
+    let what = exchange_desc(collective, data.len());
     let (buf, _) = comm
         .all_reduce(HostBuffer::F64(data), what)?
         .wait(super::comm::wait_bound(timeout))?;
@@ -183,15 +188,59 @@ pub fn gather_counts(
     mine: u64,
     timeout: std::time::Duration,
 ) -> Result<Vec<u64>, CommError> {
+    start_gather_counts(comm, mine)?.wait(timeout)
+}
+
+/// [`gather_counts`] started, not waited for: for a rank that must not wait where it is (inside
+/// backward), and looks again later ([`PendingCounts::try_take`]) or waits where it may.
+pub fn start_gather_counts(comm: &dyn Communicator, mine: u64) -> Result<PendingCounts, CommError> {
     let (rank, world) = (comm.rank(), comm.world());
     if world <= 1 {
-        return Ok(vec![mine]);
+        return Ok(PendingCounts {
+            pending: None,
+            mine,
+        });
     }
     let mut all = vec![0.0; world];
     // Exact in an f64 up to 2^53.
     all[rank] = mine as f64;
-    let all = exchange(comm, GATHER_COUNTS, all, timeout)?;
-    Ok(all.iter().map(|c| *c as u64).collect())
+    Ok(PendingCounts {
+        pending: Some(comm.all_reduce(HostBuffer::F64(all), exchange_desc(GATHER_COUNTS, world))?),
+        mine,
+    })
+}
+
+/// A count exchange in flight ([`start_gather_counts`]).
+pub struct PendingCounts {
+    /// `None` in a group of one.
+    pending: Option<PendingReduce>,
+    /// This rank's count.
+    pub mine: u64,
+}
+
+impl PendingCounts {
+    fn counts(buf: HostBuffer) -> Vec<u64> {
+        match buf {
+            HostBuffer::F64(v) => v.iter().map(|c| *c as u64).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Every rank's count when the exchange is over, without waiting; `None` while it runs.
+    pub fn try_take(&self) -> Option<Result<Vec<u64>, CommError>> {
+        match &self.pending {
+            None => Some(Ok(vec![self.mine])),
+            Some(p) => p.try_take().map(|r| r.map(|(b, _)| Self::counts(b))),
+        }
+    }
+
+    /// Every rank's count, waiting at most `timeout`.
+    pub fn wait(self, timeout: std::time::Duration) -> Result<Vec<u64>, CommError> {
+        match self.pending {
+            None => Ok(vec![self.mine]),
+            Some(p) => Ok(Self::counts(p.wait(super::comm::wait_bound(timeout))?.0)),
+        }
+    }
 }
 
 /// Rank 0's `values` and every rank's `flag`, on every rank, in one small all-reduce (rank 0

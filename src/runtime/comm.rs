@@ -372,6 +372,18 @@ impl<T> PendingReduce<T> {
         &self.what
     }
 
+    /// The result when it is in, without waiting; `None` while the collective runs.
+    pub fn try_take(&self) -> Option<CommResult<T>> {
+        match self.rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(mpsc::TryRecvError::Empty) => None,
+            Err(mpsc::TryRecvError::Disconnected) => Some(Err(CommError::Closed {
+                rank: self.rank,
+                what: self.what.clone(),
+            })),
+        }
+    }
+
     /// Waits for the reduced buffer, at most `timeout`.
     pub fn wait(self, timeout: Duration) -> CommResult<T> {
         let t0 = Instant::now();

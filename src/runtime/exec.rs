@@ -350,9 +350,12 @@ impl Execution {
         })
     }
 
-    /// The slot of the next gradient the plan expects, if any is still to come.
-    pub fn next_gradient(&self, plan: &Plan) -> Option<u32> {
-        plan.gradient_from(self.pc)
+    /// The slot of the next gradient the plan expects, if any is still to come: the first one
+    /// not `ready` from where the run stopped (a caller may hold gradients back from the run).
+    pub fn next_gradient(&self, plan: &Plan, ready: &[bool]) -> Option<u32> {
+        plan.gradient_from(self.pc, |slot| {
+            !ready.get(slot as usize).copied().unwrap_or(false)
+        })
     }
 
     /// Whether every step has run.
