@@ -33,6 +33,33 @@ const STEPS: usize = 9;
 /// Sessions are per backend type: one test at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Every rank's device.
+fn rank_devices() -> Vec<Dev> {
+    (0..WORLD)
+        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
+        .collect()
+}
+
+/// Starts the server of `WORLD` ranks, with buckets small enough that a step has several (so a
+/// step that follows a plan launches during backward); their devices.
+fn start_ranks() -> Vec<Dev> {
+    let devices = rank_devices();
+    let options = CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        config: CompileConfig {
+            bucket: BucketConfig {
+                policy: BucketPolicy::Ddp,
+                cap_bytes: 300,
+                first_bucket_bytes: 300,
+            },
+            ..CompileConfig::default()
+        },
+        ..CollectiveOptions::default()
+    };
+    common::ranks::start_server::<NdArray>(&devices, options, ReduceOperation::Mean);
+    devices
+}
+
 fn init(d: &Dev) -> Net {
     <B as burn_backend::Backend>::seed(d, 5);
     let net: Net = (0..4)
@@ -82,9 +109,7 @@ fn train(
     log: Log,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut sgd = SgdConfig::new().init::<B, Net>();
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
-        .collect();
+    let devices = rank_devices();
     let mut logged: Vec<Box<dyn FnOnce() -> Vec<f32>>> = Vec::new();
     for step in 0..STEPS {
         if distributed {
@@ -124,23 +149,7 @@ fn train(
 /// each rank logged.
 fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r))
-        .collect();
-    let options = CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        // Several buckets per step, so a step that follows a plan launches during backward.
-        config: CompileConfig {
-            bucket: BucketConfig {
-                policy: BucketPolicy::Ddp,
-                cap_bytes: 300,
-                first_bucket_bytes: 300,
-            },
-            ..CompileConfig::default()
-        },
-        ..CollectiveOptions::default()
-    };
-    common::ranks::start_server::<NdArray>(&devices, options, ReduceOperation::Mean);
+    let devices = start_ranks();
     let start = init(&devices[0]);
     let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
         train(m, (r * ROWS, (r + 1) * ROWS), d, true, period, log)
@@ -245,4 +254,67 @@ fn ranks_that_enter_backward_with_different_queues_launch_alike() {
             "{logged:?}"
         );
     }
+}
+
+/// A synchronized batch-norm-like layer: the second layer's output is centred on its mean over
+/// every rank's rows (a differentiable all-reduce in forward, left lazy with
+/// `assume_resolved`; its backward all-reduces inside backward and waits for the other rank
+/// there). The ranks train as one rank on the concatenated batch (whose plain batch mean is the
+/// mean of the ranks' means), the steps still follow their plans, and each sync point ends with
+/// the ranks meeting, so that none starts a backward that waits for a rank still in Burn's
+/// cleanup of the previous one.
+#[test]
+fn a_synchronized_norm_trains_as_one_rank() {
+    fn forward(net: &Net, x: Tensor<B, 2>, devices: Option<&[Dev]>) -> Tensor<B, 2> {
+        net.iter().enumerate().fold(x, |h, (i, l)| {
+            let h = l.forward(h);
+            let h = if i == 1 {
+                let m = h.clone().mean_dim(0);
+                let m = match devices {
+                    // SAFETY: a lazy result waits for its collective when it is first needed.
+                    Some(ds) => unsafe {
+                        all_reduce::<B, 2>(m, ReduceOperation::Mean, ds).assume_resolved()
+                    },
+                    None => m,
+                };
+                h - m
+            } else {
+                h
+            };
+            burn_core::tensor::activation::relu(h)
+        })
+    }
+    fn train(mut net: Net, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
+        let mut sgd = SgdConfig::new().init::<B, Net>();
+        let devices = rank_devices();
+        for step in 0..STEPS {
+            if distributed {
+                net = mark_distributed::<B, Net>(net).expect("marking the model");
+            }
+            let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
+            let out = forward(&net, x, distributed.then_some(&devices[..]));
+            let loss = MseLoss::new().forward(out, y, Reduction::Mean);
+            let grads = GradientsParams::from_grads(loss.backward(), &net);
+            net = sgd.step(0.1, net, grads);
+        }
+        module_weights::<B, Net>(&net)
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = start_ranks();
+    let start = init(&devices[0]);
+    let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true)
+    });
+    let st = sync_stats::<NdArray>(0);
+    Inner::close_communication_server(&devices[0]);
+    assert_eq!(
+        (st.eager_steps + st.held_steps, st.flushed_steps),
+        (STEPS as u64 - 1, 1),
+        "{st:?}"
+    );
+    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
+    let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+    let one = train(init(&d), (0, WORLD as usize * ROWS), &d, false);
+    let initial = module_weights::<B, Net>(&init(&d));
+    common::ranks::assert_ends_as_one_rank(&ranks[0], &one, &initial, 1e-4, 1e-3);
 }

@@ -75,6 +75,8 @@ pub(super) struct UserQueue {
     round: Option<PendingCounts>,
     /// A finished exchange whose launch waits for a plan agreement (which only a flush does).
     counted: Option<Vec<u64>>,
+    /// An all-reduce was issued inside this step's backward ([`Session::meet_after_backward`]).
+    in_backward: bool,
 }
 
 /// An all-reduce queued for a coalesced launch.
@@ -359,6 +361,25 @@ impl<I: Backend> Session<I> {
         }
     }
 
+    /// At the end of a sync point, when ranks share this process and the step issued an
+    /// all-reduce inside backward (a differentiable all-reduce, as a synchronized batch norm
+    /// has): waits until every rank got here. Such a step waits for the other ranks inside
+    /// backward, holding its autodiff graph; Burn ends each backward by locking every thread's
+    /// graph, so a rank that started its next backward before another rank's cleanup of the
+    /// previous one ended could wait for it forever. Here every rank is past that cleanup.
+    pub(super) fn meet_after_backward(&self, rank: usize) {
+        let Some(qm) = self.user.get(rank) else {
+            return;
+        };
+        let waited = std::mem::take(&mut lock(qm).in_backward);
+        if waited && self.comms.iter().filter(|c| c.is_some()).count() > 1 {
+            let timeout = self.options.timeout;
+            if let Err(e) = crate::runtime::agree::barrier(self.comm(rank), timeout) {
+                self.fail(rank, e.to_string());
+            }
+        }
+    }
+
     fn start_round(&self, rank: usize, n: u64) -> PendingCounts {
         match crate::runtime::agree::start_gather_counts(self.comm(rank), n) {
             Ok(p) => p,
@@ -556,8 +577,11 @@ pub(super) fn all_reduce<I: Backend>(
     };
     let dims: Vec<u64> = shape.iter().map(|d| *d as u64).collect();
     let ty = TensorType::new(dtype, &dims);
+    // Inside backward: this step's gradients started to arrive.
+    let in_backward = !s.state(rank, "all_reduce").submitted.is_empty();
     let cell = {
         let mut q = s.user_queue(rank, "all_reduce");
+        q.in_backward |= in_backward;
         q.issued += 1;
         q.outstanding.retain(|c| !c.finished());
         let what = format!(

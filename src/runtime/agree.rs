@@ -27,10 +27,12 @@ const GATHER_BYTES: u32 = AGREE_LEN + 3;
 const GATHER_COUNTS: u32 = AGREE_LEN + 4;
 /// Launch index of [`share_from_root`]'s all-reduce.
 const SHARE_ROOT: u32 = AGREE_LEN + 5;
+/// [`barrier`].
+const BARRIER: u32 = AGREE_LEN + 6;
 
 /// Launch indices of the agreement's own all-reduces and of [`all_gather_bytes`]'s,
 /// [`gather_counts`]'s and [`share_from_root`]'s ([`Purpose::Agreement`]).
-pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=SHARE_ROOT;
+pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=BARRIER;
 
 /// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, [`gather_counts`]'s or
 /// [`share_from_root`]'s) own all-reduces.
@@ -189,6 +191,14 @@ pub fn gather_counts(
     timeout: std::time::Duration,
 ) -> Result<Vec<u64>, CommError> {
     start_gather_counts(comm, mine)?.wait(timeout)
+}
+
+/// Returns once every rank of `comm` has called it (one tiny all-reduce).
+pub fn barrier(comm: &dyn Communicator, timeout: std::time::Duration) -> Result<(), CommError> {
+    if comm.world() > 1 {
+        exchange(comm, BARRIER, vec![0.0], timeout)?;
+    }
+    Ok(())
 }
 
 /// [`gather_counts`] started, not waited for: for a rank that must not wait where it is (inside
