@@ -10,8 +10,8 @@
 //! all-reduce is not launched at the call but queued; the rank's queue is launched when a value
 //! is needed, at `sync_collective`, `mark_distributed` and a sync point, and those issued before
 //! a backward pass before its first gradient bucket, so every rank issues its collectives in
-//! the same order. All-reduces issued back to back with no use in between thus launch together: the
-//! queue is compiled as a sync segment by the same passes as the gradients (bucketed, packed
+//! the same order. All-reduces issued back to back with no use in between thus launch
+//! together: the queue is compiled as a sync segment by the same passes as the gradients (bucketed, packed
 //! on the device where the tensors are, one collective per bucket), so ten scalar metrics are
 //! one collective. Ranks may need a value at different points (rank 0 logs a metric between
 //! two all-reduces, the others do not), so before launching the ranks exchange how many
