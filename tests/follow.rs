@@ -15,9 +15,10 @@ use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, CollectiveTensor, SyncStats, all_reduce,
-    mark_distributed, sync_stats,
+    mark_distributed, recorded_collectives, sync_stats,
 };
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
+use collective_fusion::runtime::agree::is_barrier;
 use collective_fusion::train::{module_weights, synthetic_batch};
 
 type Inner = Collective<NdArray>;
@@ -43,8 +44,14 @@ fn rank_devices() -> Vec<Dev> {
 /// Starts the server of `WORLD` ranks, with buckets small enough that a step has several (so a
 /// step that follows a plan launches during backward); their devices.
 fn start_ranks() -> Vec<Dev> {
+    start_ranks_recording(false)
+}
+
+/// [`start_ranks`], recording each rank's collectives when `record` is set.
+fn start_ranks_recording(record: bool) -> Vec<Dev> {
     let devices = rank_devices();
     let options = CollectiveOptions {
+        record_collectives: record,
         timeout: std::time::Duration::from_secs(60),
         config: CompileConfig {
             bucket: BucketConfig {
@@ -256,19 +263,18 @@ fn ranks_that_enter_backward_with_different_queues_launch_alike() {
     }
 }
 
-/// A synchronized batch-norm-like layer: the second layer's output is centred on its mean over
-/// every rank's rows (a differentiable all-reduce in forward, left lazy with
-/// `assume_resolved`; its backward all-reduces inside backward and waits for the other rank
-/// there). The ranks train as one rank on the concatenated batch (whose plain batch mean is the
-/// mean of the ranks' means), the steps still follow their plans, and each sync point ends with
-/// the ranks meeting, so that none starts a backward that waits for a rank still in Burn's
+/// A synchronized batch-norm-like layer: layer `at`'s output is centred on its mean over every
+/// rank's rows (a differentiable all-reduce in forward, left lazy with `assume_resolved`; its
+/// backward all-reduces inside backward and waits for the other rank there). The ranks train as
+/// one rank on the concatenated batch (whose plain batch mean is the mean of the ranks' means),
+/// the steps still follow their plans, and each sync point ends with the ranks meeting (one
+/// barrier per step), so that none starts a backward that waits for a rank still in Burn's
 /// cleanup of the previous one.
-#[test]
-fn a_synchronized_norm_trains_as_one_rank() {
-    fn forward(net: &Net, x: Tensor<B, 2>, devices: Option<&[Dev]>) -> Tensor<B, 2> {
+fn synchronized_norm_trains_as_one_rank(at: usize) {
+    fn forward(net: &Net, x: Tensor<B, 2>, at: usize, devices: Option<&[Dev]>) -> Tensor<B, 2> {
         net.iter().enumerate().fold(x, |h, (i, l)| {
             let h = l.forward(h);
-            let h = if i == 1 {
+            let h = if i == at {
                 let m = h.clone().mean_dim(0);
                 let m = match devices {
                     // SAFETY: a lazy result waits for its collective when it is first needed.
@@ -284,7 +290,13 @@ fn a_synchronized_norm_trains_as_one_rank() {
             burn_core::tensor::activation::relu(h)
         })
     }
-    fn train(mut net: Net, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
+    fn train(
+        mut net: Net,
+        rows: (usize, usize),
+        d: &Dev,
+        at: usize,
+        distributed: bool,
+    ) -> Vec<f32> {
         let mut sgd = SgdConfig::new().init::<B, Net>();
         let devices = rank_devices();
         for step in 0..STEPS {
@@ -292,7 +304,7 @@ fn a_synchronized_norm_trains_as_one_rank() {
                 net = mark_distributed::<B, Net>(net).expect("marking the model");
             }
             let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
-            let out = forward(&net, x, distributed.then_some(&devices[..]));
+            let out = forward(&net, x, at, distributed.then_some(&devices[..]));
             let loss = MseLoss::new().forward(out, y, Reduction::Mean);
             let grads = GradientsParams::from_grads(loss.backward(), &net);
             net = sgd.step(0.1, net, grads);
@@ -300,21 +312,42 @@ fn a_synchronized_norm_trains_as_one_rank() {
         module_weights::<B, Net>(&net)
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices = start_ranks();
+    let devices = start_ranks_recording(true);
     let start = init(&devices[0]);
     let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
-        train(m, (r * ROWS, (r + 1) * ROWS), d, true)
+        train(m, (r * ROWS, (r + 1) * ROWS), d, at, true)
     });
     let st = sync_stats::<NdArray>(0);
+    let meetings: Vec<usize> = (0..WORLD as usize)
+        .map(|r| {
+            let calls = recorded_collectives::<NdArray>(r).expect("collectives recorded");
+            calls.iter().filter(|c| is_barrier(c)).count()
+        })
+        .collect();
     Inner::close_communication_server(&devices[0]);
     assert_eq!(
         (st.eager_steps + st.held_steps, st.flushed_steps),
         (STEPS as u64 - 1, 1),
         "{st:?}"
     );
+    assert_eq!(meetings, vec![STEPS; WORLD as usize], "meetings per rank");
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
-    let one = train(init(&d), (0, WORLD as usize * ROWS), &d, false);
+    let one = train(init(&d), (0, WORLD as usize * ROWS), &d, at, false);
     let initial = module_weights::<B, Net>(&init(&d));
     common::ranks::assert_ends_as_one_rank(&ranks[0], &one, &initial, 1e-4, 1e-3);
+}
+
+/// The norm inside the model: its backward all-reduce comes after the gradients of the layers
+/// after it.
+#[test]
+fn a_synchronized_norm_trains_as_one_rank() {
+    synchronized_norm_trains_as_one_rank(1);
+}
+
+/// The norm on the last layer: its backward all-reduce comes before the step's first gradient
+/// (backward has started: Burn registered the step's parameters).
+#[test]
+fn a_synchronized_norm_on_the_last_layer_trains_as_one_rank() {
+    synchronized_norm_trains_as_one_rank(3);
 }

@@ -577,8 +577,12 @@ pub(super) fn all_reduce<I: Backend>(
     };
     let dims: Vec<u64> = shape.iter().map(|d| *d as u64).collect();
     let ty = TensorType::new(dtype, &dims);
-    // Inside backward: this step's gradients started to arrive (under `no_sync` too).
-    let in_backward = !s.state(rank, "all_reduce").index.is_empty();
+    // Inside backward: Burn registered this step's parameters (it does so when backward
+    // starts, before any gradient) or their gradients started to arrive (under `no_sync` too).
+    let in_backward = {
+        let st = s.state(rank, "all_reduce");
+        !st.registered.is_empty() || !st.index.is_empty()
+    };
     let cell = {
         let mut q = s.user_queue(rank, "all_reduce");
         q.in_backward |= in_backward;

@@ -193,6 +193,11 @@ pub fn gather_counts(
     start_gather_counts(comm, mine)?.wait(timeout)
 }
 
+/// Whether `d` is a [`barrier`]'s all-reduce.
+pub fn is_barrier(d: &CollectiveDesc) -> bool {
+    d.collective == BARRIER
+}
+
 /// Returns once every rank of `comm` has called it (one tiny all-reduce).
 pub fn barrier(comm: &dyn Communicator, timeout: std::time::Duration) -> Result<(), CommError> {
     if comm.world() > 1 {
