@@ -306,11 +306,8 @@ impl<I: Backend> Session<I> {
                 };
                 match self.launch_round(rank, &mut q, counts, false) {
                     None => return false,
-                    Some(released) => {
-                        if released {
-                            return true;
-                        }
-                    }
+                    Some(true) => return true,
+                    Some(false) => {}
                 }
             }
             if q.hold == 0 {
