@@ -520,12 +520,61 @@ fn a_nan_gradient_fails_every_rank_naming_the_parameter_without_hanging() {
     }
 }
 
+/// A rank that leaves the step without its collectives (its thread returns early): the others
+/// wait for it until their timeout, which names it.
 #[test]
-fn a_rank_that_dies_mid_step_is_a_timeout_on_the_others_naming_it() {
+fn a_rank_that_leaves_mid_step_is_a_timeout_on_the_others_naming_it() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices: Vec<_> = (0..WORLD).map(device).collect();
     CollectiveOptions {
         timeout: std::time::Duration::from_millis(500),
+        ..CollectiveOptions::default()
+    }
+    .install::<NdArray>();
+    Inner::start_communication_server(
+        &devices,
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let t0 = std::time::Instant::now();
+    let outcomes = one_step_on_every_rank(&devices, |d, model| {
+        let (x, y) = batch(0, 0, ROWS_PER_RANK, d);
+        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+        if d.rank == 1 {
+            return;
+        }
+        let _ = loss.backward();
+    });
+    let waited = t0.elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(5),
+        "took {waited:?}"
+    );
+    assert!(outcomes[1].is_ok(), "{:?}", outcomes[1]);
+    for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
+        let msg = o.as_ref().expect_err("the other ranks fail");
+        assert!(
+            msg.contains("never arrived") || msg.contains("aborted"),
+            "rank {r}: {msg}"
+        );
+        assert!(
+            msg.contains("[1]"),
+            "rank {r} names the missing rank: {msg}"
+        );
+    }
+}
+
+/// A rank whose thread panics mid-step (a bug in the user's code on one rank): every other
+/// rank fails at once, well before its timeout, naming the rank, where its thread panicked and
+/// the panic's message.
+#[test]
+fn a_rank_whose_thread_panics_fails_the_others_at_once_naming_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
         ..CollectiveOptions::default()
     }
     .install::<NdArray>();
@@ -547,18 +596,19 @@ fn a_rank_that_dies_mid_step_is_a_timeout_on_the_others_naming_it() {
     let waited = t0.elapsed();
     Inner::close_communication_server(&devices[0]);
     assert!(
-        waited < std::time::Duration::from_secs(5),
-        "took {waited:?}"
+        waited < std::time::Duration::from_secs(10),
+        "took {waited:?} (the timeout is 60 s)"
+    );
+    assert_eq!(
+        outcomes[1].as_ref().expect_err("rank 1 panicked"),
+        "rank 1 died in the middle of the step"
     );
     for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
-        let msg = o.as_ref().expect_err("the other ranks fail too");
+        let msg = o.as_ref().expect_err("the other ranks fail");
         assert!(
-            msg.contains("never arrived") || msg.contains("aborted"),
+            msg.contains("rank 1 aborted the group: its thread panicked at tests/backend.rs:")
+                && msg.ends_with(": rank 1 died in the middle of the step"),
             "rank {r}: {msg}"
-        );
-        assert!(
-            msg.contains("[1]"),
-            "rank {r} names the missing rank: {msg}"
         );
     }
 }

@@ -16,6 +16,7 @@ use burn_backend::{Backend, DeviceId, TensorData};
 use hashbrown::HashMap;
 
 use super::options::CollectiveOptions;
+use super::rank_threads::works_for;
 use super::record::StepRecord;
 use super::replicas::ReplicaState;
 use super::session::{DeviceCounts, RankState, Session, lock, param_name, session, sessions};
@@ -429,6 +430,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     fn register_sync_parameters(device: &Self::Device, params: Vec<DistributedParams>) {
         let s = session::<I>("register_sync_parameters");
         let rank = device.rank as usize;
+        works_for(&s, rank);
         if let Some(r) = s.ranks.get(rank) {
             lock(r).registered = params.iter().map(param_name).collect();
         }
@@ -438,6 +440,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let s = session::<I>("submit_gradient_sync");
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let rank = unsafe { &*tensor.0 }.rank as usize;
+        works_for(&s, rank);
         let start = Instant::now();
         // The user's all-reduces issued before launch first, without waiting here: the ranks'
         // exchange of queue lengths runs while backward goes on (`Session::hold_for_user`).
@@ -447,6 +450,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
 
     fn submit_sync_collective(device: &Self::Device) {
         let s = session::<I>("submit_sync_collective");
+        works_for(&s, device.rank as usize);
         let start = Instant::now();
         s.note_held(device.rank as usize);
         s.flush_user(device.rank as usize, None);
@@ -464,7 +468,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     }
 
     fn sync_collective(device: &Self::Device) {
-        super::user_collectives::sync(&session::<I>("sync_collective"), device.rank as usize);
+        let s = session::<I>("sync_collective");
+        works_for(&s, device.rank as usize);
+        super::user_collectives::sync(&s, device.rank as usize);
     }
 }
 

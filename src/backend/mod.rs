@@ -34,6 +34,7 @@ mod ops_grad;
 mod options;
 mod params;
 mod planner;
+mod rank_threads;
 mod record;
 mod replicas;
 mod rules;

@@ -150,6 +150,7 @@ pub(super) fn replicate<I: Backend>(
     }
     let tensor = tensor::<I::FloatTensorPrimitive>;
     let rank = tensor(first).map_or(0, |t| t.rank as usize);
+    super::rank_threads::works_for(&session, rank);
     if session.world <= 1 {
         return Ok(keep());
     }

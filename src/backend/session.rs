@@ -195,6 +195,17 @@ pub(super) fn param_name(p: &DistributedParams) -> String {
     super::params::name_of(p.param_id)
 }
 
+impl<I: Backend> super::rank_threads::AbortOnPanic for Session<I> {
+    fn abort_for_panic(&self, rank: usize, reason: &str) {
+        if self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        if let Some(Some(c)) = self.comms.get(rank) {
+            c.abort(reason);
+        }
+    }
+}
+
 impl<I: Backend> Session<I> {
     /// Fails the whole group with `msg`, then panics on this rank.
     pub(super) fn fail(&self, rank: usize, msg: String) -> ! {

@@ -532,6 +532,7 @@ pub(super) fn all_reduce<I: Backend>(
     device_ids: Vec<DeviceId>,
 ) -> CollectiveTensor<Collective<I>> {
     let rank = tensor.rank as usize;
+    super::rank_threads::works_for(&s, rank);
     if device_ids.len() != s.world {
         s.fail(
             rank,
