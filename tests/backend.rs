@@ -646,6 +646,27 @@ fn a_registered_parameter_whose_gradient_never_arrives_is_named() {
     assert!(!msg.contains("param.11"), "{msg}");
 }
 
+/// A rank that calls a hook after the server closed (a program that closed it while a rank
+/// still trained) is told that it was closed, not that it was never started.
+#[test]
+fn a_hook_called_after_the_server_closed_says_so() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = device(0);
+    start_server(
+        std::slice::from_ref(&d),
+        CollectiveOptions::default(),
+        ReduceOperation::Mean,
+    );
+    Inner::close_communication_server(&d);
+    let outcome = std::panic::catch_unwind(|| Inner::submit_sync_collective(&d));
+    let err = outcome.expect_err("no server is running");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("submit_sync_collective after close_communication_server"),
+        "{msg}"
+    );
+}
+
 /// Runs `f` once on every rank's thread; returns each rank's outcome, a panic as its message.
 fn on_every_rank<T: Send>(devices: &[Dev], f: impl Fn(&Dev) -> T + Sync) -> Vec<Result<T, String>> {
     std::thread::scope(|s| {

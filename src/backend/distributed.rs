@@ -19,7 +19,9 @@ use super::options::CollectiveOptions;
 use super::rank_threads::works_for;
 use super::record::StepRecord;
 use super::replicas::ReplicaState;
-use super::session::{DeviceCounts, RankState, Session, lock, param_name, session, sessions};
+use super::session::{
+    DeviceCounts, RankState, Session, closed, lock, param_name, session, sessions,
+};
 use super::step_clock::StepClock;
 use super::{Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
@@ -361,6 +363,7 @@ impl<I: Backend> Collective<I> {
             options,
         };
         lock(sessions()).insert(TypeId::of::<I>(), Arc::new(session));
+        lock(closed()).remove(&TypeId::of::<I>());
         super::params::register_hook::<Collective<I>>(super::replicas::replicate::<I>);
         Ok(())
     }
@@ -399,6 +402,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
             std::thread::sleep(Duration::from_millis(1));
         }
         lock(sessions()).remove(&TypeId::of::<I>());
+        lock(closed()).insert(TypeId::of::<I>());
         if s.failed.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }

@@ -182,9 +182,18 @@ pub(super) fn running<I: Backend>() -> Option<Arc<Session<I>>> {
     any.and_then(|a| a.downcast::<Session<I>>().ok())
 }
 
+/// The inner backends whose communication server was closed and not started again.
+pub(super) fn closed() -> &'static Mutex<hashbrown::HashSet<TypeId>> {
+    static C: OnceLock<Mutex<hashbrown::HashSet<TypeId>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
 pub(super) fn session<I: Backend>(what: &str) -> Arc<Session<I>> {
     match running::<I>() {
         Some(s) => s,
+        None if lock(closed()).contains(&TypeId::of::<I>()) => panic!(
+            "collective-fusion: {what} after close_communication_server (this backend's communication server was closed while a rank still used it; start it again first)"
+        ),
         None => panic!(
             "collective-fusion: {what} before start_communication_server (no communication server is running for this backend)"
         ),
