@@ -57,7 +57,6 @@ impl<I: Backend> Session<I> {
                 None => self.start_live(rank, st, plan.clone()),
             };
             let launched_early = live.ready.iter().any(|r| *r);
-            let held = live.held_to_sync;
             for (slot, s) in plan.slots.iter().enumerate() {
                 if live.ready[slot] {
                     continue;
@@ -81,19 +80,7 @@ impl<I: Backend> Session<I> {
                 };
                 live.ready[slot] = true;
             }
-            let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
-            if launched_early {
-                *if held {
-                    &mut st.held_steps
-                } else {
-                    &mut st.eager_steps
-                } += 1;
-            }
-            for (slot, buf) in grads.into_iter().enumerate() {
-                if let Some(i) = source[slot] {
-                    reduced[i] = Some(buf);
-                }
-            }
+            self.complete_live(rank, live, st, &mut reduced, launched_early);
         }
         // The manifests.
         let extras: Vec<usize> = (0..n).filter(|i| reduced[*i].is_none()).collect();

@@ -286,19 +286,33 @@ impl<I: Backend> Session<I> {
     }
 
     /// Runs the rest of a live execution, waiting for its collectives, and records its spans;
-    /// returns the slot-indexed reduced gradients and their submission indices.
+    /// puts each reduced gradient at its submission index in `reduced`. With `launched_early`
+    /// the step counts as eager, or as held when it was held to the sync point.
     pub(in crate::backend) fn complete_live(
         &self,
         rank: usize,
         mut live: Live,
-        ws: &mut Workspace,
-    ) -> (Vec<Grad>, Vec<Option<usize>>) {
-        self.advance_live(rank, &mut live, ws, true);
+        st: &mut RankState<I>,
+        reduced: &mut [Option<Grad>],
+        launched_early: bool,
+    ) {
+        self.advance_live(rank, &mut live, &mut st.workspace, true);
         match live.exec.finish() {
             Ok(report) => self.record(rank, &report),
             Err(e) => self.fail(rank, e.to_string()),
         }
-        (live.grads, live.source)
+        if launched_early {
+            *if live.held_to_sync {
+                &mut st.held_steps
+            } else {
+                &mut st.eager_steps
+            } += 1;
+        }
+        for (grad, source) in live.grads.into_iter().zip(live.source) {
+            if let Some(i) = source {
+                reduced[i] = Some(grad);
+            }
+        }
     }
 
     /// Burn's `submit_sync_collective`: reduces what is left and writes every reduced gradient
@@ -463,18 +477,7 @@ impl<I: Backend> Session<I> {
                     st.expected_segment = Some(segment);
                     st.planner.stale = st.planner.base.is_some();
                 }
-                let held = live.held_to_sync;
-                let (grads, source) = self.complete_live(rank, live, &mut st.workspace);
-                *if held {
-                    &mut st.held_steps
-                } else {
-                    &mut st.eager_steps
-                } += 1;
-                for (slot, buf) in grads.into_iter().enumerate() {
-                    if let Some(i) = source[slot] {
-                        reduced[i] = Some(buf);
-                    }
-                }
+                self.complete_live(rank, live, st, &mut reduced, true);
             } else {
                 // Finish what was launched (every rank launched the same), give the rest back.
                 let done = match live.exec.drain(
