@@ -38,6 +38,11 @@ thread_local! {
 /// Notes that the calling thread works for `rank` of `server` (cheap when it already did: a
 /// thread-local look at one or two entries).
 pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize) {
+    // A hook called while this thread unwinds (from a destructor) changes nothing: the panic
+    // hook has run already, and it may not be installed from a panicking thread.
+    if std::thread::panicking() {
+        return;
+    }
     let addr = Arc::as_ptr(server) as *const () as usize;
     let _ = WORKS_FOR.try_with(|w| {
         let Ok(mut w) = w.try_borrow_mut() else {
