@@ -629,6 +629,67 @@ fn a_registered_parameter_whose_gradient_never_arrives_is_named() {
     assert!(!msg.contains("param.11"), "{msg}");
 }
 
+/// Threads that outlive a server (a pool that trains again under a new one): a panic under
+/// the second server still fails its other ranks at once.
+#[test]
+fn a_rank_thread_that_panics_under_a_second_server_fails_the_others_at_once() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<_> = (0..WORLD).map(device).collect();
+    let options = || CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    };
+    start_server(&devices, options(), ReduceOperation::Mean);
+    let rounds = std::sync::Barrier::new(WORLD as usize + 1);
+    let step = |d: &Dev, fail: bool| {
+        let model = mark_distributed::<B, Mlp>(init_model::<Mlp>().fork(d)).expect("marking");
+        let (x, y) = batch(0, 0, ROWS_PER_RANK, d);
+        let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
+        assert!(!fail, "rank 1 failed under the second server");
+        let _ = loss.backward();
+    };
+    let t0 = std::cell::Cell::new(None);
+    let outcomes: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                let (rounds, step) = (&rounds, &step);
+                s.spawn(move || {
+                    step(d, false);
+                    rounds.wait();
+                    rounds.wait();
+                    step(d, d.rank == 1);
+                })
+            })
+            .collect();
+        rounds.wait();
+        Inner::close_communication_server(&devices[0]);
+        start_server(&devices, options(), ReduceOperation::Mean);
+        t0.set(Some(std::time::Instant::now()));
+        rounds.wait();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|p| p.downcast_ref::<String>().cloned().unwrap_or_default())
+            })
+            .collect()
+    });
+    let waited = t0.get().expect("the second round started").elapsed();
+    Inner::close_communication_server(&devices[0]);
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "took {waited:?} (the timeout is 60 s)"
+    );
+    for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
+        let msg = o.as_ref().expect_err("the other ranks fail");
+        assert!(
+            msg.contains("rank 1 aborted the group: its thread panicked at")
+                && msg.ends_with("rank 1 failed under the second server"),
+            "rank {r}: {msg}"
+        );
+    }
+}
+
 /// A rank that calls a hook after the server closed (a program that closed it while a rank
 /// still trained) is told that it was closed, not that it was never started.
 #[test]

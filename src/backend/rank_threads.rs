@@ -48,6 +48,8 @@ pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize)
         let Ok(mut w) = w.try_borrow_mut() else {
             return;
         };
+        // An entry's weak reference keeps its server's allocation, so no other server has
+        // that address while the entry is listed.
         if w.iter().any(|e| e.addr == addr && e.rank == rank) {
             return;
         }
