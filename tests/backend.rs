@@ -551,8 +551,9 @@ fn rank_one_stops_mid_step(
     (outcomes, waited)
 }
 
-/// A rank that leaves the step without its collectives (its thread returns early): the others
-/// wait for it until their timeout, which names it.
+/// A rank that leaves the step without its collectives (its thread returns early, as a loop
+/// that runs out of data on one rank does): the others wait for it until their timeout, which
+/// names it and says that no thread works for it any more.
 #[test]
 fn a_rank_that_leaves_mid_step_is_a_timeout_on_the_others_naming_it() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -565,7 +566,8 @@ fn a_rank_that_leaves_mid_step_is_a_timeout_on_the_others_naming_it() {
     for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
         let msg = o.as_ref().expect_err("the other ranks fail");
         assert!(
-            msg.contains("never arrived") && msg.contains("[1]"),
+            msg.contains("ranks [1] never arrived")
+                && msg.contains("no thread works for rank(s) [1] any more"),
             "rank {r} names the missing rank: {msg}"
         );
     }

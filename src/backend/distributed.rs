@@ -317,6 +317,7 @@ impl<I: Backend> Collective<I> {
         };
         let session = Session::<I> {
             failed: std::sync::atomic::AtomicBool::new(false),
+            threads: super::rank_threads::ThreadCounts::new(world),
             epoch: Instant::now(),
             trace: Mutex::new(Vec::new()),
             world,

@@ -13,14 +13,70 @@
 
 use std::cell::RefCell;
 use std::panic::PanicHookInfo;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Once, Weak};
 
 use smallvec::SmallVec;
 
-/// A running server that can fail its group because a thread of one of its ranks panicked.
+/// A running server that can fail its group because a thread of one of its ranks panicked,
+/// and counts the threads that work for each rank.
 pub(super) trait AbortOnPanic: Send + Sync {
     /// Aborts `rank`'s communicator with `reason`, unless the group already failed.
     fn abort_for_panic(&self, rank: usize, reason: &str);
+    /// One more thread works for `rank`.
+    fn thread_started(&self, rank: usize);
+    /// A thread that worked for `rank` ended.
+    fn thread_ended(&self, rank: usize);
+}
+
+/// Threads working for each rank of a server, and the ranks that had some and have none left
+/// without a panic (a rank whose loop ended early, as on uneven data, is then named as such in
+/// errors; one whose thread panicked is named by the abort).
+pub(super) struct ThreadCounts(Vec<RankThreads>);
+
+#[derive(Default)]
+struct RankThreads {
+    live: AtomicUsize,
+    gone: AtomicBool,
+    panicked: AtomicBool,
+}
+
+impl ThreadCounts {
+    /// Counts for `world` ranks.
+    pub(super) fn new(world: usize) -> Self {
+        ThreadCounts((0..world).map(|_| RankThreads::default()).collect())
+    }
+
+    pub(super) fn started(&self, rank: usize) {
+        if let Some(t) = self.0.get(rank) {
+            t.live.fetch_add(1, SeqCst);
+            t.gone.store(false, SeqCst);
+        }
+    }
+
+    pub(super) fn ended(&self, rank: usize) {
+        if let Some(t) = self.0.get(rank)
+            && t.live.fetch_sub(1, SeqCst) == 1
+        {
+            t.gone.store(true, SeqCst);
+        }
+    }
+
+    /// A thread of `rank` panicked.
+    pub(super) fn panicked(&self, rank: usize) {
+        if let Some(t) = self.0.get(rank) {
+            t.panicked.store(true, SeqCst);
+        }
+    }
+
+    /// The ranks whose threads all ended (each had one) and none panicked.
+    pub(super) fn gone(&self) -> Vec<usize> {
+        (self.0.iter().enumerate())
+            .filter(|(_, t)| t.gone.load(SeqCst) && !t.panicked.load(SeqCst))
+            .map(|(r, _)| r)
+            .collect()
+    }
 }
 
 /// A rank this thread works for: its server (by address, to tell servers apart without
@@ -31,8 +87,21 @@ struct Entry {
     rank: usize,
 }
 
+/// The ranks the thread works for; when the thread ends, each live server hears it.
+struct WorksFor(RefCell<SmallVec<[Entry; 1]>>);
+
+impl Drop for WorksFor {
+    fn drop(&mut self) {
+        for e in self.0.get_mut().drain(..) {
+            if let Some(server) = e.server.upgrade() {
+                server.thread_ended(e.rank);
+            }
+        }
+    }
+}
+
 thread_local! {
-    static WORKS_FOR: RefCell<SmallVec<[Entry; 1]>> = const { RefCell::new(SmallVec::new_const()) };
+    static WORKS_FOR: WorksFor = const { WorksFor(RefCell::new(SmallVec::new_const())) };
 }
 
 /// Notes that the calling thread works for `rank` of `server` (cheap when it already did: a
@@ -45,7 +114,7 @@ pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize)
     }
     let addr = Arc::as_ptr(server) as *const () as usize;
     let _ = WORKS_FOR.try_with(|w| {
-        let Ok(mut w) = w.try_borrow_mut() else {
+        let Ok(mut w) = w.0.try_borrow_mut() else {
             return;
         };
         // An entry's weak reference keeps its server's allocation, so no other server has
@@ -55,6 +124,7 @@ pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize)
         }
         // Servers that have closed leave no entry behind.
         w.retain(|e| e.server.strong_count() > 0);
+        server.thread_started(rank);
         let server: Arc<dyn AbortOnPanic> = server.clone();
         w.push(Entry {
             server: Arc::downgrade(&server),
@@ -81,7 +151,7 @@ fn install_hook() {
 fn on_panic(info: &PanicHookInfo<'_>) {
     let servers: SmallVec<[(Arc<dyn AbortOnPanic>, usize); 1]> = WORKS_FOR
         .try_with(|w| {
-            w.try_borrow()
+            w.0.try_borrow()
                 .map(|w| {
                     w.iter()
                         .filter_map(|e| e.server.upgrade().map(|s| (s, e.rank)))

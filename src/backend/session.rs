@@ -138,6 +138,8 @@ pub(super) struct RankState<I: Backend> {
 pub(super) struct Session<I: Backend> {
     /// A rank failed and aborted the group.
     pub(super) failed: std::sync::atomic::AtomicBool,
+    /// Threads working for each rank (`rank_threads`).
+    pub(super) threads: super::rank_threads::ThreadCounts,
     /// Time zero of traces.
     pub(super) epoch: Instant,
     pub(super) trace: Mutex<Vec<TraceSpan>>,
@@ -206,12 +208,19 @@ pub(super) fn param_name(p: &DistributedParams) -> String {
 
 impl<I: Backend> super::rank_threads::AbortOnPanic for Session<I> {
     fn abort_for_panic(&self, rank: usize, reason: &str) {
+        self.threads.panicked(rank);
         if self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return;
         }
         if let Some(Some(c)) = self.comms.get(rank) {
             c.abort(reason);
         }
+    }
+    fn thread_started(&self, rank: usize) {
+        self.threads.started(rank);
+    }
+    fn thread_ended(&self, rank: usize) {
+        self.threads.ended(rank);
     }
 }
 
@@ -224,7 +233,13 @@ impl<I: Backend> Session<I> {
         }
         let prefix = format!("rank {rank}: ");
         let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
-        panic!("collective-fusion: rank {rank}: {msg}");
+        let gone = self.threads.gone();
+        if gone.is_empty() {
+            panic!("collective-fusion: rank {rank}: {msg}");
+        }
+        panic!(
+            "collective-fusion: rank {rank}: {msg} (no thread works for rank(s) {gone:?} any more: the last one ended, as a loop that runs out of data early does)"
+        );
     }
 
     /// The communicator of `rank`, which must be one of this process's.
