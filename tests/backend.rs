@@ -580,19 +580,33 @@ fn a_rank_that_leaves_mid_step_is_a_timeout_on_the_others_naming_it() {
 fn a_rank_whose_thread_panics_fails_the_others_at_once_naming_it() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (outcomes, waited) = rank_one_stops_mid_step(std::time::Duration::from_secs(60), true);
-    assert!(
-        waited < std::time::Duration::from_secs(10),
-        "took {waited:?} (the timeout is 60 s)"
-    );
     assert_eq!(
         outcomes[1].as_ref().expect_err("rank 1 panicked"),
         "rank 1 died in the middle of the step"
+    );
+    assert_the_others_name_rank_ones_panic(
+        &outcomes,
+        waited,
+        "rank 1 died in the middle of the step",
+    );
+}
+
+/// Every rank but 1 failed within 10 s (their timeout is 60 s) with an error that names rank
+/// 1's panic, where it was (in this file) and its message `panic`.
+fn assert_the_others_name_rank_ones_panic(
+    outcomes: &[Result<(), String>],
+    waited: std::time::Duration,
+    panic: &str,
+) {
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "took {waited:?} (the timeout is 60 s)"
     );
     for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
         let msg = o.as_ref().expect_err("the other ranks fail");
         assert!(
             msg.contains("rank 1 aborted the group: its thread panicked at tests/backend.rs:")
-                && msg.ends_with(": rank 1 died in the middle of the step"),
+                && msg.ends_with(&format!(": {panic}")),
             "rank {r}: {msg}"
         );
     }
@@ -678,18 +692,11 @@ fn a_rank_thread_that_panics_under_a_second_server_fails_the_others_at_once() {
     });
     let waited = t0.get().expect("the second round started").elapsed();
     Inner::close_communication_server(&devices[0]);
-    assert!(
-        waited < std::time::Duration::from_secs(10),
-        "took {waited:?} (the timeout is 60 s)"
+    assert_the_others_name_rank_ones_panic(
+        &outcomes,
+        waited,
+        "rank 1 failed under the second server",
     );
-    for (r, o) in outcomes.iter().enumerate().filter(|(r, _)| *r != 1) {
-        let msg = o.as_ref().expect_err("the other ranks fail");
-        assert!(
-            msg.contains("rank 1 aborted the group: its thread panicked at")
-                && msg.ends_with("rank 1 failed under the second server"),
-            "rank {r}: {msg}"
-        );
-    }
 }
 
 /// A rank that calls a hook after the server closed (a program that closed it while a rank
