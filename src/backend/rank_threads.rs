@@ -10,6 +10,10 @@
 //! first and then panics). A panic the thread catches fails the group too: the rank may have
 //! left a collective half done. A thread that only recorded ops for a rank's device (the main
 //! thread that built the model) does not work for it.
+//!
+//! The server also counts the threads working for each rank ([`ThreadCounts`]): a failure then
+//! names the ranks whose threads all ended without a panic (a loop that ran out of data before
+//! the other ranks' did), which the others otherwise know only as late.
 
 use std::cell::RefCell;
 use std::panic::PanicHookInfo;
@@ -19,9 +23,9 @@ use std::sync::{Arc, Once, Weak};
 
 use smallvec::SmallVec;
 
-/// A running server that can fail its group because a thread of one of its ranks panicked,
-/// and counts the threads that work for each rank.
-pub(super) trait AbortOnPanic: Send + Sync {
+/// A running server as the threads that work for its ranks see it: it fails its group when one
+/// of them panics, and counts them.
+pub(super) trait RankServer: Send + Sync {
     /// Aborts `rank`'s communicator with `reason`, unless the group already failed.
     fn abort_for_panic(&self, rank: usize, reason: &str);
     /// One more thread works for `rank`.
@@ -82,7 +86,7 @@ impl ThreadCounts {
 /// A rank this thread works for: its server (by address, to tell servers apart without
 /// upgrading) and the rank.
 struct Entry {
-    server: Weak<dyn AbortOnPanic>,
+    server: Weak<dyn RankServer>,
     addr: usize,
     rank: usize,
 }
@@ -106,7 +110,7 @@ thread_local! {
 
 /// Notes that the calling thread works for `rank` of `server` (cheap when it already did: a
 /// thread-local look at one or two entries).
-pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize) {
+pub(super) fn works_for<S: RankServer + 'static>(server: &Arc<S>, rank: usize) {
     // A hook called while this thread unwinds (from a destructor) changes nothing: the panic
     // hook has run already, and it may not be installed from a panicking thread.
     if std::thread::panicking() {
@@ -125,7 +129,7 @@ pub(super) fn works_for<S: AbortOnPanic + 'static>(server: &Arc<S>, rank: usize)
         // Servers that have closed leave no entry behind.
         w.retain(|e| e.server.strong_count() > 0);
         server.thread_started(rank);
-        let server: Arc<dyn AbortOnPanic> = server.clone();
+        let server: Arc<dyn RankServer> = server.clone();
         w.push(Entry {
             server: Arc::downgrade(&server),
             addr,
@@ -149,7 +153,7 @@ fn install_hook() {
 
 /// The hook's work: abort the group of each rank the panicking thread works for.
 fn on_panic(info: &PanicHookInfo<'_>) {
-    let servers: SmallVec<[(Arc<dyn AbortOnPanic>, usize); 1]> = WORKS_FOR
+    let servers: SmallVec<[(Arc<dyn RankServer>, usize); 1]> = WORKS_FOR
         .try_with(|w| {
             w.0.try_borrow()
                 .map(|w| {

@@ -206,7 +206,7 @@ pub(super) fn param_name(p: &DistributedParams) -> String {
     super::params::name_of(p.param_id)
 }
 
-impl<I: Backend> super::rank_threads::AbortOnPanic for Session<I> {
+impl<I: Backend> super::rank_threads::RankServer for Session<I> {
     fn abort_for_panic(&self, rank: usize, reason: &str) {
         self.threads.panicked(rank);
         if self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
