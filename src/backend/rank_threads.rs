@@ -83,11 +83,9 @@ impl ThreadCounts {
     }
 }
 
-/// A rank this thread works for: its server (by address, to tell servers apart without
-/// upgrading) and the rank.
+/// A rank this thread works for: its server and the rank.
 struct Entry {
     server: Weak<dyn RankServer>,
-    addr: usize,
     rank: usize,
 }
 
@@ -116,25 +114,21 @@ pub(super) fn works_for<S: RankServer + 'static>(server: &Arc<S>, rank: usize) {
     if std::thread::panicking() {
         return;
     }
-    let addr = Arc::as_ptr(server) as *const () as usize;
     let _ = WORKS_FOR.try_with(|w| {
         let Ok(mut w) = w.0.try_borrow_mut() else {
             return;
         };
         // An entry's weak reference keeps its server's allocation, so no other server has
         // that address while the entry is listed.
-        if w.iter().any(|e| e.addr == addr && e.rank == rank) {
+        let listed = |e: &Entry| std::ptr::addr_eq(e.server.as_ptr(), Arc::as_ptr(server));
+        if w.iter().any(|e| e.rank == rank && listed(e)) {
             return;
         }
         // Servers that have closed leave no entry behind.
         w.retain(|e| e.server.strong_count() > 0);
         server.thread_started(rank);
-        let server: Arc<dyn RankServer> = server.clone();
-        w.push(Entry {
-            server: Arc::downgrade(&server),
-            addr,
-            rank,
-        });
+        let weak: Weak<S> = Arc::downgrade(server);
+        w.push(Entry { server: weak, rank });
         install_hook();
     });
 }

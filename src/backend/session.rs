@@ -209,11 +209,8 @@ pub(super) fn param_name(p: &DistributedParams) -> String {
 impl<I: Backend> super::rank_threads::RankServer for Session<I> {
     fn abort_for_panic(&self, rank: usize, reason: &str) {
         self.threads.panicked(rank);
-        if self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            return;
-        }
-        if let Some(Some(c)) = self.comms.get(rank) {
-            c.abort(reason);
+        if !self.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            self.abort_group(rank, reason);
         }
     }
     fn thread_started(&self, rank: usize) {
@@ -225,12 +222,18 @@ impl<I: Backend> super::rank_threads::RankServer for Session<I> {
 }
 
 impl<I: Backend> Session<I> {
-    /// Fails the whole group with `msg`, then panics on this rank.
-    pub(super) fn fail(&self, rank: usize, msg: String) -> ! {
+    /// Marks the group failed and aborts `rank`'s communicator with `reason`: every other rank's
+    /// collectives fail with it.
+    fn abort_group(&self, rank: usize, reason: &str) {
         self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Some(Some(c)) = self.comms.get(rank) {
-            c.abort(&msg);
+            c.abort(reason);
         }
+    }
+
+    /// Fails the whole group with `msg`, then panics on this rank.
+    pub(super) fn fail(&self, rank: usize, msg: String) -> ! {
+        self.abort_group(rank, &msg);
         let prefix = format!("rank {rank}: ");
         let msg = msg.strip_prefix(&prefix).unwrap_or(&msg);
         let gone = self.threads.gone();
