@@ -234,3 +234,114 @@ fn ranks_that_finish_together_are_no_departure() {
         assert!(out.contains("every rank was there"), "rank {r}: {out}");
     }
 }
+
+/// Set in the rank processes [`a_rank_process_whose_thread_panics_fails_the_others_at_once`]
+/// starts: run as a rank of its group.
+const PANIC_GROUP: &str = "CF_TEST_PANIC_GROUP";
+
+/// The message rank 1's training loop panics with.
+const RANK_ONE_PANICS: &str = "rank 1's training loop hit a bug";
+
+/// A rank of a TCP group written as a user would (`Autodiff<Collective<NdArray>>`, Burn's
+/// `Linear`, SGD; the launcher's environment), whose rank 1 panics in its third step, after
+/// the forward pass, while the others wait for its gradients (their timeout is 60 s).
+fn rank_of_a_group_where_rank_one_panics() {
+    use burn_autodiff::Autodiff;
+    use burn_backend::Backend;
+    use burn_backend::distributed::{DistributedConfig, ReduceOperation};
+    use burn_ndarray::{NdArray, NdArrayDevice};
+    use burn_nn::loss::{MseLoss, Reduction};
+    use burn_nn::{Linear, LinearConfig};
+    use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+    use collective_fusion::backend::{
+        Collective, CollectiveDevice, CollectiveOptions, mark_distributed,
+    };
+    use collective_fusion::runtime::rendezvous::RendezvousConfig;
+    use collective_fusion::runtime::transport::Transport;
+    use collective_fusion::train::synthetic_batch;
+    type I = NdArray<f32>;
+    type B = Autodiff<Collective<I>>;
+    let timeout = Duration::from_secs(60);
+    let cfg = RendezvousConfig::from_env(timeout).expect("the launcher's environment");
+    let rank = cfg.rank;
+    let device = CollectiveDevice::new(NdArrayDevice::Cpu, rank as u32);
+    CollectiveOptions {
+        transport: Transport::Tcp(cfg),
+        timeout,
+        ..CollectiveOptions::default()
+    }
+    .install::<I>();
+    Collective::<I>::try_start_communication_server(
+        std::slice::from_ref(&device),
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    )
+    .expect("joining the group");
+    B::seed(&device, 1);
+    let mut net: Linear<B> =
+        mark_distributed(LinearConfig::new(8, 4).init(&device)).expect("marking the model");
+    let mut sgd = SgdConfig::new().init::<B, Linear<B>>();
+    for step in 0..4 {
+        let (x, y) = synthetic_batch::<B>(step, (rank * 2, rank * 2 + 2), 8, 4, &device);
+        let loss = MseLoss::new().forward(net.forward(x), y, Reduction::Mean);
+        assert!(!(rank == 1 && step == 2), "{RANK_ONE_PANICS}");
+        let grads = GradientsParams::from_grads(loss.backward(), &net);
+        net = sgd.step(0.1, net, grads);
+        eprintln!("rank {rank}: step {step} done");
+    }
+}
+
+/// A rank process whose training thread panics (a bug in the user's code on one rank): the
+/// others, in their own processes, fail within seconds rather than at their 60 s timeout,
+/// naming rank 1, where it panicked and the panic's message. The aborting rank tells them over
+/// the peer watch (the rendezvous connections) before its data connections shut.
+#[test]
+fn a_rank_process_whose_thread_panics_fails_the_others_at_once() {
+    if std::env::var_os(PANIC_GROUP).is_some() {
+        rank_of_a_group_where_rank_one_panics();
+        return;
+    }
+    let exe = std::env::current_exe().expect("this test binary");
+    let exe = exe.to_str().expect("a UTF-8 path");
+    let port = free_port().to_string();
+    let args: Vec<String> = [
+        "--exact",
+        "a_rank_process_whose_thread_panics_fails_the_others_at_once",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let t0 = Instant::now();
+    let children: Vec<_> = (0..3)
+        .map(|r| {
+            rank_process(exe, &args, r, 3, &port)
+                .env(PANIC_GROUP, "1")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| wait_bounded(c, PROCESS_LIMIT, &format!("rank {r}")))
+        .collect();
+    let took = t0.elapsed();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).into_owned();
+    assert!(err(1).contains(RANK_ONE_PANICS), "rank 1:\n{}", err(1));
+    for r in [0, 2] {
+        assert!(!outs[r].status.success(), "rank {r} failed:\n{}", err(r));
+        assert!(
+            err(r).contains(
+                "rank 1 aborted the group: its thread panicked at tests/multiprocess.rs:"
+            ) && err(r).contains(RANK_ONE_PANICS),
+            "rank {r} names rank 1's panic:\n{}",
+            err(r)
+        );
+    }
+    assert!(
+        took < Duration::from_secs(30),
+        "the group took {took:?} to fail (the timeout is 60 s)"
+    );
+}

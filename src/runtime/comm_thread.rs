@@ -105,6 +105,14 @@ impl<J> Drop for CommThread<J> {
 pub trait GroupState: Send + Sync + 'static {
     /// Fails the group: every rank's pending and later collectives end with `reason`.
     fn abort(&self, reason: String);
+    /// `rank` aborts the group for `reason`, its own failure (called before [`abort`]): a
+    /// group whose other ranks live in other processes tells them why. Default: nothing (the
+    /// ranks share this state).
+    ///
+    /// [`abort`]: GroupState::abort
+    fn rank_aborts(&self, rank: usize, reason: &str) {
+        let _ = (rank, reason);
+    }
     /// `rank` closes, before its queued collectives are finished. Default: nothing.
     fn closing(&self, rank: usize) {
         let _ = rank;
@@ -179,6 +187,7 @@ impl<G: GroupState> Communicator for QueuedComm<G> {
     }
 
     fn abort(&self, reason: &str) {
+        self.group.rank_aborts(self.rank, reason);
         self.group
             .abort(format!("rank {} aborted the group: {reason}", self.rank));
     }

@@ -264,18 +264,13 @@ impl Control {
     /// a moment for the peer watch, which learns of a process's end at about the time NCCL
     /// does): NCCL's own text seldom says which rank failed.
     fn explain(&self, why: String) -> String {
-        let Some(peers) = self.peers.as_ref() else {
-            return why;
-        };
-        let until = Instant::now() + Duration::from_millis(200);
-        loop {
-            if let Some(d) = peers.first_departure() {
-                return format!("{why} ({d})");
-            }
-            if Instant::now() >= until {
-                return why;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        match self
+            .peers
+            .as_ref()
+            .and_then(|p| p.wait_for_departure(Duration::from_millis(200)))
+        {
+            Some(d) => format!("{why} ({d})"),
+            None => why,
         }
     }
 
@@ -628,6 +623,10 @@ impl Communicator for NcclComm {
     }
 
     fn abort(&self, reason: &str) {
+        // The others learn why at once (NCCL would only leave them waiting on this rank).
+        if let Some(p) = &self.control.peers {
+            p.abort(reason);
+        }
         self.control.abort(reason.to_string());
     }
 }

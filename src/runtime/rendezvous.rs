@@ -605,6 +605,49 @@ mod tests {
         assert!(w0.departed_for(Duration::from_secs(3600)).is_none());
     }
 
+    /// A rank that aborts tells every other why: rank 0 hears it from the peer, and the other
+    /// peer from rank 0; its process ending afterwards changes nothing (the first departure
+    /// stands), and an abort of rank 0 reaches the peers too. A second abort says nothing.
+    #[test]
+    fn an_aborting_rank_tells_every_other_why() {
+        use super::super::peer_watch::DepartureKind::Aborted;
+        let port = free_port();
+        let mut w: Vec<PeerWatch> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| s.spawn(move || rendezvous_watched(&cfg(r, 3, port, 10_000), Vec::new)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap().unwrap().1)
+                .collect()
+        });
+        w[1].abort("its thread panicked at src/x.rs:1:2: boom");
+        w[1].abort("a second reason");
+        for r in [0, 2] {
+            let d = departures(&w[r], 1);
+            assert_eq!(d.len(), 1, "rank {r}: {d:?}");
+            assert_eq!((d[0].rank, d[0].kind), (1, Aborted), "rank {r}");
+            assert_eq!(
+                d[0].to_string(),
+                "rank 1 aborted the group: its thread panicked at src/x.rs:1:2: boom"
+            );
+            assert_eq!(
+                w[r].wait_for_departure(Duration::ZERO).map(|d| d.rank),
+                Some(1)
+            );
+        }
+        drop(w.remove(1));
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(w[0].departed()[0].kind, Aborted);
+        w[0].abort("rank 0's own failure");
+        let d = departures(&w[1], 2);
+        assert_eq!(
+            d.iter().map(|d| (d.rank, d.kind)).collect::<Vec<_>>(),
+            [(0, Aborted), (1, Aborted)],
+            "rank 2"
+        );
+        assert_eq!(d[0].reason, "rank 0's own failure");
+    }
+
     /// Heartbeats are no news; the connection closing after them is.
     #[test]
     fn heartbeats_keep_a_rank_present() {

@@ -15,7 +15,11 @@
 //! timeout (a peer that never sends is [`CommError::Timeout`] naming it), a peer waits for the
 //! answer twice that, and a disagreement between ranks (collective, op, dtype, count) fails
 //! every rank with [`CommError::Mismatch`] on rank 0 and the same message on the peers. A failed
-//! or aborted rank shuts its connections, so the others fail at once instead of waiting.
+//! or aborted rank shuts its connections, so the others fail at once instead of waiting. The
+//! rendezvous connections stay open as a [`PeerWatch`]: a rank that aborts the group for its
+//! own failure (its thread panicked) tells the others why over it before its connections shut,
+//! and a rank whose connection with another fails reports what the watch knows of that rank
+//! (aborted, with its reason; its process gone; left) rather than the socket's error alone.
 //!
 //! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`, the
 //! rendezvous token's tag `u64` (a connection whose hello is not a peer's of this group is
@@ -42,7 +46,8 @@ use std::time::{Duration, Instant};
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, CommSpan, Job, thread_cpu_us};
 use super::comm_thread::{CommThread, GroupState, QueuedComm};
-use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous};
+use super::peer_watch::PeerWatch;
+use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous_watched};
 use crate::graph::{DType, ReduceOp};
 
 const HELLO: &[u8; 4] = b"CFTH";
@@ -137,6 +142,8 @@ pub struct TcpShared {
     aborted: Mutex<Option<String>>,
     /// Clones of the connections, to shut them on abort.
     streams: Vec<TcpStream>,
+    /// The rendezvous connections: which rank departed or aborted, and why.
+    watch: PeerWatch,
 }
 
 impl TcpShared {
@@ -156,6 +163,20 @@ impl TcpShared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Why the connection with rank `peer` failed with `e`: this rank's own abort, else the
+    /// first departure the peer watch learnt of (waiting a moment for one: an aborting rank
+    /// tells the watch before its connections shut, but the two connections race), else the
+    /// socket's error.
+    fn why_lost(&self, peer: usize, e: &std::io::Error) -> String {
+        self.aborted()
+            .or_else(|| {
+                self.watch
+                    .wait_for_departure(Duration::from_millis(200))
+                    .map(|d| d.to_string())
+            })
+            .unwrap_or_else(|| format!("the connection with rank {peer} failed: {e}"))
     }
 }
 
@@ -180,7 +201,7 @@ impl QueuedComm<TcpShared> {
     pub fn connect(cfg: &RendezvousConfig, timeout: Duration) -> Result<Self, RendezvousError> {
         let start = Instant::now();
         let deadline = start + cfg.timeout;
-        let links = if cfg.rank == 0 {
+        let (links, watch) = if cfg.rank == 0 {
             // The data port: the host rank 0 listens on for the rendezvous, any free port.
             let host = format!("{}:0", cfg.addr);
             let listener = TcpListener::bind(&host).map_err(io(format!(
@@ -191,10 +212,13 @@ impl QueuedComm<TcpShared> {
                 .local_addr()
                 .map_err(io("reading the data port"))?
                 .port();
-            rendezvous(cfg, || port.to_le_bytes().to_vec())?;
-            Links::Root(accept_peers(cfg, &listener, start, deadline)?)
+            let (_, watch) = rendezvous_watched(cfg, || port.to_le_bytes().to_vec())?;
+            (
+                Links::Root(accept_peers(cfg, &listener, start, deadline)?),
+                watch,
+            )
         } else {
-            let payload = rendezvous(cfg, Vec::new)?;
+            let (payload, watch) = rendezvous_watched(cfg, Vec::new)?;
             let port = match payload[..] {
                 [a, b] => u16::from_le_bytes([a, b]),
                 _ => {
@@ -204,7 +228,7 @@ impl QueuedComm<TcpShared> {
                     )));
                 }
             };
-            Links::Peer(connect_root(cfg, port, deadline)?)
+            (Links::Peer(connect_root(cfg, port, deadline)?), watch)
         };
         let streams = match &links {
             Links::Root(peers) => peers.iter().map(TcpStream::try_clone).collect(),
@@ -215,6 +239,7 @@ impl QueuedComm<TcpShared> {
             rank: cfg.rank,
             aborted: Mutex::new(None),
             streams,
+            watch,
         });
         let sh = Arc::clone(&shared);
         let (rank, world) = (cfg.rank, cfg.world);
@@ -244,6 +269,10 @@ impl QueuedComm<TcpShared> {
 impl GroupState for TcpShared {
     fn abort(&self, reason: String) {
         TcpShared::abort(self, reason);
+    }
+
+    fn rank_aborts(&self, _rank: usize, reason: &str) {
+        self.watch.abort(reason);
     }
 
     fn closed(&self, _rank: usize) {
@@ -367,9 +396,7 @@ fn failure(shared: &TcpShared, what: &CollectiveDesc, e: std::io::Error, peer: u
     CommError::Aborted {
         rank: shared.rank,
         what: what.clone(),
-        reason: shared
-            .aborted()
-            .unwrap_or_else(|| format!("the connection with rank {peer} failed: {e}")),
+        reason: shared.why_lost(peer, &e),
     }
 }
 
@@ -671,12 +698,16 @@ mod tests {
             .port()
     }
 
-    /// A hand-written peer `rank` of `world`: joined, its data connection open.
-    fn raw_peer(rank: usize, world: usize, port: u16) -> TcpStream {
+    /// A hand-written peer `rank` of `world`: joined, its data connection open, and its peer
+    /// watch (as a real rank keeps it).
+    fn raw_peer(rank: usize, world: usize, port: u16) -> (TcpStream, PeerWatch) {
         let c = cfg(rank, world, port);
-        let payload = rendezvous(&c, Vec::new).unwrap();
+        let (payload, watch) = rendezvous_watched(&c, Vec::new).unwrap();
         let data = u16::from_le_bytes([payload[0], payload[1]]);
-        connect_root(&c, data, Instant::now() + c.timeout).unwrap()
+        (
+            connect_root(&c, data, Instant::now() + c.timeout).unwrap(),
+            watch,
+        )
     }
 
     /// Rank 2 (by hand) sends its buffer and takes the result, then goes before acknowledging
@@ -689,7 +720,7 @@ mod tests {
         let timeout = Duration::from_secs(5);
         thread::scope(|sc| {
             sc.spawn(move || {
-                let mut s = raw_peer(2, 3, port);
+                let (mut s, _watch) = raw_peer(2, 3, port);
                 s.write_all(&header(&desc(n))).unwrap();
                 s.write_all(HostBuffer::zeros(DType::F32, n).unwrap().as_bytes())
                     .unwrap();
@@ -730,7 +761,7 @@ mod tests {
         thread::scope(|sc| {
             let stop = &stop;
             sc.spawn(move || {
-                let mut s = raw_peer(1, 2, port);
+                let (mut s, _watch) = raw_peer(1, 2, port);
                 s.write_all(&header(&desc(n))).unwrap();
                 for _ in 0..n * 4 {
                     if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[7]).is_err()
