@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Runs Burn 0.21.0's own backend test suite (`crates/burn-backend-tests`: its tensor and autodiff
-# suites) against `Collective<B>` and `Autodiff<Collective<B>>`, B NdArray, wgpu or Dispatch:
+# suites) against `Collective<B>` and `Autodiff<Collective<B>>`, B NdArray, Flex, wgpu or Dispatch:
 # a check of `Collective` that nobody here wrote. Not part of CI (it needs Burn's source and
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
-# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--wgpu|--unfused|--dispatch|--cuda]
-#        [--baseline] [--include-ignored]
+# Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--flex|--wgpu|--unfused|--dispatch|--cuda]
+#        [--f16] [--baseline] [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
+#   --flex         the inner backend is Burn's Flex CPU backend (`burn_flex::Flex`), with the
+#                  suite's `flex` tests on
 #   --wgpu         the inner backend is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion
 #                  on; Mesa's lavapipe on a machine without a GPU) instead of NdArray
 #   --unfused      the inner backend is wgpu's `CubeBackend` without the fusion layer
 #   --dispatch     the inner backend is `burn::Dispatch` on its default device (wgpu here)
 #   --cuda         the inner backend is Burn's default CUDA backend (`burn_cuda::Cuda`, fusion
 #                  on), this crate built with its `cuda` feature: a machine with a GPU and cargo
+#   --f16          also run the suite's f16 float tests (`tensor_f16`: every float test with f16
+#                  as the default float type); with --flex or --cuda, the backends Burn runs it on
 #   --baseline     also run the tensor suite on the inner backend alone; then the exit status
 #                  is 0 when Collective fails exactly the tests the inner backend fails alone
 #   --include-ignored  run the tests Burn marks #[ignore] too
@@ -23,7 +27,7 @@
 # suite's is `Autodiff<Collective<B>>` (its checkpointing module runs on the same type).
 # The quantization tests ask `Dispatch::default_quant_scheme`, an inherent method of `Dispatch`;
 # they get the scheme `Dispatch` gives on B's device (`Dispatch`'s own, for `--dispatch`).
-# Suites for other backends (f16, CubeCL, fusion) are left out.
+# Suites for other backends (CubeCL, fusion, autodiff in f16) are left out.
 set -euo pipefail
 
 usage() { sed -n '7,19p' "$0" >&2; exit 2; }
@@ -37,9 +41,19 @@ QUANT=""
 IGNORED=()
 CF_FEATURES=""
 CUDA_DEP=""
+FLEX_DEP=""
+# The suite's own feature naming the backend (some tests are only for it).
+SUITE_FEATURE=ndarray
+F16=0
 for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
+        --flex)
+            INNER=burn_flex::Flex
+            FLEX_DEP='burn-flex = { version = "=0.21.0" }'
+            SUITE_FEATURE=flex
+            ;;
+        --f16) F16=1 ;;
         --wgpu) INNER=burn_wgpu::Wgpu ;;
         --unfused) INNER="burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u32>" ;;
         --dispatch)
@@ -50,12 +64,17 @@ for a in "$@"; do
             INNER=burn_cuda::Cuda
             CF_FEATURES=', features = ["cuda"]'
             CUDA_DEP='burn-cuda = { version = "=0.21.0", default-features = false, features = ["std", "fusion"] }'
+            SUITE_FEATURE=cuda
             ;;
         --include-ignored) IGNORED=(--include-ignored) ;;
         -*) usage ;;
         *) WORK=$a ;;
     esac
 done
+if [ "$F16" = 1 ] && [ "$SUITE_FEATURE" = ndarray ]; then
+    echo "--f16 needs --flex or --cuda (Burn runs its f16 suite on those)" >&2
+    exit 2
+fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
@@ -63,7 +82,8 @@ cd "$WORK"
 rm -rf src tests benches
 git -C "$BURN" archive v0.21.0 crates/burn-backend-tests | tar -x --strip-components=2
 rm -rf benches tests/autodiff_f16.rs tests/cubecl tests/cubecl.rs tests/fusion \
-    tests/memory_cleaning.rs tests/tensor_f16.rs .cargo
+    tests/memory_cleaning.rs .cargo
+[ "$F16" = 1 ] || rm tests/tensor_f16.rs
 cp "$ROOT/Cargo.lock" .
 
 cat > Cargo.toml <<EOF
@@ -74,15 +94,19 @@ edition = "2024"
 publish = false
 
 [features]
-default = ["std", "ndarray", "quantization"]
+default = ["std", "$SUITE_FEATURE", "quantization"]
 std = []
-ndarray = []
 quantization = []
-# Features the suite's cfgs name; off here.
+# Features the suite's cfgs name: the backend's is on (above), the rest off.
+ndarray = []
+flex = []
+cuda = []
 cube = []
 fusion = []
 distributed = []
 metal = []
+vulkan = []
+rocm = []
 
 [dependencies]
 burn-tensor = { version = "=0.21.0", features = ["std"] }
@@ -97,6 +121,7 @@ serial_test = "3.2.0"
 rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
 collective-fusion = { path = "$ROOT", default-features = false$CF_FEATURES }
 $CUDA_DEP
+$FLEX_DEP
 
 [dev-dependencies]
 ctor = "0.10.1"
@@ -188,29 +213,37 @@ grep -rl "TestBackend::default_quant_scheme" tests | xargs -r sed -i -E \
 
 summary() { grep -E "^test result" "$1" | tail -1 | sed "s/^/$2: /"; }
 failures() { { grep -E "^test .* FAILED$" "$1" || true; } | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | sort; }
-cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > tensor.log 2>&1 || true
+SUITES=(tensor)
+[ "$F16" = 1 ] && SUITES+=(tensor_f16)
+for t in "${SUITES[@]}"; do
+    cargo test --test "$t" --no-fail-fast -- "${IGNORED[@]}" > "$t.log" 2>&1 || true
+done
 cargo test --test autodiff --no-fail-fast -- "${IGNORED[@]}" > autodiff.log 2>&1 || true
 if [ "$BASELINE" = 1 ]; then
     backend_file "$INNER" > tests/common/backend.rs
-    cargo test --test tensor --no-fail-fast -- "${IGNORED[@]}" > baseline.log 2>&1 || true
+    for t in "${SUITES[@]}"; do
+        cargo test --test "$t" --no-fail-fast -- "${IGNORED[@]}" > "baseline_$t.log" 2>&1 || true
+    done
     backend_file "$COLLECTIVE" > tests/common/backend.rs
 fi
 echo "Burn 0.21.0 backend suite, in $WORK:"
-summary tensor.log "tensor suite, Collective<$INNER>"
-summary autodiff.log "autodiff suite, Autodiff<Collective<$INNER>>"
 status=0
-if [ "$BASELINE" = 1 ]; then
-    # Pass when Collective fails exactly the tests the inner backend fails alone.
-    summary baseline.log "tensor suite, $INNER alone"
-    only=$(comm -23 <(failures tensor.log) <(failures baseline.log))
-    fixed=$(comm -13 <(failures tensor.log) <(failures baseline.log))
-    echo "tensor tests failing under Collective only: $(echo -n "$only" | grep -c . || true)"
-    [ -z "$only" ] || { echo "$only"; status=1; }
-    [ -z "$fixed" ] || echo "tensor tests failing on $INNER alone only: $fixed"
-else
-    failures tensor.log
-    [ -z "$(failures tensor.log)" ] || status=1
-fi
+for t in "${SUITES[@]}"; do
+    summary "$t.log" "$t suite, Collective<$INNER>"
+    if [ "$BASELINE" = 1 ]; then
+        # Pass when Collective fails exactly the tests the inner backend fails alone.
+        summary "baseline_$t.log" "$t suite, $INNER alone"
+        only=$(comm -23 <(failures "$t.log") <(failures "baseline_$t.log"))
+        fixed=$(comm -13 <(failures "$t.log") <(failures "baseline_$t.log"))
+        echo "$t tests failing under Collective only: $(echo -n "$only" | grep -c . || true)"
+        [ -z "$only" ] || { echo "$only"; status=1; }
+        [ -z "$fixed" ] || echo "$t tests failing on $INNER alone only: $fixed"
+    else
+        failures "$t.log"
+        [ -z "$(failures "$t.log")" ] || status=1
+    fi
+done
+summary autodiff.log "autodiff suite, Autodiff<Collective<$INNER>>"
 failures autodiff.log
 [ -z "$(failures autodiff.log)" ] || status=1
 exit $status

@@ -54,7 +54,7 @@ HEADER = [
     "use core::ops::Range;",
     "",
     "use crate::backend::forward::{self, Eager};",
-    "use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};",
+    "use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};",
     "",
 ]
 KINDS = {"FloatTensor": "float", "IntTensor": "int", "BoolTensor": "bool", "QuantizedTensor": "q"}
@@ -256,6 +256,10 @@ def method(trait, name, gen, raw_args, ret, lazy):
             rank = r
     needs_rank = "<B>" in ret_t and not ret_t.startswith("implFuture<Output=Result<")
     body = []
+    # The rank's default dtypes reach the inner device before the inner backend sees it.
+    for n, t in args:
+        if t == "&Device<B>":
+            body.append(f"settings::inherit_settings::<I>({n});")
     if needs_rank:
         if rank is None:
             raise SystemExit(f"{trait}::{name}: no rank source")

@@ -39,6 +39,7 @@ mod record;
 mod replicas;
 mod rules;
 mod session;
+mod settings;
 mod step_clock;
 mod user_collectives;
 mod zero_fill;

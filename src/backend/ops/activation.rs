@@ -13,7 +13,7 @@ use burn_std::Slice;
 use core::ops::Range;
 
 use crate::backend::forward::{self, Eager};
-use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
+use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};
 
 impl<I: Backend> ActivationOps<Self> for Collective<I> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {

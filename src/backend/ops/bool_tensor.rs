@@ -13,18 +13,21 @@ use burn_std::Slice;
 use core::ops::Range;
 
 use crate::backend::forward::{self, Eager};
-use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
+use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};
 
 impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_empty(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::bool_empty(shape, &device.inner, dtype), rank)
     }
     fn bool_zeros(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::bool_zeros(shape, &device.inner, dtype), rank)
     }
     fn bool_ones(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::bool_ones(shape, &device.inner, dtype), rank)
     }
@@ -32,6 +35,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         I::bool_into_data(tensor.into_inner_for("bool_into_data"))
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::bool_from_data(data, &device.inner), rank)
     }
@@ -50,6 +54,7 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         CollectiveDevice::new(tensor.device(|p| I::bool_device(p)), rank)
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::bool_to_device(tensor.meta(), device);
         let node = rule.record("bool_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));

@@ -13,18 +13,21 @@ use burn_std::Slice;
 use core::ops::Range;
 
 use crate::backend::forward::{self, Eager};
-use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
+use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};
 
 impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::float_from_data(data, &device.inner), rank)
     }
     fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::random(I::float_random(shape, distribution, &device.inner, dtype), rank)
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::float_zeros(&shape, device, &dtype);
         let node = rule.record("float_zeros", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -32,6 +35,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::float_zeros(shape, &device, dtype))
     }
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::float_ones(&shape, device, &dtype);
         let node = rule.record("float_ones", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -39,6 +43,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::float_ones(shape, &device, dtype))
     }
     fn float_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::float_full(&shape, &fill_value, device, &dtype);
         let node = rule.record("float_full", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -53,6 +58,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         CollectiveDevice::new(tensor.device(|p| I::float_device(p)), rank)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::float_to_device(tensor.meta(), device);
         let node = rule.record("float_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));
@@ -65,6 +71,7 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.int::<I>(rank, I::float_into_int(tensor.into_inner_for("float_into_int"), out_dtype))
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::float_empty(shape, &device.inner, dtype), rank)
     }

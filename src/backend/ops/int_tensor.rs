@@ -13,10 +13,11 @@ use burn_std::Slice;
 use core::ops::Range;
 
 use crate::backend::forward::{self, Eager};
-use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
+use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};
 
 impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_empty(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::int_empty(shape, &device.inner, dtype), rank)
     }
@@ -24,6 +25,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         I::int_into_data(tensor.into_inner_for("int_into_data"))
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::int_from_data(data, &device.inner), rank)
     }
@@ -32,6 +34,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         CollectiveDevice::new(tensor.device(|p| I::int_device(p)), rank)
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::int_to_device(tensor.meta(), device);
         let node = rule.record("int_to_device", std::sync::Arc::new(device.inner.clone()), rules::inputs([tensor.input()]));
@@ -322,6 +325,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         log.int::<I>(rank, I::int_neg(tensor.into_inner_for("int_neg")))
     }
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::int_zeros(&shape, device, &dtype);
         let node = rule.record("int_zeros", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -329,6 +333,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::int_zeros(shape, &device, dtype))
     }
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::int_ones(&shape, device, &dtype);
         let node = rule.record("int_ones", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -336,6 +341,7 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::int_ones(shape, &device, dtype))
     }
     fn int_full(shape: Shape, fill_value: Scalar, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         let rule = op_table::int_full(&shape, &fill_value, device, &dtype);
         let node = rule.record("int_full", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
@@ -484,14 +490,17 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         log.int::<I>(rank, I::int_flip(tensor.into_inner_for("int_flip"), axes))
     }
     fn int_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::random(I::int_random(shape, distribution, &device.inner, dtype), rank)
     }
     fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::int_arange_step(range, step, &device.inner, dtype), rank)
     }
     fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::int_arange(range, &device.inner, dtype), rank)
     }

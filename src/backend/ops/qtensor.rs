@@ -13,10 +13,11 @@ use burn_std::Slice;
 use core::ops::Range;
 
 use crate::backend::forward::{self, Eager};
-use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules};
+use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, settings};
 
 impl<I: Backend> QTensorOps<Self> for Collective<I> {
     fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::q_from_data(data, &device.inner), rank)
     }
@@ -47,6 +48,7 @@ impl<I: Backend> QTensorOps<Self> for Collective<I> {
         CollectiveDevice::new(tensor.device(|p| I::q_device(p)), rank)
     }
     fn q_to_device(tensor: QuantizedTensor<Self>, device: &Device<Self>) -> QuantizedTensor<Self> {
+        settings::inherit_settings::<I>(device);
         let rank = device.rank;
         CTensor::new(I::q_to_device(tensor.into_inner_for("q_to_device"), &device.inner), rank)
     }
