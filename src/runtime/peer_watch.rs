@@ -41,6 +41,10 @@ pub const HEARTBEAT: Duration = Duration::from_secs(10);
 /// The longest abort reason sent or accepted, in bytes (a longer one is cut).
 pub const MAX_REASON: usize = 1 << 16;
 
+/// The longest a write on a link (a heartbeat, news passed on, an abort) waits for a peer that
+/// stopped reading: an abort is written from a panicking thread, which must not hang on it.
+const WRITE_LIMIT: Duration = Duration::from_secs(2);
+
 /// How a rank departed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DepartureKind {
@@ -166,6 +170,7 @@ impl PeerWatch {
         let mut readers = Vec::with_capacity(links.len());
         for (r, s) in &links {
             s.set_read_timeout(None)?;
+            s.set_write_timeout(Some(WRITE_LIMIT))?;
             s.set_nonblocking(false)?;
             readers.push((*r, s.try_clone()?));
         }
