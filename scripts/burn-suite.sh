@@ -5,7 +5,7 @@
 # about 5 minutes of build on 2 cores); run it when the forwarding or the op rules change.
 #
 # Usage: scripts/burn-suite.sh BURN_CLONE [WORK_DIR] [--flex|--wgpu|--unfused|--dispatch|--cuda]
-#        [--f16] [--baseline] [--include-ignored]
+#        [--f16] [--baseline] [--autodiff-baseline] [--include-ignored]
 #   BURN_CLONE     a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
 #   WORK_DIR       where the harness is built (default: a new temporary folder)
 #   --flex         the inner backend is Burn's Flex CPU backend (`burn_flex::Flex`), with the
@@ -19,9 +19,15 @@
 #                  on), this crate built with its `cuda` feature: a machine with a GPU and cargo
 #   --f16          also run the suite's f16 float tests (`tensor_f16`: every float test with f16
 #                  as the default float type; with --flex or --cuda, the backends Burn runs it on),
-#                  and the same tests with bf16 (`tensor_bf16`, made here from `tensor_f16`)
+#                  the same tests with bf16 (`tensor_bf16`, made here from `tensor_f16`), and the
+#                  f16 autodiff suite (`autodiff_f16`, which Burn runs on GPUs only)
 #   --baseline     also run the tensor suite on the inner backend alone; then the exit status
 #                  is 0 when Collective fails exactly the tests the inner backend fails alone
+#   --autodiff-baseline  also run the autodiff suites on `Autodiff<B>` alone, built in
+#                  WORK_DIR/alone without this crate (under Burn's `distributed` feature, which
+#                  this crate turns on, `Autodiff<B>` of a backend without distributed ops is no
+#                  autodiff backend); compared as --baseline compares the tensor suites. A
+#                  second build of Burn: about 8 more minutes on 2 cores
 #   --include-ignored  run the tests Burn marks #[ignore] too
 #
 # What is adapted, and why: Burn's suite targets `burn::Dispatch`, whose device switches autodiff
@@ -38,6 +44,7 @@ BURN=$1
 shift
 WORK=""
 BASELINE=0
+AD_BASELINE=0
 INNER=burn_ndarray::NdArray
 QUANT=""
 IGNORED=()
@@ -53,6 +60,7 @@ F16=0
 for a in "$@"; do
     case $a in
         --baseline) BASELINE=1 ;;
+        --autodiff-baseline) AD_BASELINE=1 ;;
         --flex)
             INNER=burn_flex::Flex
             FLEX_DEP='burn-flex = { version = "=0.21.0" }'
@@ -89,15 +97,18 @@ mkdir -p "$WORK"
 cd "$WORK"
 rm -rf src tests benches
 git -C "$BURN" archive v0.21.0 crates/burn-backend-tests | tar -x --strip-components=2
-rm -rf benches tests/autodiff_f16.rs tests/cubecl tests/cubecl.rs tests/fusion .cargo
+rm -rf benches tests/cubecl tests/cubecl.rs tests/fusion .cargo
 if [ "$F16" = 1 ]; then
     # The same float tests with bf16 as the default float type (Burn's own suite has no bf16
     # variant yet; against the inner backend alone, its failures are the backend's).
     sed -e 's/^pub type FloatElem = burn_tensor::f16;/pub type FloatElem = burn_tensor::bf16;/' \
         -e 's/^mod f16;/mod bf16;/' tests/tensor_f16.rs > tests/tensor_bf16.rs
     grep -q "FloatElem = burn_tensor::bf16" tests/tensor_bf16.rs
+    # Burn gates its f16 autodiff suite to GPU backends; Flex runs it here too.
+    sed -i 's/^    feature = "metal"$/    feature = "metal",\n    feature = "flex"/' tests/autodiff_f16.rs
+    grep -q 'feature = "flex"' tests/autodiff_f16.rs
 else
-    rm tests/tensor_f16.rs
+    rm tests/tensor_f16.rs tests/autodiff_f16.rs
 fi
 [ "$MEMORY" = 1 ] || rm tests/memory_cleaning.rs
 FUSION_DEP=""
@@ -195,7 +206,7 @@ EOF
 COLLECTIVE="collective_fusion::backend::Collective<$INNER>"
 backend_file "$COLLECTIVE" > tests/common/backend.rs
 backend_file "burn_autodiff::Autodiff<$COLLECTIVE>" > tests/common/backend_ad.rs
-sed -i 's#"common/backend.rs"#"common/backend_ad.rs"#' tests/autodiff.rs
+sed -i 's#"common/backend.rs"#"common/backend_ad.rs"#' tests/autodiff*.rs
 cat > tests/common/autodiff.rs <<'EOF'
 pub use super::*;
 
@@ -237,7 +248,23 @@ SUITES=(tensor)
 for t in "${SUITES[@]}"; do
     cargo test --test "$t" --no-fail-fast -- "${IGNORED[@]}" > "$t.log" 2>&1 || true
 done
-cargo test --test autodiff --no-fail-fast -- "${IGNORED[@]}" > autodiff.log 2>&1 || true
+AD_SUITES=(autodiff)
+[ "$F16" = 1 ] && AD_SUITES+=(autodiff_f16)
+for t in "${AD_SUITES[@]}"; do
+    cargo test --test "$t" --no-fail-fast -- "${IGNORED[@]}" > "$t.log" 2>&1 || true
+done
+if [ "$AD_BASELINE" = 1 ]; then
+    # The same harness without this crate, so without Burn's `distributed` feature.
+    mkdir -p alone
+    rm -rf alone/src alone/tests
+    cp -r src tests Cargo.lock alone/
+    sed '/^collective-fusion = /d' Cargo.toml > alone/Cargo.toml
+    backend_file "burn_autodiff::Autodiff<$INNER>" > alone/tests/common/backend_ad.rs
+    for t in "${AD_SUITES[@]}"; do
+        (cd alone && cargo test --test "$t" --no-fail-fast -- "${IGNORED[@]}") \
+            > "baseline_$t.log" 2>&1 || true
+    done
+fi
 if [ "$MEMORY" = 1 ]; then
     # The test file and its suite need the `cube` and `fusion` cfgs, which this build alone turns on.
     cargo test --test memory_cleaning --features cube,fusion --no-fail-fast -- "${IGNORED[@]}" \
@@ -252,24 +279,29 @@ if [ "$BASELINE" = 1 ]; then
 fi
 echo "Burn 0.21.0 backend suite, in $WORK:"
 status=0
-for t in "${SUITES[@]}"; do
-    summary "$t.log" "$t suite, Collective<$INNER>"
-    if [ "$BASELINE" = 1 ]; then
-        # Pass when Collective fails exactly the tests the inner backend fails alone.
-        summary "baseline_$t.log" "$t suite, $INNER alone"
+# Reports suite $1 run on $2; with a baseline log ($3 = 1), passes when the suite fails
+# exactly the tests the inner backend fails alone.
+report() {
+    local t=$1 on=$2 baseline=$3 alone=$4
+    summary "$t.log" "$t suite, $on"
+    if [ "$baseline" = 1 ]; then
+        summary "baseline_$t.log" "$t suite, $alone alone"
         only=$(comm -23 <(failures "$t.log") <(failures "baseline_$t.log"))
         fixed=$(comm -13 <(failures "$t.log") <(failures "baseline_$t.log"))
         echo "$t tests failing under Collective only: $(echo -n "$only" | grep -c . || true)"
         [ -z "$only" ] || { echo "$only"; status=1; }
-        [ -z "$fixed" ] || echo "$t tests failing on $INNER alone only: $fixed"
+        [ -z "$fixed" ] || echo "$t tests failing on $alone alone only: $fixed"
     else
         failures "$t.log"
         [ -z "$(failures "$t.log")" ] || status=1
     fi
+}
+for t in "${SUITES[@]}"; do
+    report "$t" "Collective<$INNER>" "$BASELINE" "$INNER"
 done
-summary autodiff.log "autodiff suite, Autodiff<Collective<$INNER>>"
-failures autodiff.log
-[ -z "$(failures autodiff.log)" ] || status=1
+for t in "${AD_SUITES[@]}"; do
+    report "$t" "Autodiff<Collective<$INNER>>" "$AD_BASELINE" "Autodiff<$INNER>"
+done
 if [ "$MEMORY" = 1 ]; then
     summary memory.log "fusion memory test, Collective<$INNER>"
     failures memory.log
