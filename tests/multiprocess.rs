@@ -235,17 +235,17 @@ fn ranks_that_finish_together_are_no_departure() {
     }
 }
 
-/// Set in the rank processes [`a_rank_process_whose_thread_panics_fails_the_others_at_once`]
-/// starts: run as a rank of its group.
+/// Set in the rank processes a panicking-group test starts: run as a rank of its group, and
+/// panic if this rank is the one the variable names.
 const PANIC_GROUP: &str = "CF_TEST_PANIC_GROUP";
 
-/// The message rank 1's training loop panics with.
-const RANK_ONE_PANICS: &str = "rank 1's training loop hit a bug";
+/// The message the panicking rank's training loop panics with.
+const PANICS: &str = "this rank's training loop hit a bug";
 
 /// A rank of a TCP group written as a user would (`Autodiff<Collective<NdArray>>`, Burn's
-/// `Linear`, SGD; the launcher's environment), whose rank 1 panics in its third step, after
-/// the forward pass, while the others wait for its gradients (their timeout is 60 s).
-fn rank_of_a_group_where_rank_one_panics() {
+/// `Linear`, SGD; the launcher's environment), whose rank `victim` panics in its third step,
+/// after the forward pass, while the others wait for its gradients (their timeout is 60 s).
+fn rank_of_a_group_where_one_panics(victim: usize) {
     use burn_autodiff::Autodiff;
     use burn_backend::Backend;
     use burn_backend::distributed::{DistributedConfig, ReduceOperation};
@@ -285,39 +285,34 @@ fn rank_of_a_group_where_rank_one_panics() {
     for step in 0..4 {
         let (x, y) = synthetic_batch::<B>(step, (rank * 2, rank * 2 + 2), 8, 4, &device);
         let loss = MseLoss::new().forward(net.forward(x), y, Reduction::Mean);
-        assert!(!(rank == 1 && step == 2), "{RANK_ONE_PANICS}");
+        assert!(!(rank == victim && step == 2), "{PANICS}");
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         net = sgd.step(0.1, net, grads);
         eprintln!("rank {rank}: step {step} done");
     }
 }
 
-/// A rank process whose training thread panics (a bug in the user's code on one rank): the
-/// others, in their own processes, fail within seconds rather than at their 60 s timeout,
-/// naming rank 1, where it panicked and the panic's message. The aborting rank tells them over
-/// the peer watch (the rendezvous connections) before its data connections shut.
-#[test]
-fn a_rank_process_whose_thread_panics_fails_the_others_at_once() {
-    if std::env::var_os(PANIC_GROUP).is_some() {
-        rank_of_a_group_where_rank_one_panics();
+/// Runs test `name` of this binary as the three ranks of a TCP group whose rank `victim`
+/// panics mid-step (a bug in the user's code on one rank), and checks that the others, in
+/// their own processes, fail within seconds rather than at their 60 s timeout, naming the
+/// rank, where it panicked and the panic's message. (The aborting rank tells them over the
+/// peer watch, the rendezvous connections, before its data connections shut.)
+fn the_others_name_a_panicking_rank(name: &str, victim: usize) {
+    if let Some(v) = std::env::var_os(PANIC_GROUP) {
+        rank_of_a_group_where_one_panics(v.to_str().and_then(|v| v.parse().ok()).unwrap());
         return;
     }
     let exe = std::env::current_exe().expect("this test binary");
     let exe = exe.to_str().expect("a UTF-8 path");
     let port = free_port().to_string();
-    let args: Vec<String> = [
-        "--exact",
-        "a_rank_process_whose_thread_panics_fails_the_others_at_once",
-        "--nocapture",
-        "--test-threads=1",
-    ]
-    .map(String::from)
-    .to_vec();
+    let args: Vec<String> = ["--exact", name, "--nocapture", "--test-threads=1"]
+        .map(String::from)
+        .to_vec();
     let t0 = Instant::now();
     let children: Vec<_> = (0..3)
         .map(|r| {
             rank_process(exe, &args, r, 3, &port)
-                .env(PANIC_GROUP, "1")
+                .env(PANIC_GROUP, victim.to_string())
                 .spawn()
                 .unwrap()
         })
@@ -329,14 +324,19 @@ fn a_rank_process_whose_thread_panics_fails_the_others_at_once() {
         .collect();
     let took = t0.elapsed();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).into_owned();
-    assert!(err(1).contains(RANK_ONE_PANICS), "rank 1:\n{}", err(1));
-    for r in [0, 2] {
+    assert!(
+        err(victim).contains(PANICS),
+        "rank {victim}:\n{}",
+        err(victim)
+    );
+    for r in (0..3).filter(|r| *r != victim) {
         assert!(!outs[r].status.success(), "rank {r} failed:\n{}", err(r));
+        let named = format!(
+            "rank {victim} aborted the group: its thread panicked at tests/multiprocess.rs:"
+        );
         assert!(
-            err(r).contains(
-                "rank 1 aborted the group: its thread panicked at tests/multiprocess.rs:"
-            ) && err(r).contains(RANK_ONE_PANICS),
-            "rank {r} names rank 1's panic:\n{}",
+            err(r).contains(&named) && err(r).contains(PANICS),
+            "rank {r} names rank {victim}'s panic:\n{}",
             err(r)
         );
     }
@@ -344,4 +344,19 @@ fn a_rank_process_whose_thread_panics_fails_the_others_at_once() {
         took < Duration::from_secs(30),
         "the group took {took:?} to fail (the timeout is 60 s)"
     );
+}
+
+/// A peer's panic: rank 0 hears it over the watch, rank 2 from rank 0.
+#[test]
+fn a_rank_process_whose_thread_panics_fails_the_others_at_once() {
+    the_others_name_a_panicking_rank(
+        "a_rank_process_whose_thread_panics_fails_the_others_at_once",
+        1,
+    );
+}
+
+/// The panic of rank 0, the TCP star's centre: every peer hears it from rank 0 itself.
+#[test]
+fn rank_zero_whose_thread_panics_fails_the_others_at_once() {
+    the_others_name_a_panicking_rank("rank_zero_whose_thread_panics_fails_the_others_at_once", 0);
 }
