@@ -1,12 +1,14 @@
 //! Fine-tuning as users write it: a layer frozen (`Param::set_require_grad(false)`) for the
 //! first steps and then trained, so the steps' gradient lists change mid-run, on two ranks of
-//! an f32 and of an f64 inner backend. The ranks end as one rank on the concatenated batch, the
-//! frozen layer is left alone while frozen, and both lists get a plan their steps follow.
+//! an f32 and of an f64 NdArray, and of Flex (Burn 0.21's other CPU backend). The ranks end as
+//! one rank on the concatenated batch, the frozen layer is left alone while frozen, and both
+//! lists get a plan their steps follow.
 
 mod common;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, ReduceOperation};
+use burn_flex::{Flex, FlexDevice};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
@@ -16,9 +18,7 @@ use collective_fusion::backend::{
 };
 use collective_fusion::train::{module_weights, synthetic_batch};
 
-type Dev = CollectiveDevice<NdArrayDevice>;
-
-/// Sessions are per backend type, and both tests' backends are NdArray: one test at a time.
+/// Sessions are per backend type, and two tests' backends are NdArray: one test at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const STEPS: usize = 8;
@@ -27,12 +27,13 @@ const FROZEN_UNTIL: usize = 4;
 const ROWS: usize = 3;
 const WIDTH: usize = 8;
 
-/// The test for float element `$e`: `$name`.
+/// The test on inner backend `$inner`, its ranks on `$device`: `$name`.
 macro_rules! fine_tuning_test {
-    ($name:ident, $e:ty) => {
+    ($name:ident, $inner:ty, $device:expr) => {
         #[test]
         fn $name() {
-            type I = NdArray<$e>;
+            type I = $inner;
+            type Dev = CollectiveDevice<<I as burn_backend::BackendTypes>::Device>;
             type B = Autodiff<Collective<I>>;
             type Net = Vec<Linear<B>>;
             fn init(d: &Dev) -> Net {
@@ -59,9 +60,9 @@ macro_rules! fine_tuning_test {
                         net = mark_distributed::<B, Net>(net).expect("marking the model");
                     }
                     let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
-                    let out = net.iter().fold(x, |h, l| {
-                        burn_core::tensor::activation::relu(l.forward(h))
-                    });
+                    let out = net
+                        .iter()
+                        .fold(x, |h, l| burn_core::tensor::activation::relu(l.forward(h)));
                     let loss = MseLoss::new().forward(out, y, Reduction::Mean);
                     let grads = GradientsParams::from_grads(loss.backward(), &net);
                     net = sgd.step(0.1, net, grads);
@@ -72,7 +73,7 @@ macro_rules! fine_tuning_test {
                 [frozen_end, module_weights::<B, Net>(&net)]
             }
             let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-            let devices: Vec<Dev> = (0..2).map(|r| CollectiveDevice::new(NdArrayDevice::Cpu, r)).collect();
+            let devices: Vec<Dev> = (0..2).map(|r| CollectiveDevice::new($device, r)).collect();
             let options = CollectiveOptions {
                 timeout: std::time::Duration::from_secs(60),
                 ..CollectiveOptions::default()
@@ -88,23 +89,34 @@ macro_rules! fine_tuning_test {
             // Two lists, each compiled once; every step after each list's first follows a plan.
             assert_eq!((st.compiled, st.flushed_steps), (2, 2), "{st:?}");
             assert_eq!(st.eager_steps + st.held_steps, STEPS as u64 - 2, "{st:?}");
-            let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+            let d = CollectiveDevice::new($device, 0);
             let one = train(init(&d), (0, 2 * ROWS), &d, false);
             let initial = module_weights::<B, Net>(&init(&d));
             common::ranks::assert_ends_as_one_rank(&ranks[0][1], &one[1], &initial, 1e-4, 1e-3);
             // While frozen, the middle layer (weights after the first layer's) kept its values.
             let first = WIDTH * WIDTH + WIDTH;
             let middle = first..2 * first;
-            assert_eq!(ranks[0][0][middle.clone()], initial[middle], "the frozen layer moved");
+            assert_eq!(
+                ranks[0][0][middle.clone()],
+                initial[middle],
+                "the frozen layer moved"
+            );
         }
     };
 }
 
 fine_tuning_test!(
     a_layer_frozen_then_trained_on_f32_ranks_ends_as_one_rank,
-    f32
+    NdArray<f32>,
+    NdArrayDevice::Cpu
 );
 fine_tuning_test!(
     a_layer_frozen_then_trained_on_f64_ranks_ends_as_one_rank,
-    f64
+    NdArray<f64>,
+    NdArrayDevice::Cpu
+);
+fine_tuning_test!(
+    a_layer_frozen_then_trained_on_flex_ranks_ends_as_one_rank,
+    Flex,
+    FlexDevice
 );
