@@ -4,8 +4,8 @@
 //! `get_device_settings`) in a registry keyed by the device's type and id. A user of
 //! `Collective<I>` sets them on the `CollectiveDevice`; the inner backend, which sees only its
 //! own device, reads its own entry wherever Burn's default op bodies pick a dtype the caller
-//! did not give: the float dtype a quantized op dequantizes to, the int dtype of an argmax, the
-//! bool dtype of a comparison, the dtypes inside attention and CTC. Without this, a program that
+//! did not give: the float dtype a quantized op dequantizes to, the int dtype of `topk`'s and
+//! `max_dim`'s indices, the bool dtype of a clamp's mask, the dtypes inside attention and CTC. Without this, a program that
 //! sets f16 on its device would get f32 from those ops under `Collective` and f16 without it
 //! (Burn's own f16 suite, `quant_scheme_should_inhibit_by_default`, found it).
 //!
@@ -13,7 +13,7 @@
 //! its device, before any op on it): the first time a thread meets a device it initialises the
 //! inner device's entry with the rank's settings. Burn lets an entry be set once; an inner
 //! device whose entry is already set (the same device under another rank, or the inner backend
-//! used on its own first) keeps it, and a difference is logged once.
+//! used on its own first) keeps it, and a difference is logged (once per thread).
 
 use std::any::TypeId;
 use std::cell::RefCell;
