@@ -92,6 +92,8 @@ if [ "$F16" = 1 ] && [ "$SUITE_FEATURE" = ndarray ]; then
     exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/suite-report.sh
+. "$ROOT/scripts/suite-report.sh"
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
 cd "$WORK"
@@ -241,8 +243,6 @@ EOF
 grep -rl "TestBackend::default_quant_scheme" tests | xargs -r sed -i -E \
     's/TestBackend::default_quant_scheme\(([^)]*)\)/crate::default_quant_scheme(\1)/g'
 
-summary() { grep -E "^test result" "$1" | tail -1 | sed "s/^/$2: /"; }
-failures() { { grep -E "^test .* FAILED$" "$1" || true; } | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | sort; }
 SUITES=(tensor)
 [ "$F16" = 1 ] && SUITES+=(tensor_f16 tensor_bf16)
 for t in "${SUITES[@]}"; do
@@ -278,33 +278,16 @@ if [ "$BASELINE" = 1 ]; then
     backend_file "$COLLECTIVE" > tests/common/backend.rs
 fi
 echo "Burn 0.21.0 backend suite, in $WORK:"
-status=0
-# Reports suite $1 run on $2; with a baseline log ($3 = 1), passes when the suite fails
-# exactly the tests the inner backend fails alone.
-report() {
-    local t=$1 on=$2 baseline=$3 alone=$4
-    summary "$t.log" "$t suite, $on"
-    if [ "$baseline" = 1 ]; then
-        summary "baseline_$t.log" "$t suite, $alone alone"
-        only=$(comm -23 <(failures "$t.log") <(failures "baseline_$t.log"))
-        fixed=$(comm -13 <(failures "$t.log") <(failures "baseline_$t.log"))
-        echo "$t tests failing under Collective only: $(echo -n "$only" | grep -c . || true)"
-        [ -z "$only" ] || { echo "$only"; status=1; }
-        [ -z "$fixed" ] || echo "$t tests failing on $alone alone only: $fixed"
-    else
-        failures "$t.log"
-        [ -z "$(failures "$t.log")" ] || status=1
-    fi
-}
+STATUS=0
 for t in "${SUITES[@]}"; do
-    report "$t" "Collective<$INNER>" "$BASELINE" "$INNER"
+    report_suite "$t" "$BASELINE" "Collective<$INNER>" "$INNER"
 done
 for t in "${AD_SUITES[@]}"; do
-    report "$t" "Autodiff<Collective<$INNER>>" "$AD_BASELINE" "Autodiff<$INNER>"
+    report_suite "$t" "$AD_BASELINE" "Autodiff<Collective<$INNER>>" "Autodiff<$INNER>"
 done
 if [ "$MEMORY" = 1 ]; then
     summary memory.log "fusion memory test, Collective<$INNER>"
     failures memory.log
-    [ -z "$(failures memory.log)" ] && grep -q "^test result: ok" memory.log || status=1
+    [ -z "$(failures memory.log)" ] && grep -q "^test result: ok" memory.log || STATUS=1
 fi
-exit $status
+exit $STATUS

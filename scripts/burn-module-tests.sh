@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Runs the unit tests of Burn 0.21.0's modules and optimizers (`crates/burn-nn`: layers, losses,
+# attention, recurrent cells, quantized modules; `crates/burn-optim`: SGD, Adam, AdamW, Muon, ...,
+# gradient clipping, learning-rate schedulers, optimizer records) with their test backend made
+# `Collective<B>`, and their autodiff test backend `Autodiff<Collective<B>>`: Burn's module code
+# as its users run it, checked by tests nobody here wrote. Not part of CI (it needs Burn's
+# source and about 8 minutes of build on 2 cores; twice that with --baseline).
+#
+# Usage: scripts/burn-module-tests.sh BURN_CLONE [WORK_DIR] [--wgpu] [--baseline]
+#   BURN_CLONE  a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
+#   WORK_DIR    where the crates are built (default: a new temporary folder)
+#   --wgpu      B is Burn's default wgpu backend (`burn_wgpu::Wgpu`, fusion on), as Burn's
+#               `test-wgpu` feature makes it; without it B is Flex, Burn's default test backend
+#   --baseline  also run the same tests as Burn runs them (B alone, in WORK_DIR/alone, a build
+#               without this crate); the exit status is then 0 when the tests fail exactly as
+#               they fail on B alone
+#
+# What is adapted: each crate's `TestBackend` (and with it `TestAutodiffBackend`); the test
+# modules that name Flex themselves (CTC, RNN-T losses, Muon) get `Collective<Flex>` and a rank-0
+# device; burn-optim is built with its `distributed` feature, as this crate builds it; the
+# manifests name versions instead of Burn's workspace. A test added to burn-nn checks that the
+# test backend is `Collective` and that its ops are recorded.
+set -euo pipefail
+
+usage() { sed -n '9,17p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+BURN=$1
+shift
+WORK=""
+BASELINE=0
+INNER=burn_flex::Flex
+WGPU=0
+for a in "$@"; do
+    case $a in
+        --baseline) BASELINE=1 ;;
+        --wgpu) INNER=burn_wgpu::Wgpu; WGPU=1 ;;
+        -*) usage ;;
+        *) WORK=$a ;;
+    esac
+done
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/suite-report.sh
+. "$ROOT/scripts/suite-report.sh"
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK"
+cd "$WORK"
+
+# Writes the workspace in the current folder; $1 is this crate's dependency line (empty for the
+# baseline), $2 burn-optim's default features.
+workspace() {
+    rm -rf burn-nn burn-optim
+    git -C "$BURN" archive v0.21.0 crates/burn-nn crates/burn-optim | tar -x --strip-components=1
+    cp "$ROOT/Cargo.lock" .
+    cat > Cargo.toml <<'EOF'
+[workspace]
+members = ["burn-nn", "burn-optim"]
+resolver = "3"
+
+[profile.dev]
+debug = false
+[profile.dev.package."*"]
+opt-level = 1
+EOF
+    # The features Burn's test cfgs name; `test-wgpu` picks wgpu as Burn's own manifests do.
+    local features='doc = []
+tracing = []
+test-tch = []
+test-wgpu = ["dep:burn-wgpu"]
+test-cuda = []
+test-rocm = []
+test-vulkan = []
+test-metal = []
+test-memory-checks = []'
+    local dev="[dev-dependencies]
+burn-flex = \"=0.21.0\"
+burn-autodiff = \"=0.21.0\"
+rstest = \"0.26.1\"
+$1"
+    local wgpu='burn-wgpu = { version = "=0.21.0", optional = true, default-features = false, features = ["std", "fusion"] }'
+    cat > burn-nn/Cargo.toml <<EOF
+[package]
+name = "burn-nn"
+version = "0.21.0"
+edition = "2024"
+publish = false
+
+[features]
+default = ["std"]
+std = ["burn-core/std", "num-traits/std"]
+$features
+
+[dependencies]
+burn-core = "=0.21.0"
+num-traits = { version = "0.2.19", default-features = false, features = ["libm"] }
+$wgpu
+
+$dev
+EOF
+    cat > burn-optim/Cargo.toml <<EOF
+[package]
+name = "burn-optim"
+version = "0.21.0"
+edition = "2024"
+publish = false
+
+[features]
+default = [$2]
+std = ["burn-core/std", "num-traits/std", "serde/std", "log"]
+distributed = ["std", "burn-core/distributed"]
+collective = []
+$features
+
+[dependencies]
+burn-core = "=0.21.0"
+num-traits = { version = "0.2.19", default-features = false, features = ["libm"] }
+derive-new = { version = "0.7.0", default-features = false }
+log = { version = "0.4.29", default-features = false, optional = true }
+serde = { version = "1.0.228", default-features = false, features = ["derive", "alloc"] }
+hashbrown = { version = "0.16", features = ["serde"] }
+$wgpu
+
+$dev
+burn-nn = "=0.21.0"
+EOF
+}
+
+# Runs both crates' tests into $1 (from the current folder).
+run_tests() {
+    local args=(--workspace --no-fail-fast)
+    [ "$WGPU" = 0 ] || args+=(--features test-wgpu)
+    cargo test "${args[@]}" > "$1" 2>&1 || true
+}
+
+workspace 'collective-fusion = { path = "'"$ROOT"'", default-features = false }' '"std", "distributed"'
+COLLECTIVE="collective_fusion::backend::Collective<$INNER>"
+# Burn's test backend, whichever feature picked it.
+sed -i -E "s/^pub type (TestBackend|B) = $INNER;/pub type \\1 = $COLLECTIVE;/" \
+    burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs
+[ "$(grep -c "= $COLLECTIVE;" burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs | grep -c ':1$')" = 3 ]
+# Test modules that name Flex and its device themselves.
+grep -rl 'use burn_flex::{Flex, FlexDevice};' burn-nn/src burn-optim/src | xargs -r sed -i -E \
+    's/^( *)use burn_flex::\{Flex, FlexDevice\};/\1type Flex = collective_fusion::backend::Collective<burn_flex::Flex>;\n\1type FlexDevice = collective_fusion::backend::CollectiveDevice<burn_flex::FlexDevice>;\n\1#[allow(non_upper_case_globals)]\n\1const FlexDevice: FlexDevice = collective_fusion::backend::CollectiveDevice { inner: burn_flex::FlexDevice, rank: 0 };/'
+sed -i -E 's/^( *)type TestBackend = burn_flex::Flex;/\1type TestBackend = collective_fusion::backend::Collective<burn_flex::Flex>;/' \
+    burn-optim/src/optim/muon.rs
+# (Left: the crate-wide test backends that another feature picks, and what was put in above.)
+if grep -rn 'burn_flex::\(Flex\|FlexDevice\)\b' burn-nn burn-optim \
+    | grep -v ':pub type \(TestBackend\|B\) = burn_flex::Flex;$' \
+    | grep -v 'Collective<burn_flex::Flex>\|inner: burn_flex::FlexDevice\|CollectiveDevice<burn_flex::FlexDevice>'; then
+    echo "a test still names Flex directly (above): adapt the script" >&2
+    exit 1
+fi
+cat >> burn-nn/src/lib.rs <<'EOF'
+
+#[cfg(test)]
+mod collective_check {
+    /// The suite runs on `Collective`, which records what it is given.
+    #[test]
+    fn test_backends_are_collective_and_record() {
+        assert!(core::any::type_name::<super::TestAutodiffBackend>().contains("Collective<"));
+        let device: burn_core::tensor::Device<super::TestBackend> = Default::default();
+        let before = collective_fusion::backend::lazy_stats(device.rank);
+        let t = burn_core::tensor::Tensor::<super::TestBackend, 1>::from_floats([1.0, 2.0], &device);
+        assert_eq!((t.clone() + t).into_data().to_vec::<f32>().unwrap(), vec![2.0, 4.0]);
+        let stats = collective_fusion::backend::lazy_stats(device.rank).since(&before);
+        assert!(stats.recorded >= 1, "{stats:?}");
+    }
+}
+EOF
+run_tests modules.log
+
+if [ "$BASELINE" = 1 ]; then
+    mkdir -p alone
+    (cd alone && workspace '' '"std"' && run_tests ../baseline_modules.log)
+fi
+
+echo "Burn 0.21.0 module and optimizer tests, in $WORK:"
+STATUS=0
+report_suite modules "$BASELINE" "Collective<$INNER>" "$INNER"
+exit $STATUS
