@@ -22,7 +22,7 @@
 # test backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
-usage() { sed -n '9,17p' "$0" >&2; exit 2; }
+usage() { sed -n '9,16p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -76,13 +76,10 @@ burn-flex = \"=0.21.0\"
 burn-autodiff = \"=0.21.0\"
 rstest = \"0.26.1\"
 $1"
+    package() { printf '[package]\nname = "%s"\nversion = "0.21.0"\nedition = "2024"\npublish = false\n' "$1"; }
     local wgpu='burn-wgpu = { version = "=0.21.0", optional = true, default-features = false, features = ["std", "fusion"] }'
     cat > burn-nn/Cargo.toml <<EOF
-[package]
-name = "burn-nn"
-version = "0.21.0"
-edition = "2024"
-publish = false
+$(package burn-nn)
 
 [features]
 default = ["std"]
@@ -97,11 +94,7 @@ $wgpu
 $dev
 EOF
     cat > burn-optim/Cargo.toml <<EOF
-[package]
-name = "burn-optim"
-version = "0.21.0"
-edition = "2024"
-publish = false
+$(package burn-optim)
 
 [features]
 default = [$2]
