@@ -154,7 +154,11 @@ fn equals_one_rank<I: Backend, C: CheckpointStrategy>(inner: I::Device, optim: O
     let all = (0, WORLD as usize * ROWS);
     let reference = train::<A<I, C>>(init::<A<I, C>>(&d), all, &d, false, optim);
     let initial = module_weights::<A<I, C>, Net<A<I, C>>>(&init::<A<I, C>>(&d));
-    common::ranks::assert_ends_as_one_rank(&ranks[0], &reference, &initial, 1e-5, 1e-2);
+    // 1e-4: the per-weight gap is rounding that grows over the steps, and how much depends on
+    // the CPU (ndarray's matmul picks its kernel by the CPU's vector units): up to 1.9e-5 on
+    // an AMD EPYC with AVX2 and FMA, under 1e-5 on the machines before. In all, the gaps sum to
+    // 2e-5 to 4e-5 of how far training moved the weights (the last check of the call).
+    common::ranks::assert_ends_as_one_rank(&ranks[0], &reference, &initial, 1e-4, 1e-2);
     stats
 }
 

@@ -40,8 +40,10 @@ pub fn forked_per_rank<B: Backend, M: Module<B> + Send, T: Send>(
 
 /// Asserts that every weight of `ranks` (one rank's weights after data-parallel training) is
 /// within `rel` of `one_rank`'s (relative, floored at 1e-2: two half-batch means averaged
-/// against one mean differ by rounding), and that training moved the weights from `initial` by
-/// more than `min_moved` in all.
+/// against one mean differ by rounding), that training moved the weights from `initial` by
+/// more than `min_moved` in all, and that the gaps summed over all weights are under a
+/// thousandth of that movement: rounding leaves gaps of ~1e-5 of it, while a wrong average (a
+/// sum, one rank's gradient, a stale bucket) moves the weights by a share of the step itself.
 pub fn assert_ends_as_one_rank(
     ranks: &[f32],
     one_rank: &[f32],
@@ -50,7 +52,7 @@ pub fn assert_ends_as_one_rank(
     min_moved: f64,
 ) {
     assert_eq!(ranks.len(), one_rank.len(), "weights of different models");
-    let mut moved = 0.0f64;
+    let (mut moved, mut gaps) = (0.0f64, 0.0f64);
     for (i, ((a, b), w0)) in ranks.iter().zip(one_rank).zip(initial).enumerate() {
         let (a, b, w0) = (f64::from(*a), f64::from(*b), f64::from(*w0));
         assert!(
@@ -58,9 +60,14 @@ pub fn assert_ends_as_one_rank(
             "weight {i}: {a} data-parallel vs {b} on one rank"
         );
         moved += (b - w0).abs();
+        gaps += (a - b).abs();
     }
     assert!(
         moved > min_moved,
         "training did not move the weights: {moved}"
+    );
+    assert!(
+        gaps <= 1e-3 * moved,
+        "the weights differ from one rank's by {gaps} in all, against {moved} moved by training"
     );
 }
