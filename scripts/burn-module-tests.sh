@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs the unit tests of Burn 0.21.0's modules and optimizers (`crates/burn-nn`: layers, losses,
-# attention, recurrent cells, quantized modules; `crates/burn-optim`: SGD, Adam, AdamW, Muon, ...,
-# gradient clipping, learning-rate schedulers, optimizer records) with their test backend made
-# `Collective<B>`, and their autodiff test backend `Autodiff<Collective<B>>`: Burn's module code
-# as its users run it, checked by tests nobody here wrote. Not part of CI (it needs Burn's
-# source and about 8 minutes of build on 2 cores; twice that with --baseline).
+# Runs the unit tests of Burn 0.21.0's modules, optimizers and training crate (`crates/burn-nn`:
+# layers, losses, attention, recurrent cells, quantized modules; `crates/burn-optim`: SGD, Adam,
+# AdamW, Muon, ..., gradient clipping, learning-rate schedulers, optimizer records;
+# `crates/burn-train`: metrics, vision metrics, early stopping, checkpointing, summaries) with
+# their test backend made `Collective<B>`, and their autodiff test backend
+# `Autodiff<Collective<B>>`: Burn's module code as its users run it, checked by tests nobody here
+# wrote. Not part of CI (it needs Burn's source and about 10 minutes of build on 2 cores; twice
+# that with --baseline).
 #
 # Usage: scripts/burn-module-tests.sh BURN_CLONE [WORK_DIR] [--wgpu] [--baseline]
 #   BURN_CLONE  a git clone of tracel-ai/burn that has the tag v0.21.0 (only read)
@@ -16,10 +18,12 @@
 #               they fail on B alone
 #
 # What is adapted: each crate's `TestBackend` (and with it `TestAutodiffBackend`); the test
-# modules that name Flex themselves (CTC, RNN-T losses, Muon) get `Collective<Flex>` and a rank-0
-# device; burn-optim is built with its `distributed` feature, as this crate builds it; the
-# manifests name versions instead of Burn's workspace. A test added to burn-nn checks that the
-# test backend is `Collective` and that its ops are recorded.
+# modules that name Flex themselves (CTC, RNN-T losses, Muon, the FID/LPIPS/DISTS metrics) get
+# `Collective<Flex>` and a rank-0 device; burn-optim and burn-train are built with `distributed`
+# and `ddp`, as this crate builds them, burn-train with `vision` and without its terminal UI,
+# system metrics and reinforcement learning; burn-train's tests, which Burn runs on Flex only,
+# run on B (with --wgpu too); the manifests name versions instead of Burn's workspace. A test
+# added to burn-nn checks that the test backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
 usage() { sed -n '9,16p' "$0" >&2; exit 2; }
@@ -48,12 +52,13 @@ cd "$WORK"
 # Writes the workspace in the current folder; $1 is this crate's dependency line (empty for the
 # baseline), $2 burn-optim's default features.
 workspace() {
-    rm -rf burn-nn burn-optim
-    git -C "$BURN" archive v0.21.0 crates/burn-nn crates/burn-optim | tar -x --strip-components=1
+    rm -rf burn-nn burn-optim burn-train
+    git -C "$BURN" archive v0.21.0 crates/burn-nn crates/burn-optim crates/burn-train \
+        | tar -x --strip-components=1
     cp "$ROOT/Cargo.lock" .
     cat > Cargo.toml <<'EOF'
 [workspace]
-members = ["burn-nn", "burn-optim"]
+members = ["burn-nn", "burn-optim", "burn-train"]
 resolver = "3"
 
 [profile.dev]
@@ -115,6 +120,40 @@ $wgpu
 $dev
 burn-nn = "=0.21.0"
 EOF
+    cat > burn-train/Cargo.toml <<EOF
+$(package burn-train)
+
+[features]
+default = ["vision", $3]
+ddp = ["burn-optim/distributed", "burn-core/distributed"]
+vision = ["burn-nn", "burn-store/pytorch", "burn-std/network", "dirs"]
+sys-metrics = []
+tui = []
+rl = []
+$features
+
+[dependencies]
+burn-core = { version = "=0.21.0", features = ["dataset", "std"] }
+burn-optim = { version = "=0.21.0", features = ["std"] }
+burn-nn = { version = "=0.21.0", optional = true, features = ["std"] }
+burn-store = { version = "=0.21.0", optional = true, features = ["std"] }
+burn-std = { version = "=0.21.0", optional = true, features = ["std"] }
+burn-flex = "=0.21.0"
+dirs = { version = "6.0.0", optional = true }
+log = "0.4.29"
+tracing-subscriber = "0.3.23"
+tracing-appender = "0.2.3"
+tracing-core = "0.1.36"
+derive-new = { version = "0.7.0", default-features = false }
+serde = { version = "1.0.228", features = ["std", "derive"] }
+async-channel = "2.5"
+rstest = "0.26.1"
+thiserror = "2"
+rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
+$wgpu
+
+$dev
+EOF
 }
 
 # Runs both crates' tests into $1 (from the current folder).
@@ -124,8 +163,19 @@ run_tests() {
     cargo test "${args[@]}" > "$1" 2>&1 || true
 }
 
-workspace 'collective-fusion = { path = "'"$ROOT"'", default-features = false }' '"std", "distributed"'
+# burn-train's tests: Flex in Burn, B here (the crate-wide backend and the vision metrics' own).
+train_backend() {
+    sed -i -E "s/^pub\(crate\) type TestBackend = burn_flex::Flex;/pub(crate) type TestBackend = $1;/" \
+        burn-train/src/lib.rs
+    grep -q "^pub(crate) type TestBackend = $1;" burn-train/src/lib.rs
+    grep -rl '^ *use burn_flex::Flex;' burn-train/src/metric/vision | xargs -r sed -i -E \
+        -e '/^ *use burn_flex::Flex;/d' -e "s/^( *)type TestBackend = Flex;/\1type TestBackend = $1;/"
+}
+
+workspace 'collective-fusion = { path = "'"$ROOT"'", default-features = false }' \
+    '"std", "distributed"' '"ddp"'
 COLLECTIVE="collective_fusion::backend::Collective<$INNER>"
+train_backend "$COLLECTIVE"
 # Burn's test backend, whichever feature picked it.
 sed -i -E "s/^pub type (TestBackend|B) = $INNER;/pub type \\1 = $COLLECTIVE;/" \
     burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs
@@ -135,8 +185,11 @@ grep -rl 'use burn_flex::{Flex, FlexDevice};' burn-nn/src burn-optim/src | xargs
     's/^( *)use burn_flex::\{Flex, FlexDevice\};/\1type Flex = collective_fusion::backend::Collective<burn_flex::Flex>;\n\1type FlexDevice = collective_fusion::backend::CollectiveDevice<burn_flex::FlexDevice>;\n\1#[allow(non_upper_case_globals)]\n\1const FlexDevice: FlexDevice = collective_fusion::backend::CollectiveDevice { inner: burn_flex::FlexDevice, rank: 0 };/'
 sed -i -E 's/^( *)type TestBackend = burn_flex::Flex;/\1type TestBackend = collective_fusion::backend::Collective<burn_flex::Flex>;/' \
     burn-optim/src/optim/muon.rs
-# (Left: the crate-wide test backends that another feature picks, and what was put in above.)
-if grep -rn 'burn_flex::\(Flex\|FlexDevice\)\b' burn-nn burn-optim \
+# (Left: the crate-wide test backends that another feature picks, what was put in above, and
+# burn-train's own code, which converts metric inputs to Flex.)
+if { grep -rn 'burn_flex::\(Flex\|FlexDevice\)\b' burn-nn burn-optim burn-train
+    grep -rn 'type TestBackend = Flex;' burn-train; true; } \
+    | grep -v '^burn-train/src/learner/[a-z_/]*\.rs:[0-9]*:use burn_flex::Flex;$' \
     | grep -v ':pub type \(TestBackend\|B\) = burn_flex::Flex;$' \
     | grep -v 'Collective<burn_flex::Flex>\|inner: burn_flex::FlexDevice\|CollectiveDevice<burn_flex::FlexDevice>'; then
     echo "a test still names Flex directly (above): adapt the script" >&2
@@ -163,7 +216,7 @@ run_tests modules.log
 
 if [ "$BASELINE" = 1 ]; then
     mkdir -p alone
-    (cd alone && workspace '' '"std"' && run_tests ../baseline_modules.log)
+    (cd alone && workspace '' '"std"' '' && train_backend "$INNER" && run_tests ../baseline_modules.log)
 fi
 
 echo "Burn 0.21.0 module and optimizer tests, in $WORK:"
