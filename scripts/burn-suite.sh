@@ -38,7 +38,7 @@
 # Suites for other backends (CubeCL, fusion kernels, autodiff in f16) are left out.
 set -euo pipefail
 
-usage() { sed -n '7,19p' "$0" >&2; exit 2; }
+usage() { awk '/^# Usage:/ {p = 1} p && /^#$/ {exit} p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
