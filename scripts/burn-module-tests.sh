@@ -18,15 +18,16 @@
 #               they fail on B alone
 #
 # What is adapted: each crate's `TestBackend` (and with it `TestAutodiffBackend`); the test
-# modules that name Flex themselves (CTC, RNN-T losses, Muon, the FID/LPIPS/DISTS metrics) get
-# `Collective<Flex>` and a rank-0 device; burn-optim and burn-train are built with `distributed`
-# and `ddp`, as this crate builds them, burn-train with `vision` and without its terminal UI,
-# system metrics and reinforcement learning; burn-train's tests, which Burn runs on Flex only,
-# run on B (with --wgpu too); the manifests name versions instead of Burn's workspace. A test
-# added to burn-nn checks that the test backend is `Collective` and that its ops are recorded.
+# modules that name Flex themselves (CTC, RNN-T losses, Muon) get `Collective<Flex>` and a rank-0
+# device; burn-train's tests, which Burn runs on Flex only (its crate-wide backend and the
+# FID/LPIPS/DISTS modules' own), run on `Collective<B>`, with --wgpu too; burn-optim and
+# burn-train are built with `distributed` and `ddp`, as this crate builds them, burn-train with
+# `vision` and without its terminal UI, system metrics and reinforcement learning; the manifests
+# name versions instead of Burn's workspace. A test added to burn-nn checks that the test
+# backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
-usage() { sed -n '9,16p' "$0" >&2; exit 2; }
+usage() { awk '/^# Usage:/ {p = 1} p && /^#$/ {exit} p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -50,7 +51,7 @@ mkdir -p "$WORK"
 cd "$WORK"
 
 # Writes the workspace in the current folder; $1 is this crate's dependency line (empty for the
-# baseline), $2 burn-optim's default features.
+# baseline), $2 burn-optim's default features, $3 burn-train's beside `vision`.
 workspace() {
     rm -rf burn-nn burn-optim burn-train
     git -C "$BURN" archive v0.21.0 crates/burn-nn crates/burn-optim crates/burn-train \
@@ -219,7 +220,7 @@ if [ "$BASELINE" = 1 ]; then
     (cd alone && workspace '' '"std"' '' && train_backend "$INNER" && run_tests ../baseline_modules.log)
 fi
 
-echo "Burn 0.21.0 module and optimizer tests, in $WORK:"
+echo "Burn 0.21.0 module, optimizer and training tests, in $WORK:"
 STATUS=0
 report_suite modules "$BASELINE" "Collective<$INNER>" "$INNER"
 exit $STATUS
