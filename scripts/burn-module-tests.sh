@@ -27,7 +27,10 @@
 # backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
-usage() { awk '/^# Usage:/ {p = 1} p && /^#$/ {exit} p' "$0" >&2; exit 2; }
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/suite-report.sh
+. "$ROOT/scripts/suite-report.sh"
+usage() { print_usage "$0"; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -43,9 +46,6 @@ for a in "$@"; do
         *) WORK=$a ;;
     esac
 done
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-# shellcheck source=scripts/suite-report.sh
-. "$ROOT/scripts/suite-report.sh"
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
 cd "$WORK"

@@ -38,7 +38,10 @@
 # Suites for other backends (CubeCL, fusion kernels, autodiff in f16) are left out.
 set -euo pipefail
 
-usage() { awk '/^# Usage:/ {p = 1} p && /^#$/ {exit} p' "$0" >&2; exit 2; }
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/suite-report.sh
+. "$ROOT/scripts/suite-report.sh"
+usage() { print_usage "$0"; }
 [ $# -ge 1 ] || usage
 BURN=$1
 shift
@@ -91,9 +94,6 @@ if [ "$F16" = 1 ] && [ "$SUITE_FEATURE" = ndarray ]; then
     echo "--f16 needs --flex or --cuda (Burn runs its f16 suite on those)" >&2
     exit 2
 fi
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-# shellcheck source=scripts/suite-report.sh
-. "$ROOT/scripts/suite-report.sh"
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
 cd "$WORK"

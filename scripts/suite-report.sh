@@ -1,6 +1,9 @@
 # Reading the logs of `cargo test` runs of Burn's test suites, for scripts/burn-suite.sh and
 # scripts/burn-module-tests.sh (sourced, not run).
 
+# Prints script $1's `# Usage:` comment block (up to the next bare `#` line) and exits 2.
+print_usage() { awk '/^# Usage:/ {p = 1} p && /^#$/ {exit} p' "$1" >&2; exit 2; }
+
 # Prints "$2: test result: N passed; M failed; K ignored" summed over every test binary in log $1.
 summary() {
     grep -E "^test result" "$1" | awk -v label="$2" '
