@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the unit tests of Burn 0.21.0's modules, optimizers and training crate (`crates/burn-nn`:
+# Runs the unit tests of Burn 0.21.0's core, modules, optimizers and training crate
+# (`crates/burn-core`: parameters and their lazy initialization, module derive and mapping,
+# records and recorders, initializers, configs, data loaders; `crates/burn-nn`:
 # layers, losses, attention, recurrent cells, quantized modules; `crates/burn-optim`: SGD, Adam,
 # AdamW, Muon, ..., gradient clipping, learning-rate schedulers, optimizer records;
 # `crates/burn-train`: metrics, vision metrics, early stopping, checkpointing, summaries) with
@@ -19,11 +21,15 @@
 #
 # What is adapted: each crate's `TestBackend` (and with it `TestAutodiffBackend`); the test
 # modules that name Flex themselves (CTC, RNN-T losses, Muon) get `Collective<Flex>` and a rank-0
-# device; burn-train's tests, which Burn runs on Flex only (its crate-wide backend and the
-# FID/LPIPS/DISTS modules' own), run on `Collective<B>`, with --wgpu too; burn-optim and
-# burn-train are built with `distributed` and `ddp`, as this crate builds them, burn-train with
-# `vision` and without its terminal UI, system metrics and reinforcement learning; the manifests
-# name versions instead of Burn's workspace. A test added to burn-nn checks that the test
+# device; the tests Burn runs on Flex only (burn-core's `Param` and initializer tests and its
+# derive-module and record-resilience integration tests; burn-train's crate-wide backend and the
+# FID/LPIPS/DISTS modules' own) run on `Collective<B>`, with --wgpu too, and burn-core's data
+# loader and tensor serde tests take that backend's default device; burn-core is built with
+# `dataset` (so its data loader tests run), burn-optim and burn-train with `distributed` and
+# `ddp`, as this crate builds them, burn-train with `vision` and without its terminal UI,
+# system metrics and reinforcement learning; the manifests name versions instead of Burn's
+# workspace (burn-core's tests build Burn's burn-core from source beside the published one the
+# other crates use). A test added to burn-nn checks that the test
 # backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
@@ -53,13 +59,13 @@ cd "$WORK"
 # Writes the workspace in the current folder; $1 is this crate's dependency line (empty for the
 # baseline), $2 burn-optim's default features, $3 burn-train's beside `vision`.
 workspace() {
-    rm -rf burn-nn burn-optim burn-train
-    git -C "$BURN" archive v0.21.0 crates/burn-nn crates/burn-optim crates/burn-train \
+    rm -rf burn-core burn-nn burn-optim burn-train
+    git -C "$BURN" archive v0.21.0 crates/burn-core crates/burn-nn crates/burn-optim crates/burn-train \
         | tar -x --strip-components=1
     cp "$ROOT/Cargo.lock" .
     cat > Cargo.toml <<'EOF'
 [workspace]
-members = ["burn-nn", "burn-optim", "burn-train"]
+members = ["burn-core", "burn-nn", "burn-optim", "burn-train"]
 resolver = "3"
 
 [profile.dev]
@@ -84,6 +90,51 @@ rstest = \"0.26.1\"
 $1"
     package() { printf '[package]\nname = "%s"\nversion = "0.21.0"\nedition = "2024"\npublish = false\n' "$1"; }
     local wgpu='burn-wgpu = { version = "=0.21.0", optional = true, default-features = false, features = ["std", "fusion"] }'
+    # burn-core's own tests (the other crates use Burn's published burn-core), with `dataset`
+    # on so that its data loaders' tests run too.
+    cat > burn-core/Cargo.toml <<EOF
+$(package burn-core)
+
+[features]
+default = ["std", "dataset", "burn-std/default", "burn-dataset?/default", "burn-tensor/default"]
+dataset = ["burn-dataset"]
+network = ["burn-std/network"]
+std = ["bincode/std", "burn-std/std", "burn-tensor/std", "flate2", "half/std", "log", "rand/std",
+    "rmp-serde", "serde/std", "serde_json/std", "num-traits/std"]
+vision = []
+audio = []
+distributed = []
+record-item-custom-serde = ["thiserror"]
+$features
+
+[dependencies]
+burn-std = { version = "=0.21.0", default-features = false }
+burn-dataset = { version = "=0.21.0", optional = true }
+burn-derive = "=0.21.0"
+burn-tensor = { version = "=0.21.0", default-features = false }
+data-encoding = { version = "2.11.0", default-features = false, features = ["alloc"] }
+uuid = { version = "1.23.0", default-features = false }
+derive-new = { version = "0.7.0", default-features = false }
+log = { version = "0.4.29", default-features = false, optional = true }
+rand = { version = "0.10.1", default-features = false, features = ["std_rng"] }
+hashbrown = { version = "0.16", features = ["serde"] }
+flate2 = { version = "1.1.9", optional = true }
+serde = { version = "1.0.228", default-features = false, features = ["derive", "alloc"] }
+ahash = { version = "0.8.12", default-features = false }
+bincode = { version = "2.0.1", default-features = false, features = ["alloc", "serde"] }
+half = { version = "2.7.1", default-features = false, features = ["alloc", "num-traits", "serde"] }
+num-traits = { version = "0.2.19", default-features = false, features = ["libm"] }
+rmp-serde = { version = "1.3.1", default-features = false, optional = true }
+serde_json = { version = "1.0.148", default-features = false, features = ["alloc"] }
+spin = { version = "0.10.0", features = ["mutex", "spin_mutex", "portable-atomic"] }
+thiserror = { version = "2", default-features = false, optional = true }
+regex = { version = "1.12.3", default-features = false, features = ["perf", "unicode"] }
+$wgpu
+
+$dev
+burn-dataset = { version = "=0.21.0", features = ["default", "fake"] }
+serial_test = "3.2.0"
+EOF
     cat > burn-nn/Cargo.toml <<EOF
 $(package burn-nn)
 
@@ -164,8 +215,22 @@ run_tests() {
     cargo test "${args[@]}" > "$1" 2>&1 || true
 }
 
-# burn-train's tests: Flex in Burn, B here (the crate-wide backend and the vision metrics' own).
-train_backend() {
+# The tests that name Flex themselves (Flex in Burn, B here): burn-core's `Param` checks,
+# initializer tests and two integration tests, and burn-train's crate-wide backend and vision
+# metrics' own; burn-core's data loader and tensor serde tests take the default device of the
+# backend they run on instead of Flex's device.
+flex_tests_backend() {
+    sed -i -E -e "s/check::<burn_flex::Flex>\(\)/check::<$1>()/" \
+        -e "s/^( *)type B = burn_flex::Flex;/\1type B = $1;/" burn-core/src/module/param/base.rs
+    sed -i -E "s/^( *)pub type TB = burn_flex::Flex;/\1pub type TB = $1;/" \
+        burn-core/src/module/initializer.rs
+    sed -i -E "s/^pub type TestBackend = burn_flex::Flex;/pub type TestBackend = $1;/" \
+        burn-core/tests/test_derive_module.rs
+    sed -i -E -e '/^ *use burn_flex::FlexDevice;/d' -e 's/&FlexDevice\)/\&Default::default())/' \
+        -e "s/^( *)type TestBackend = burn_flex::Flex;/\1type TestBackend = $1;/" \
+        burn-core/tests/test_record_resilience.rs
+    sed -i -E 's/\(burn_flex::FlexDevice, burn_flex::FlexDevice\)/(Default::default(), Default::default())/' \
+        burn-core/src/data/dataloader/builder.rs burn-core/src/data/dataloader/split.rs
     sed -i -E "s/^pub\(crate\) type TestBackend = burn_flex::Flex;/pub(crate) type TestBackend = $1;/" \
         burn-train/src/lib.rs
     grep -q "^pub(crate) type TestBackend = $1;" burn-train/src/lib.rs
@@ -176,11 +241,14 @@ train_backend() {
 workspace 'collective-fusion = { path = "'"$ROOT"'", default-features = false }' \
     '"std", "distributed"' '"ddp"'
 COLLECTIVE="collective_fusion::backend::Collective<$INNER>"
-train_backend "$COLLECTIVE"
+flex_tests_backend "$COLLECTIVE"
 # Burn's test backend, whichever feature picked it.
-sed -i -E "s/^pub type (TestBackend|B) = $INNER;/pub type \\1 = $COLLECTIVE;/" \
-    burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs
-[ "$(grep -c "= $COLLECTIVE;" burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs | grep -c ':1$')" = 3 ]
+TEST_BACKENDS=(burn-core/src/lib.rs burn-nn/src/lib.rs burn-optim/src/lib.rs burn-nn/tests/quantize.rs)
+sed -i -E "s/^pub type (TestBackend|B) = $INNER;/pub type \\1 = $COLLECTIVE;/" "${TEST_BACKENDS[@]}"
+[ "$(grep -c "= $COLLECTIVE;" "${TEST_BACKENDS[@]}" | grep -c ':1$')" = 4 ]
+# burn-core's data loaders moved to two wgpu devices (with --wgpu): devices of Collective.
+sed -i -E 's/(burn_wgpu::WgpuDevice::DiscreteGpu\([01]\))/collective_fusion::backend::CollectiveDevice { inner: \1, rank: 0 }/' \
+    burn-core/src/data/dataloader/builder.rs burn-core/src/data/dataloader/split.rs
 # Test modules that name Flex and its device themselves.
 grep -rl 'use burn_flex::{Flex, FlexDevice};' burn-nn/src burn-optim/src | xargs -r sed -i -E \
     's/^( *)use burn_flex::\{Flex, FlexDevice\};/\1type Flex = collective_fusion::backend::Collective<burn_flex::Flex>;\n\1type FlexDevice = collective_fusion::backend::CollectiveDevice<burn_flex::FlexDevice>;\n\1#[allow(non_upper_case_globals)]\n\1const FlexDevice: FlexDevice = collective_fusion::backend::CollectiveDevice { inner: burn_flex::FlexDevice, rank: 0 };/'
@@ -188,7 +256,7 @@ sed -i -E 's/^( *)type TestBackend = burn_flex::Flex;/\1type TestBackend = colle
     burn-optim/src/optim/muon.rs
 # (Left: the crate-wide test backends that another feature picks, what was put in above, and
 # burn-train's own code, which converts metric inputs to Flex.)
-if { grep -rn 'burn_flex::\(Flex\|FlexDevice\)\b' burn-nn burn-optim burn-train
+if { grep -rn 'burn_flex::\(Flex\|FlexDevice\)\b' burn-core burn-nn burn-optim burn-train
     grep -rn 'type TestBackend = Flex;' burn-train; true; } \
     | grep -v '^burn-train/src/learner/[a-z_/]*\.rs:[0-9]*:use burn_flex::Flex;$' \
     | grep -v ':pub type \(TestBackend\|B\) = burn_flex::Flex;$' \
@@ -217,7 +285,7 @@ run_tests modules.log
 
 if [ "$BASELINE" = 1 ]; then
     mkdir -p alone
-    (cd alone && workspace '' '"std"' '' && train_backend "$INNER" && run_tests ../baseline_modules.log)
+    (cd alone && workspace '' '"std"' '' && flex_tests_backend "$INNER" && run_tests ../baseline_modules.log)
 fi
 
 echo "Burn 0.21.0 module, optimizer and training tests, in $WORK:"

@@ -1541,3 +1541,17 @@ fn a_start_up_failure_is_an_error_naming_what_was_given() {
     Inner::try_start_communication_server(&[d(0), d(1)], config()).unwrap();
     Inner::close_communication_server(&d(0));
 }
+
+/// A device of `Collective` over a `Copy` device (NdArray's, Flex's) is `Copy` as well, so code
+/// written for the inner device that copies it out of a reference (as Burn's own data loader
+/// tests do, `*device`) compiles unchanged.
+#[test]
+fn a_device_over_a_copy_device_is_copied_out_of_a_reference() {
+    fn batch_device(device: &Dev) -> Dev {
+        *device
+    }
+    let d = device(3);
+    let copied = batch_device(&d);
+    assert_eq!((copied.inner, copied.rank), (NdArrayDevice::Cpu, 3));
+    assert_eq!(copied, d);
+}

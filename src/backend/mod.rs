@@ -68,7 +68,7 @@ pub struct Collective<I> {
 }
 
 /// A device of `Collective<I>`: the inner backend's device and this rank.
-#[derive(Clone, Default, PartialEq, Eq, Debug, Hash)]
+#[derive(Clone, Copy, Default, PartialEq, Eq, Debug, Hash)]
 pub struct CollectiveDevice<D> {
     /// The inner backend's device.
     pub inner: D,
