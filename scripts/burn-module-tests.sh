@@ -288,7 +288,7 @@ if [ "$BASELINE" = 1 ]; then
     (cd alone && workspace '' '"std"' '' && flex_tests_backend "$INNER" && run_tests ../baseline_modules.log)
 fi
 
-echo "Burn 0.21.0 module, optimizer and training tests, in $WORK:"
+echo "Burn 0.21.0 core, module, optimizer and training tests, in $WORK:"
 STATUS=0
 report_suite modules "$BASELINE" "Collective<$INNER>" "$INNER"
 exit $STATUS
