@@ -135,6 +135,10 @@ $dev
 burn-dataset = { version = "=0.21.0", features = ["default", "fake"] }
 serial_test = "3.2.0"
 EOF
+    # With --wgpu, burn-core's unit tests are left out (its integration tests run): its data
+    # loader tests copy a device out of a reference, which wgpu's device (not `Copy`) does not
+    # allow, so they do not compile with Burn's `test-wgpu` alone either.
+    [ "$WGPU" = 0 ] || printf '\n[lib]\ntest = false\n' >> burn-core/Cargo.toml
     cat > burn-nn/Cargo.toml <<EOF
 $(package burn-nn)
 
@@ -208,18 +212,11 @@ $dev
 EOF
 }
 
-# Runs the crates' tests into $1 (from the current folder). With --wgpu, burn-core's unit tests
-# are left out: its data loader tests copy a device out of a reference, which wgpu's device (not
-# `Copy`) does not allow, so they do not compile with Burn's `test-wgpu` alone either; its
-# integration tests run.
+# Runs the crates' tests into $1 (from the current folder).
 run_tests() {
-    if [ "$WGPU" = 0 ]; then
-        cargo test --workspace --no-fail-fast > "$1" 2>&1 || true
-    else
-        { cargo test --workspace --exclude burn-core --no-fail-fast --features test-wgpu
-          cargo test --manifest-path burn-core/Cargo.toml --test '*' --no-fail-fast --features test-wgpu
-        } > "$1" 2>&1 || true
-    fi
+    local args=(--workspace --no-fail-fast)
+    [ "$WGPU" = 0 ] || args+=(--features test-wgpu)
+    cargo test "${args[@]}" > "$1" 2>&1 || true
 }
 
 # The tests that name Flex themselves (Flex in Burn, B here): burn-core's `Param` checks,
