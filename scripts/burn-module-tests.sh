@@ -25,12 +25,12 @@
 # derive-module and record-resilience integration tests; burn-train's crate-wide backend and the
 # FID/LPIPS/DISTS modules' own) run on `Collective<B>`, with --wgpu too, and burn-core's data
 # loader and tensor serde tests take that backend's default device; burn-core is built with
-# `dataset` (so its data loader tests run), burn-optim and burn-train with `distributed` and
-# `ddp`, as this crate builds them, burn-train with `vision` and without its terminal UI,
-# system metrics and reinforcement learning; the manifests name versions instead of Burn's
-# workspace (burn-core's tests build Burn's burn-core from source beside the published one the
-# other crates use). A test added to burn-nn checks that the test
-# backend is `Collective` and that its ops are recorded.
+# `dataset` (so its data loader tests run; with --wgpu its unit tests are left out, see below),
+# burn-optim and burn-train with `distributed` and `ddp`, as this crate builds them, burn-train
+# with `vision` and without its terminal UI, system metrics and reinforcement learning; the
+# manifests name versions instead of Burn's workspace (burn-core's tests build Burn's burn-core
+# from source beside the published one the other crates use). A test added to burn-nn checks
+# that the test backend is `Collective` and that its ops are recorded.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
