@@ -35,6 +35,7 @@ use std::thread::ThreadId;
 use burn_std::{DType, Shape};
 use smallvec::SmallVec;
 
+use crate::backend::rules::copy_shape;
 use crate::graph::ComputeKind;
 
 /// Ranks whose recorder sits in a fixed table; a higher rank's is in a map ([`recorder`]).
@@ -97,7 +98,7 @@ pub struct LazyStats {
     pub forced_by_bound: u64,
 }
 
-trait Pending: Send + Sync {
+pub(crate) trait Pending: Send + Sync {
     fn run(&self) -> bool;
 }
 
@@ -160,6 +161,8 @@ struct Queue {
     log: VecDeque<LogEntry>,
     /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]).
     ran: VecDeque<u64>,
+    /// The rank's counters (under the queue's lock: a run takes one lock to note what ran).
+    stats: LazyStats,
 }
 
 /// What a rank recorded and ran since the last [`take_log`].
@@ -232,7 +235,6 @@ impl Queue {
 pub(crate) struct Recorder {
     next: AtomicU64,
     queue: Mutex<Queue>,
-    stats: Mutex<LazyStats>,
 }
 
 /// The calling thread's id, read once per thread (`thread::current()` costs a reference count
@@ -259,8 +261,8 @@ impl Recorder {
                 per_thread: hashbrown::HashMap::new(),
                 log: VecDeque::new(),
                 ran: VecDeque::new(),
+                stats: LazyStats::default(),
             }),
-            stats: Mutex::new(LazyStats::default()),
         }
     }
 
@@ -296,7 +298,7 @@ impl Recorder {
 
     /// Runs `nodes` in turn (a node nobody holds is skipped), and counts them for `why`.
     fn run_nodes(&self, nodes: Vec<Queued>, why: ForceReason) {
-        let mut ran = Vec::new();
+        let mut ran = Vec::with_capacity(nodes.len());
         let mut skipped = 0;
         for p in nodes {
             match p.node.upgrade() {
@@ -357,75 +359,70 @@ impl Recorder {
         if ran.is_empty() && skipped == 0 {
             return;
         }
+        let mut q = lock(&self.queue);
         let executed = ran.len() as u64;
-        {
-            let mut q = lock(&self.queue);
-            for s in ran {
-                if q.ran.len() == MAX_LOG {
-                    q.ran.pop_front();
-                }
-                q.ran.push_back(s);
+        for s in ran {
+            if q.ran.len() == MAX_LOG {
+                q.ran.pop_front();
             }
+            q.ran.push_back(s);
         }
-        let ran = executed;
-        let mut st = lock(&self.stats);
-        st.executed += ran;
+        let st = &mut q.stats;
+        st.executed += executed;
         st.skipped += skipped;
-        {
-            match why {
-                ForceReason::Value(what) => {
-                    st.forced_by_value += 1;
-                    *st.forced_by.entry(what).or_default() += 1;
-                }
-                ForceReason::Metadata => st.forced_by_metadata += 1,
-                ForceReason::Sync => st.forced_by_sync += 1,
-                ForceReason::Bound => st.forced_by_bound += 1,
+        match why {
+            ForceReason::Value(what) => {
+                st.forced_by_value += 1;
+                *st.forced_by.entry(what).or_default() += 1;
             }
+            ForceReason::Metadata => st.forced_by_metadata += 1,
+            ForceReason::Sync => st.forced_by_sync += 1,
+            ForceReason::Bound => st.forced_by_bound += 1,
         }
     }
 
     /// Numbers, builds and logs a node in `state`, and queues it when that state is pending.
     /// The node is built under the queue's lock, so no thread can take it off the queue
-    /// half-made, and numbers are queued in order.
-    fn push<P: Send + 'static>(&self, rec: Record, state: State<P>) -> Arc<Node<P>> {
-        let pending = matches!(state, State::Pending(_));
-        let me = this_thread();
+    /// half-made, and numbers are queued in order. The node, its closure and later its value
+    /// share one allocation; what does not depend on the closure's type is [`Self::enqueue`].
+    fn push<P, F>(&self, rec: Record, state: Stage<P, F>) -> Arc<DynNode<P>>
+    where
+        P: Clone + Send + 'static,
+        F: FnOnce() -> P + Send + 'static,
+    {
+        let pending = matches!(state, Stage::Pending(_));
+        let Record {
+            op,
+            kind,
+            device,
+            shape,
+            dtype,
+            inputs,
+            flops,
+            drawn: _,
+        } = rec;
         let (node, seq, own) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
             let node = Arc::new(Node {
                 seq,
-                op: rec.op,
-                device: rec.device,
-                shape: rec.shape.clone(),
-                dtype: rec.dtype,
+                op,
+                device,
+                shape: shape.as_ref().map(copy_shape),
+                dtype,
                 state: Mutex::new(state),
             });
-            let own = if pending {
-                let weak: Weak<dyn Pending> = Arc::downgrade(&node) as Weak<dyn Pending>;
-                q.pending.push_back(Queued {
-                    seq,
-                    thread: me,
-                    node: weak,
-                });
-                let own = q.per_thread.entry(me).or_default();
-                *own += 1;
-                *own
-            } else {
-                0
-            };
-            if q.log.len() == MAX_LOG {
-                q.log.pop_front();
-            }
-            q.log.push_back(LogEntry {
+            let weak = pending.then(|| Arc::downgrade(&node) as Weak<dyn Pending>);
+            let entry = LogEntry {
                 seq,
-                op: rec.op,
-                kind: rec.kind,
-                inputs: rec.inputs,
-                shape: rec.shape,
-                dtype: rec.dtype,
-                flops: rec.flops,
-            });
+                op,
+                kind,
+                inputs,
+                shape,
+                dtype,
+                flops,
+            };
+            let own = Self::enqueue(&mut q, entry, weak);
             (node, seq, own)
         };
         let window = lazy_window();
@@ -433,6 +430,31 @@ impl Recorder {
             self.run_until(seq - (window as u64) / 2, ForceReason::Bound);
         }
         node
+    }
+
+    /// Queues the node of `entry` (when `node` is given: it is pending) and logs it; the
+    /// calling thread's queued nodes on this rank after it (0 when not queued).
+    fn enqueue(q: &mut Queue, entry: LogEntry, node: Option<Weak<dyn Pending>>) -> usize {
+        let seq = entry.seq;
+        let own = match node {
+            Some(node) => {
+                let me = this_thread();
+                q.pending.push_back(Queued {
+                    seq,
+                    thread: me,
+                    node,
+                });
+                let own = q.per_thread.entry(me).or_default();
+                *own += 1;
+                *own
+            }
+            None => 0,
+        };
+        if q.log.len() == MAX_LOG {
+            q.log.pop_front();
+        }
+        q.log.push_back(entry);
+        own
     }
 }
 
@@ -475,7 +497,7 @@ pub(crate) fn force_queued(rank: u32, why: &'static str) {
 /// The lazy recorder's counters of `rank` so far.
 pub fn lazy_stats(rank: u32) -> LazyStats {
     let r = recorder(rank);
-    let mut st = lock(&r.stats).clone();
+    let mut st = lock(&r.queue).stats.clone();
     st.recorded = r.next.load(Ordering::Relaxed);
     st
 }
@@ -506,12 +528,89 @@ impl LazyStats {
 mod tensor;
 
 pub use tensor::CTensor;
-use tensor::State;
-pub(crate) use tensor::{AnyDevice, Input, Node};
+use tensor::Stage;
+pub(crate) use tensor::{AnyDevice, Input};
+use tensor::{DynNode, Node};
 
 #[cfg(test)]
 mod tests {
-    use super::recorder;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn_backend::TensorMetadata;
+    use burn_std::{DType, Shape};
+    use smallvec::SmallVec;
+
+    use super::{CTensor, Record, recorder};
+    use crate::graph::ComputeKind;
+
+    /// A tensor primitive that counts its clones.
+    #[derive(Debug)]
+    struct Buf(Vec<f32>, Arc<AtomicUsize>);
+
+    impl Clone for Buf {
+        fn clone(&self) -> Self {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            Buf(self.0.clone(), Arc::clone(&self.1))
+        }
+    }
+
+    impl TensorMetadata for Buf {
+        fn dtype(&self) -> DType {
+            DType::F32
+        }
+        fn shape(&self) -> Shape {
+            Shape::new([self.0.len()])
+        }
+    }
+
+    fn record(op: &'static str, inputs: &[Option<u64>]) -> Record {
+        Record {
+            op,
+            kind: ComputeKind::Elementwise,
+            device: Arc::new(()),
+            shape: Some(Shape::new([4])),
+            dtype: Some(DType::F32),
+            inputs: inputs.iter().flatten().copied().collect::<SmallVec<_>>(),
+            flops: 4,
+            drawn: false,
+        }
+    }
+
+    /// An op that consumes the last handle of a computed node gets its value moved out, not a
+    /// clone (the inner backend then holds its buffer alone and can work in place); a handle
+    /// that is not the last gets a clone.
+    #[test]
+    fn the_last_handle_of_a_computed_node_moves_its_value_out() {
+        const RANK: u32 = 4093;
+        let clones = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&clones);
+        let a = CTensor::lazy(RANK, record("fill", &[]), move || {
+            Buf(vec![1.0; 4], counter)
+        });
+        let b = CTensor::lazy(RANK, record("double", &[a.seq()]), move || {
+            let mut v = a.into_inner();
+            v.0.iter_mut().for_each(|x| *x *= 2.0);
+            v
+        });
+        let kept = b.clone();
+        let out = b.into_inner();
+        assert_eq!(out.0, vec![2.0; 4]);
+        assert_eq!(
+            clones.load(Ordering::Relaxed),
+            1,
+            "only the shared handle clones"
+        );
+        let last = kept.into_inner();
+        assert_eq!(last.0, vec![2.0; 4]);
+        assert_eq!(
+            clones.load(Ordering::Relaxed),
+            1,
+            "the last handle's value was cloned"
+        );
+        let st = super::lazy_stats(RANK);
+        assert_eq!((st.recorded, st.executed, st.skipped), (2, 2, 0));
+    }
 
     #[test]
     fn every_rank_has_a_recorder_of_its_own() {

@@ -195,10 +195,19 @@ pub(crate) struct Inputs {
 pub(crate) fn inputs(inputs: impl IntoIterator<Item = Input>) -> Inputs {
     let mut out = Inputs::default();
     for i in inputs {
-        out.seqs.extend(i.seq);
+        // A push, not `extend`: `SmallVec::extend` costs several times as much per op.
+        if let Some(seq) = i.seq {
+            out.seqs.push(seq);
+        }
         out.drawn |= i.drawn;
     }
     out
+}
+
+/// A copy of `s`: the dimensions copied as one block (`Shape::clone` goes element by element
+/// through `SmallVec`'s generic `extend`; this runs on every recorded op).
+pub(crate) fn copy_shape(s: &Shape) -> Shape {
+    Shape::new_raw(smallvec::SmallVec::from_slice(s))
 }
 
 /// Elements of a shape (0 when unknown).

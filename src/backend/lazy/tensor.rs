@@ -9,60 +9,112 @@ use burn_backend::{QTensorPrimitive, TensorMetadata};
 use burn_std::{DType, Shape};
 
 use super::{ForceReason, Pending, Record, lock, recorder};
-use crate::backend::rules::Meta;
+use crate::backend::rules::{Meta, copy_shape};
 
-pub(super) type Thunk<P> = Box<dyn FnOnce() -> P + Send>;
-
-pub(super) enum State<P> {
-    Pending(Thunk<P>),
+/// Where a node's op stands: its closure until it runs, then its value.
+pub(super) enum Stage<P, F> {
+    Pending(F),
+    /// Taken off to run (or its value moved out); still so after a run that panicked.
     Running,
     Done(P),
+}
+
+/// The closure type of a node recorded with its value already computed (never called).
+pub(super) type Computed<P> = fn() -> P;
+
+/// A node's stage, whatever its closure's type: what [`Node`] holds behind the `Arc`, so the
+/// node, its closure and later its value live in one allocation.
+pub(crate) trait Slot<P>: Pending {
+    /// Whether the op is still to run.
+    fn is_pending(&self) -> bool;
+    /// Whether the value is computed.
+    fn is_done(&self) -> bool;
+    /// A clone of the value, if computed.
+    fn cloned(&self) -> Option<P>;
+    /// The value moved out, if computed (the handle that asks holds the only reference).
+    fn take(&mut self) -> Option<P>;
+}
+
+impl<P: Send, F: FnOnce() -> P + Send> Pending for Mutex<Stage<P, F>> {
+    fn run(&self) -> bool {
+        let mut st = lock(self);
+        if !matches!(*st, Stage::Pending(_)) {
+            return false;
+        }
+        let Stage::Pending(f) = std::mem::replace(&mut *st, Stage::Running) else {
+            unreachable!("checked above")
+        };
+        // The lock is held while the op runs: another thread that needs this value waits.
+        *st = Stage::Done(f());
+        true
+    }
+}
+
+impl<P: Clone + Send, F: FnOnce() -> P + Send> Slot<P> for Mutex<Stage<P, F>> {
+    fn is_pending(&self) -> bool {
+        matches!(*lock(self), Stage::Pending(_))
+    }
+    fn is_done(&self) -> bool {
+        matches!(*lock(self), Stage::Done(_))
+    }
+    fn cloned(&self) -> Option<P> {
+        match &*lock(self) {
+            Stage::Done(p) => Some(p.clone()),
+            _ => None,
+        }
+    }
+    fn take(&mut self) -> Option<P> {
+        let st = self.get_mut().unwrap_or_else(|e| e.into_inner());
+        match std::mem::replace(st, Stage::Running) {
+            Stage::Done(p) => Some(p),
+            other => {
+                *st = other;
+                None
+            }
+        }
+    }
 }
 
 /// The inner backend's device of a node, type-erased (`CTensor` does not name the backend).
 pub(crate) type AnyDevice = Arc<dyn Any + Send + Sync>;
 
-/// A recorded op.
-pub(crate) struct Node<P> {
+/// A recorded op: what the recorder knows of it, and its stage (`S`: a `Mutex<Stage<P, F>>` when
+/// built, a `dyn Slot<P>` behind a tensor's `Arc`).
+pub(crate) struct Node<S: ?Sized> {
     pub(super) seq: u64,
     pub(super) op: &'static str,
     pub(super) device: AnyDevice,
     pub(super) shape: Option<Shape>,
     pub(super) dtype: Option<DType>,
-    pub(super) state: Mutex<State<P>>,
+    pub(super) state: S,
 }
 
-impl<P: Send + 'static> Pending for Node<P> {
+/// A recorded op computing a `P`, as tensors hold it.
+pub(crate) type DynNode<P> = Node<dyn Slot<P>>;
+
+impl<S: Pending + ?Sized> Pending for Node<S> {
     fn run(&self) -> bool {
-        let mut st = lock(&self.state);
-        if !matches!(*st, State::Pending(_)) {
-            return false;
-        }
-        let State::Pending(f) = std::mem::replace(&mut *st, State::Running) else {
-            unreachable!("checked above")
-        };
-        // The lock is held while the op runs: another thread that needs this value waits.
-        *st = State::Done(f());
-        true
+        self.state.run()
     }
 }
 
-impl<P: Clone> Node<P> {
+impl<P> DynNode<P> {
     fn value(&self) -> P {
-        match &*lock(&self.state) {
-            State::Done(p) => p.clone(),
-            State::Running => panic!(
+        self.state.cloned().unwrap_or_else(|| {
+            if self.state.is_pending() {
+                unreachable!("node {} was forced", self.seq)
+            }
+            panic!(
                 "lazy tensor: the op {} (node {}) panicked while it ran; its value does not exist",
                 self.op, self.seq
-            ),
-            State::Pending(_) => unreachable!("node {} was forced", self.seq),
-        }
+            )
+        })
     }
 }
 
 enum Repr<P> {
     Ready(P),
-    Lazy(Arc<Node<P>>),
+    Lazy(Arc<DynNode<P>>),
 }
 
 /// A tensor of `Collective<I>`: the inner backend's tensor, or a recorded op that will compute
@@ -166,7 +218,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     fn force(&self, why: ForceReason) {
         if let Repr::Lazy(n) = &self.repr {
-            if matches!(*lock(&n.state), State::Done(_)) {
+            if n.state.is_done() {
                 return;
             }
             recorder(self.rank).run_until(n.seq, why);
@@ -184,7 +236,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
             return self.inner_for(why);
         }
         if let Repr::Lazy(n) = &self.repr {
-            if !matches!(*lock(&n.state), State::Done(_)) {
+            if !n.state.is_done() {
                 recorder(self.rank).run_producers(n.seq, max_bytes, ForceReason::Value(why));
                 n.run();
             }
@@ -199,19 +251,21 @@ impl<P: Clone + Send + 'static> CTensor<P> {
     }
 
     /// [`Self::into_inner`], counting `why` as what forced the queue.
-    pub fn into_inner_for(self, why: &'static str) -> P {
+    pub fn into_inner_for(mut self, why: &'static str) -> P {
+        // The last handle of a computed node (off the queue: nothing else reaches it) takes the
+        // value without a lock.
+        if let Repr::Lazy(n) = &mut self.repr
+            && let Some(p) = Arc::get_mut(n).and_then(|node| node.state.take())
+        {
+            return p;
+        }
         self.force(ForceReason::Value(why));
         match self.repr {
             Repr::Ready(p) => p,
-            Repr::Lazy(n) => match Arc::try_unwrap(n) {
-                Ok(node) => match node.state.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                    State::Done(p) => p,
-                    _ => panic!(
-                        "lazy tensor: the op {} (node {}) panicked while it ran; its value does not exist",
-                        node.op, node.seq
-                    ),
-                },
-                Err(n) => n.value(),
+            // The last handle, with the node off the queue, moves the value out.
+            Repr::Lazy(mut n) => match Arc::get_mut(&mut n).and_then(|node| node.state.take()) {
+                Some(p) => p,
+                None => n.value(),
             },
         }
     }
@@ -264,7 +318,7 @@ impl<P: Clone + Send + 'static> CTensor<P> {
     pub fn is_pending(&self) -> bool {
         match &self.repr {
             Repr::Ready(_) => false,
-            Repr::Lazy(n) => matches!(*lock(&n.state), State::Pending(_)),
+            Repr::Lazy(n) => n.state.is_pending(),
         }
     }
 }
@@ -279,7 +333,7 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
             rec.flops = rec.shape.as_ref().map_or(0, |s| s.num_elements() as u64);
         }
         let drawn = rec.drawn;
-        let node = recorder(rank).push(rec, State::Done(p));
+        let node = recorder(rank).push(rec, Stage::<P, Computed<P>>::Done(p));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
@@ -291,9 +345,10 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
     /// computed tensor against the shape and dtype the record claimed (its rule in
     /// `op_table.rs`), so a wrong rule fails where it is, not as a wrong graph later.
     pub(crate) fn lazy(rank: u32, rec: Record, f: impl FnOnce() -> P + Send + 'static) -> Self {
-        let thunk: Thunk<P> = if cfg!(debug_assertions) {
+        #[cfg(debug_assertions)]
+        let f = {
             let (op, shape, dtype) = (rec.op, rec.shape.clone(), rec.dtype);
-            Box::new(move || {
+            move || {
                 let p = f();
                 if let Some(s) = &shape {
                     assert_eq!(&p.shape(), s, "record rule of {op}: shape");
@@ -302,12 +357,10 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
                     assert_eq!(p.dtype(), d, "record rule of {op}: dtype");
                 }
                 p
-            })
-        } else {
-            Box::new(f)
+            }
         };
         let drawn = rec.drawn;
-        let node = recorder(rank).push(rec, State::Pending(thunk));
+        let node = recorder(rank).push(rec, Stage::Pending(f));
         CTensor {
             repr: Repr::Lazy(node),
             rank,
@@ -327,7 +380,7 @@ impl<P: TensorMetadata + Clone + Send + 'static> CTensor<P> {
     pub(crate) fn shape_hint(&self) -> Option<Shape> {
         match &self.repr {
             Repr::Ready(p) => Some(p.shape()),
-            Repr::Lazy(n) => n.shape.clone(),
+            Repr::Lazy(n) => n.shape.as_ref().map(copy_shape),
         }
     }
 
