@@ -47,7 +47,7 @@ impl Rule {
 
     /// An elementwise op whose result is shaped and typed like `m`.
     pub fn like(m: &Meta) -> Rule {
-        Rule::elementwise(m.shape.clone(), m.dtype)
+        Rule::elementwise(m.shape.as_ref().map(copy_shape), m.dtype)
     }
 
     /// A reduction of `input` to this result: one flop per input element.
@@ -96,7 +96,12 @@ impl Rule {
 
 /// Broadcast of two shapes.
 pub fn broadcast(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
-    a?.broadcast(&b?).ok()
+    let (a, b) = (a?, b?);
+    // The common case, operands of one shape, without building a new one.
+    if a == b {
+        return Some(a);
+    }
+    a.broadcast(&b).ok()
 }
 
 /// Three-way broadcast (`mask_where`).
