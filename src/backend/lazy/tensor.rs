@@ -117,6 +117,12 @@ enum Repr<P> {
     Lazy(Arc<DynNode<P>>),
 }
 
+/// The value of a computed node, moved out without a lock, when `n` is its last handle and the
+/// node is off the queue (nothing else can reach it); `None` otherwise (the caller clones).
+fn take_last<P>(n: &mut Arc<DynNode<P>>) -> Option<P> {
+    Arc::get_mut(n).and_then(|node| node.state.take())
+}
+
 /// A tensor of `Collective<I>`: the inner backend's tensor, or a recorded op that will compute
 /// it, and the rank it lives on.
 pub struct CTensor<P> {
@@ -252,21 +258,16 @@ impl<P: Clone + Send + 'static> CTensor<P> {
 
     /// [`Self::into_inner`], counting `why` as what forced the queue.
     pub fn into_inner_for(mut self, why: &'static str) -> P {
-        // The last handle of a computed node (off the queue: nothing else reaches it) takes the
-        // value without a lock.
+        // A node computed already needs neither the queue nor its lock.
         if let Repr::Lazy(n) = &mut self.repr
-            && let Some(p) = Arc::get_mut(n).and_then(|node| node.state.take())
+            && let Some(p) = take_last(n)
         {
             return p;
         }
         self.force(ForceReason::Value(why));
         match self.repr {
             Repr::Ready(p) => p,
-            // The last handle, with the node off the queue, moves the value out.
-            Repr::Lazy(mut n) => match Arc::get_mut(&mut n).and_then(|node| node.state.take()) {
-                Some(p) => p,
-                None => n.value(),
-            },
+            Repr::Lazy(mut n) => take_last(&mut n).unwrap_or_else(|| n.value()),
         }
     }
 
