@@ -476,9 +476,13 @@ pub(crate) fn recorder(rank: u32) -> &'static Recorder {
 /// most the last 65,536 of each).
 pub(crate) fn take_log(rank: u32) -> StepLog {
     let mut q = lock(&recorder(rank).queue);
+    // The buffers change hands (a deque that wrapped around is straightened in place): the
+    // entries are not moved one by one under the lock, and the next step's log starts at the
+    // size this one reached.
+    let (logged, ran) = (q.log.len(), q.ran.len());
     StepLog {
-        entries: q.log.drain(..).collect(),
-        ran: q.ran.drain(..).collect(),
+        entries: std::mem::replace(&mut q.log, VecDeque::with_capacity(logged)).into(),
+        ran: std::mem::replace(&mut q.ran, VecDeque::with_capacity(ran)).into(),
     }
 }
 
