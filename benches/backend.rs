@@ -6,7 +6,11 @@
 //! - `mlp_forward/…`: a 784 → 1024 → 1024 → 10 MLP forward pass on a batch of 64;
 //! - `mlp_forward_wgpu/…`: the same on Burn's default wgpu backend (`burn_wgpu::Wgpu`, its
 //!   fusion layer on; Mesa's software Vulkan on a machine without a GPU) against
-//!   `Collective<Wgpu>` over it; skipped without a wgpu adapter.
+//!   `Collective<Wgpu>` over it; skipped without a wgpu adapter;
+//! - `mark/…`: marking a 16-layer MLP's 32 parameters for gradient sync before a step, under
+//!   `Autodiff<Collective<NdArray>>` with a one-rank server running: Burn's own marking alone
+//!   (`set_distributed` on each parameter, what a data-parallel step asks of any backend)
+//!   against [`mark_distributed`] (the same, plus stable names and the replication check).
 //!
 //! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
 //! a group.
@@ -16,11 +20,17 @@ mod common;
 use std::hint::black_box;
 use std::time::Duration;
 
+use burn_autodiff::Autodiff;
 use burn_backend::Backend;
+use burn_backend::distributed::{
+    DistributedBackend, DistributedConfig, DistributedParamId, ReduceOperation,
+};
+use burn_core::module::{Module, ModuleMapper, Param};
+use burn_core::tensor::backend::AutodiffBackend;
 use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::{Linear, LinearConfig};
-use collective_fusion::backend::{Collective, CollectiveDevice};
+use collective_fusion::backend::{Collective, CollectiveDevice, mark_distributed};
 use criterion::{Criterion, criterion_group, criterion_main};
 
 /// Two 1-element tensors.
@@ -84,6 +94,49 @@ fn mlp<B: Backend>(
     });
 }
 
+/// Burn's own marking: each float parameter set distributed under its id, nothing else.
+struct SetDistributed;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for SetDistributed {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// Marking a 16-layer MLP (32 parameters) before each step, Burn's way and ours.
+fn mark(c: &mut Criterion) {
+    type A = Autodiff<Collective<NdArray>>;
+    let cd = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+    Collective::<NdArray>::start_communication_server(
+        std::slice::from_ref(&cd),
+        DistributedConfig {
+            all_reduce_op: ReduceOperation::Mean,
+        },
+    );
+    let model: Vec<Linear<A>> = (0..16)
+        .map(|_| LinearConfig::new(16, 16).init(&cd))
+        .collect();
+    let mut held = Some(mark_distributed::<A, _>(model).expect("marking"));
+    let mut g = c.benchmark_group("mark");
+    g.measurement_time(Duration::from_secs(3));
+    g.bench_function("burn_set_distributed", |bench| {
+        bench.iter(|| {
+            let m = held.take().expect("the model").map(&mut SetDistributed);
+            held = Some(black_box(m));
+        })
+    });
+    g.bench_function("mark_distributed", |bench| {
+        bench.iter(|| {
+            let m = mark_distributed::<A, _>(held.take().expect("the model")).expect("marking");
+            held = Some(black_box(m));
+        })
+    });
+    g.finish();
+    Collective::<NdArray>::close_communication_server(&cd);
+}
+
 fn overhead(c: &mut Criterion) {
     let nd = NdArrayDevice::Cpu;
     let cd = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
@@ -115,5 +168,5 @@ fn overhead(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, overhead);
+criterion_group!(benches, overhead, mark);
 criterion_main!(benches);

@@ -1,6 +1,7 @@
 //! One data-parallel training step on one rank: what `Collective<B>` costs over `B` alone, for
 //! the models `run` trains (`train::overhead::overhead_models`: the launch-bound MLP, a deep
-//! and a compute-bound one, the convnet, the transformer-style blocks), the rows of a model run
+//! and a compute-bound one, the convnet, the transformer-style blocks, and on a CPU a tiny deep
+//! MLP whose step is bound by the host's work per op), the rows of a model run
 //! in turn (`train::overhead::StepTable`):
 //! - `Autodiff<B>`: Burn alone (not for NdArray, see below);
 //! - `Autodiff<Collective<B>>`: the lazy layer, the model not marked (nothing to sync);

@@ -284,14 +284,17 @@ impl std::fmt::Display for StepTable {
 
 /// The models the overhead tables measure, with the batch each runs: `(name, model, batch)`.
 /// `gpu` picks sizes for a GPU (the compute-bound MLP 4 layers of 4096 on batch 1024) over
-/// sizes a CPU runs in seconds (4 layers of 2048 on batch 256).
+/// sizes a CPU runs in seconds (4 layers of 2048 on batch 256). A CPU also gets a tiny deep MLP
+/// (16 layers of 16 on batch 8): its step of 180 ops is bound by the host's work per op, as a
+/// launch-bound step on a GPU is, so the host cost of the lazy layer and of the sync hooks
+/// shows in its rows instead of vanishing under the CPU's arithmetic.
 pub fn overhead_models(gpu: bool) -> Vec<(&'static str, RunModel, usize)> {
     let mlp = |hidden_layers, width| RunModel::Mlp {
         hidden_layers,
         width,
     };
     let (wide, wide_batch) = if gpu { (4096, 1024) } else { (2048, 256) };
-    vec![
+    let mut models = vec![
         ("mlp (launch-bound)", mlp(2, 1024), 64),
         ("deep mlp", mlp(16, 512), 256),
         ("wide mlp (compute-bound)", mlp(4, wide), wide_batch),
@@ -301,7 +304,11 @@ pub fn overhead_models(gpu: bool) -> Vec<(&'static str, RunModel, usize)> {
             RunModel::Blocks { blocks: 12 },
             64,
         ),
-    ]
+    ];
+    if !gpu {
+        models.push(("tiny mlp (host-bound)", mlp(16, 16), 8));
+    }
+    models
 }
 
 #[cfg(test)]
