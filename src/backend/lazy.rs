@@ -543,10 +543,10 @@ mod tests {
 
     use burn_backend::TensorMetadata;
     use burn_std::{DType, Shape};
-    use smallvec::SmallVec;
 
     use super::{CTensor, Record, recorder};
-    use crate::graph::ComputeKind;
+    use crate::backend::lazy::Input;
+    use crate::backend::rules::{Rule, inputs};
 
     /// A tensor primitive that counts its clones.
     #[derive(Debug)]
@@ -568,17 +568,13 @@ mod tests {
         }
     }
 
-    fn record(op: &'static str, inputs: &[Option<u64>]) -> Record {
-        Record {
+    /// The record of an elementwise op `op` on 4 f32 elements reading `read`.
+    fn record<const N: usize>(op: &'static str, read: [Input; N]) -> Record {
+        Rule::elementwise(Some(Shape::new([4])), Some(DType::F32)).record(
             op,
-            kind: ComputeKind::Elementwise,
-            device: Arc::new(()),
-            shape: Some(Shape::new([4])),
-            dtype: Some(DType::F32),
-            inputs: inputs.iter().flatten().copied().collect::<SmallVec<_>>(),
-            flops: 4,
-            drawn: false,
-        }
+            Arc::new(()),
+            inputs(read),
+        )
     }
 
     /// An op that consumes the last handle of a computed node gets its value moved out, not a
@@ -589,10 +585,8 @@ mod tests {
         const RANK: u32 = 4093;
         let clones = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&clones);
-        let a = CTensor::lazy(RANK, record("fill", &[]), move || {
-            Buf(vec![1.0; 4], counter)
-        });
-        let b = CTensor::lazy(RANK, record("double", &[a.seq()]), move || {
+        let a = CTensor::lazy(RANK, record("fill", []), move || Buf(vec![1.0; 4], counter));
+        let b = CTensor::lazy(RANK, record("double", [a.input()]), move || {
             let mut v = a.into_inner();
             v.0.iter_mut().for_each(|x| *x *= 2.0);
             v
