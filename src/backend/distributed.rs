@@ -453,6 +453,8 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         super::hook_times::submitted(rank, start.elapsed(), forced);
     }
 
+    // Out of line, so that a profile names the sync point (`scripts/step-instructions.sh`).
+    #[inline(never)]
     fn submit_sync_collective(device: &Self::Device) {
         let s = session::<I>("submit_sync_collective");
         works_for(&s, device.rank as usize);

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# A host-bound training step's instructions, part by part, which a shared, noisy machine does
+# not blur the way it blurs time: runs `benches/host_step.rs` (the step bench's tiny deep MLP,
+# 16 layers of 16 on batch 8, on NdArray at world 1) under valgrind's callgrind for its three
+# rows, each in a process of its own:
+#   lazy  Autodiff<Collective<NdArray>>, the model not marked;
+#   skip  the model marked before each step under a one-rank server (the sync skipped);
+#   run   the same with the plan run anyway (gradients read, bucketed, reduced, handed back);
+# and prints instructions per step: the whole step, marking (and Burn's share of it:
+# `Param::consume` and `set_distributed`), backward (and within it the sync hooks:
+# `submit_gradient_sync` for all gradients, `submit_sync_collective`), and the optimizer.
+# Usage: scripts/step-instructions.sh [STEPS [MODEL_WORD [BENCH_BINARY]]]   (from the repository
+# root; needs valgrind and python3; without a binary it builds `cargo bench --bench host_step
+# --no-run` first). STEPS defaults to 20 timed steps (3 warm-up steps run first and are counted
+# too), MODEL_WORD to `tiny`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind > /dev/null || { echo "error: valgrind is not installed" >&2; exit 1; }
+steps=${1:-20}
+word=${2:-tiny}
+bin=${3:-}
+if [ -z "$bin" ]; then
+  bin=$(cargo bench --locked --bench host_step --no-run --message-format=json \
+    | grep -o '"executable":"[^"]*/deps/host_step-[^"]*"' | cut -d'"' -f4 | tail -1)
+fi
+[ -x "$bin" ] || { echo "error: no bench binary at '$bin'" >&2; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for row in lazy skip run; do
+  valgrind --tool=callgrind --callgrind-out-file="$work/$row.out" \
+    "$bin" "$row" "$steps" "$word" > "$work/$row.log" 2>&1 \
+    || { cat "$work/$row.log" >&2; exit 1; }
+  callgrind_annotate --threshold=100 --inclusive=yes --tree=caller "$work/$row.out" > "$work/$row.tree"
+done
+grep -m1 '^NdArray · ' "$work/lazy.log" | sed 's/ (median.*//; s/, Skip$//'
+python3 - "$work" <<'PY'
+import re, sys
+
+work = sys.argv[1]
+ROWS = ["lazy", "skip", "run"]
+
+def functions(row):
+    """Inclusive instructions and call count of every function in the row's profile."""
+    lines = open(f"{work}/{row}.tree").read().split("\n")
+    found = {}
+    for i, line in enumerate(lines):
+        if " *  " not in line:
+            continue
+        total = int(line.split()[0].replace(",", ""))
+        calls, j = 0, i - 1
+        while j >= 0 and " <" in lines[j]:
+            m = re.search(r"\(([\d,]+)x\)", lines[j])
+            calls += int(m.group(1).replace(",", "")) if m else 0
+            j -= 1
+        name = line.split(" *  ", 1)[1]
+        found[name] = (total, calls)
+    return found
+
+def inclusive(found, pattern):
+    """The first function whose name contains `pattern`: (instructions, calls); (0, 0) if none."""
+    for name, v in found.items():
+        if pattern in name:
+            return v
+    return (0, 0)
+
+PARTS = [
+    # (label, pattern, indent)
+    ("whole step", "StepRow::new::{{closure}}", 0),
+    ("marking", "params::mark_distributed_as [", 1),
+    ("Burn's Param::consume", "Param<T>::consume [", 2),
+    ("Burn's set_distributed", ">>::set_distributed [", 2),
+    ("backward", "burn_tensor::tensor::api::base::Tensor<B,_>>::backward [", 1),
+    ("Burn's gradient registration", "DistributedRegistration>::on_register [", 2),
+    ("submit_gradient_sync, all", ">::submit_gradient_sync [", 3),
+    ("submit_sync_collective", ">::submit_sync_collective [", 2),
+    ("optimizer", "OptimizerAdaptor<O,M,B>::step_common [", 1),
+]
+
+profiles = {row: functions(row) for row in ROWS}
+table = {}
+for row in ROWS:
+    found = profiles[row]
+    total, steps = inclusive(found, PARTS[0][1])
+    if steps == 0:
+        sys.exit(f"error: no training step in the {row} profile")
+    table[row] = [inclusive(found, p)[0] / steps for _, p, _ in PARTS]
+    grads = inclusive(found, PARTS[6][1])[1] / steps
+    table[row].append(grads)
+
+print("instructions per step (mean over every step, the warm-up's included)")
+print(f"  {'':34s}" + "".join(f"{r:>12s}" for r in ROWS) + "   skip - lazy")
+for k, (label, _, indent) in enumerate(PARTS):
+    cells = "".join(f"{table[r][k]:12,.0f}" for r in ROWS)
+    print(f"  {'  ' * indent + label:34s}{cells}{table['skip'][k] - table['lazy'][k]:+14,.0f}")
+print(f"  {'gradients submitted':34s}" + "".join(f"{table[r][-1]:12.0f}" for r in ROWS))
+PY
