@@ -38,11 +38,13 @@ fn registry() -> std::sync::MutexGuard<'static, HashMap<DistributedParamId, Stri
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Names parameter `id` `name`.
-fn assign(id: DistributedParamId, name: &str) {
+/// Names each parameter `id` `name`, under one lock.
+fn assign<'a>(names: impl Iterator<Item = (DistributedParamId, &'a str)>) {
     let mut r = registry();
-    if r.get(&id).is_none_or(|n| n != name) {
-        r.insert(id, name.to_string());
+    for (id, name) in names {
+        if r.get(&id).is_none_or(|n| n != name) {
+            r.insert(id, name.to_string());
+        }
     }
 }
 
@@ -126,34 +128,38 @@ where
     M: burn_core::module::Module<B>,
 {
     struct Sharder {
-        path: Vec<String>,
+        /// The module path walked into, its non-empty names joined by `.`.
+        path: String,
+        /// `path`'s length before each module entered, innermost last.
+        entered: Vec<usize>,
         position: usize,
         marked: Vec<Marked>,
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Sharder {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
+            self.entered.push(self.path.len());
+            if !name.is_empty() {
+                if !self.path.is_empty() {
+                    self.path.push('.');
+                }
+                self.path.push_str(name);
+            }
         }
         fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
+            if let Some(len) = self.entered.pop() {
+                self.path.truncate(len);
+            }
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let initialized_now = !param.is_initialized();
             let (id, tensor, mapper) = param.consume();
             let pid = DistributedParamId::from(id.val());
-            let path: Vec<&str> = self
-                .path
-                .iter()
-                .map(String::as_str)
-                .filter(|p| !p.is_empty())
-                .collect();
-            let name = if path.is_empty() {
+            let name = if self.path.is_empty() {
                 format!("p{}", self.position)
             } else {
-                path.join(".")
+                self.path.clone()
             };
             self.position += 1;
-            assign(pid, &name);
             self.marked.push(Marked {
                 name,
                 id: id.val(),
@@ -188,17 +194,19 @@ where
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
-    let path = if prefix.is_empty() {
-        Vec::new()
-    } else {
-        vec![prefix.to_string()]
-    };
     let mut sharder = Sharder {
-        path,
+        path: prefix.to_string(),
+        entered: Vec::new(),
         position: 0,
         marked: Vec::new(),
     };
     let module = module.map(&mut sharder);
+    assign(
+        sharder
+            .marked
+            .iter()
+            .map(|m| (DistributedParamId::from(m.id), m.name.as_str())),
+    );
     let hook = hooks().get(&TypeId::of::<B::InnerBackend>()).copied();
     let Some(hook) = hook else {
         return Ok(module);
@@ -210,4 +218,62 @@ where
     Ok(module.map(&mut Replace {
         values: values.into_iter(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Collective, CollectiveDevice};
+    use burn_autodiff::Autodiff;
+    use burn_core::module::{Module, ModuleVisitor};
+    use burn_ndarray::{NdArray, NdArrayDevice};
+    use burn_nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
+    use burn_nn::{Linear, LinearConfig};
+
+    type B = Autodiff<Collective<NdArray>>;
+
+    /// The registry's name of every float parameter of `module`, in walk order.
+    fn names<M: Module<B>>(module: &M) -> Vec<String> {
+        struct Names(Vec<String>);
+        impl ModuleVisitor<B> for Names {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0
+                    .push(name_of(DistributedParamId::from(param.id.val())));
+            }
+        }
+        let mut v = Names(Vec::new());
+        module.visit(&mut v);
+        v.0
+    }
+
+    /// Nested modules give dotted paths, a sibling's path does not keep the one walked before
+    /// it, a prefix goes first, and a parameter with no path is named by its position.
+    #[test]
+    fn names_are_module_paths_under_the_prefix() {
+        let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+        let encoder: TransformerEncoder<B> = TransformerEncoderConfig::new(8, 16, 2, 2).init(&d);
+        let encoder = mark_distributed_as::<B, _>("gen", encoder).expect("marking");
+        let n = names(&encoder);
+        assert!(n.iter().all(|n| n.starts_with("gen.layers.")), "{n:?}");
+        for want in [
+            "gen.layers.0.mha.query.weight",
+            "gen.layers.0.pwff.linear_outer.bias",
+            "gen.layers.1.mha.output.weight",
+            "gen.layers.1.norm_2.gamma",
+        ] {
+            assert!(n.iter().any(|n| n == want), "{want} in {n:?}");
+        }
+        let unique: std::collections::BTreeSet<_> = n.iter().collect();
+        assert_eq!(unique.len(), n.len(), "unique: {n:?}");
+
+        let layers: Vec<Linear<B>> = (0..2).map(|_| LinearConfig::new(3, 2).init(&d)).collect();
+        let layers = mark_distributed::<B, _>(layers).expect("marking");
+        assert_eq!(names(&layers), ["0.weight", "0.bias", "1.weight", "1.bias"]);
+
+        let bare = Param::from_tensor(Tensor::<B, 1>::zeros([4], &d));
+        assert_eq!(
+            names(&mark_distributed::<B, _>(bare).expect("marking")),
+            ["p0"]
+        );
+    }
 }
