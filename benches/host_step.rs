@@ -5,10 +5,11 @@
 //!
 //! `cargo bench --bench host_step -- ROW [STEPS] [WORD]`, where `ROW` is
 //! - `lazy`: `Autodiff<Collective<NdArray>>`, the model not marked (nothing to sync);
-//! - `skip`: the model marked before each step under a one-rank server that leaves the
+//! - `skip`: the model marked once, in the first step, under a one-rank server that leaves the
 //!   gradients as they are (`SingleRank::Skip`, the default);
-//! - `run`: the same with the plan run anyway (`SingleRank::Run`: the gradients read, bucketed,
-//!   reduced by the one-rank group and handed back);
+//! - `remark`: the same, the model marked again before every step (`Marking::EveryStep`);
+//! - `run`: the model marked once with the plan run anyway (`SingleRank::Run`: the gradients
+//!   read, bucketed, reduced by the one-rank group and handed back);
 //!
 //! `STEPS` is the number of timed steps (20 by default; 3 untimed ones run first) and `WORD`
 //! picks the first model whose name contains it (`tiny` by default). Prints the row's table
@@ -18,7 +19,7 @@ use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions, SingleRank};
-use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
+use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
 use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
 /// Untimed steps before the timed ones, as in the step bench.
@@ -32,11 +33,12 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
-    let usage = "usage: host_step lazy|skip|run [STEPS] [MODEL WORD]";
-    let (marked, single_rank) = match args.first().map(String::as_str) {
-        Some("lazy") => (false, SingleRank::Skip),
-        Some("skip") => (true, SingleRank::Skip),
-        Some("run") => (true, SingleRank::Run),
+    let usage = "usage: host_step lazy|skip|remark|run [STEPS] [MODEL WORD]";
+    let (marking, single_rank) = match args.first().map(String::as_str) {
+        Some("lazy") => (Marking::Unmarked, SingleRank::Skip),
+        Some("skip") => (Marking::Once, SingleRank::Skip),
+        Some("remark") => (Marking::EveryStep, SingleRank::Skip),
+        Some("run") => (Marking::Once, SingleRank::Run),
         _ => {
             eprintln!("{usage}");
             std::process::exit(2);
@@ -55,6 +57,7 @@ fn main() {
         std::process::exit(2);
     };
     let cd = CollectiveDevice::new(NdArrayDevice::Cpu, 0);
+    let marked = marking != Marking::Unmarked;
     if marked {
         CollectiveOptions {
             single_rank,
@@ -70,9 +73,9 @@ fn main() {
     }
     let label = args[0].as_str();
     let row = match model {
-        RunModel::Mlp { .. } => StepRow::new::<C, Mlp<C>>(label, &cd, model, batch, marked),
-        RunModel::ConvNet => StepRow::new::<C, ConvNet<C>>(label, &cd, model, batch, marked),
-        RunModel::Blocks { .. } => StepRow::new::<C, Blocks<C>>(label, &cd, model, batch, marked),
+        RunModel::Mlp { .. } => StepRow::new::<C, Mlp<C>>(label, &cd, model, batch, marking),
+        RunModel::ConvNet => StepRow::new::<C, ConvNet<C>>(label, &cd, model, batch, marking),
+        RunModel::Blocks { .. } => StepRow::new::<C, Blocks<C>>(label, &cd, model, batch, marking),
     };
     let title = format!("NdArray · {name}, batch {batch}, {single_rank:?}");
     print!("{}", StepTable::measure(&title, vec![row], WARMUP, steps));

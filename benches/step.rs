@@ -5,8 +5,12 @@
 //! in turn (`train::overhead::StepTable`):
 //! - `Autodiff<B>`: Burn alone (not for NdArray, see below);
 //! - `Autodiff<Collective<B>>`: the lazy layer, the model not marked (nothing to sync);
-//! - `+ sync, one rank`: a server of one rank and the model marked, so every backward pass
-//!   submits its gradients and syncs them (a group of one leaves them as they are, `SingleRank`);
+//! - `+ sync, one rank`: a server of one rank and the model marked once, before the first step
+//!   (`Marking::Once`, as a training loop does; Burn's optimizer keeps the mark), so every
+//!   backward pass submits its gradients and syncs them (a group of one leaves them as they
+//!   are, `SingleRank`);
+//! - `+ marked every step`: the same, the model marked again before every step
+//!   (`Marking::EveryStep`): what marking costs a step;
 //! - then a second table per model with the plan run anyway (`SingleRank::Run`): the lazy layer,
 //!   and `+ plan run, one rank`, whose gradients are read (or packed on the device), reduced
 //!   and handed back as with more ranks.
@@ -26,7 +30,7 @@ mod common;
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions, SingleRank};
-use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
+use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
 use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
 /// Untimed steps per row (kernel compilation, autotuning, allocator warm-up).
@@ -41,28 +45,40 @@ macro_rules! rows {
         let mut rows = Vec::new();
         rows!(@alone $alone, rows, $inner, $device, $net, model, batch);
         type C = Autodiff<Collective<$inner>>;
-        rows.push(StepRow::new::<C, $net<C>>("Autodiff<Collective<B>>", &cd, model, batch, false));
-        rows.push(StepRow::new::<C, $net<C>>("  + sync, one rank", &cd, model, batch, true));
+        for (label, marking) in [
+            ("Autodiff<Collective<B>>", Marking::Unmarked),
+            ("  + sync, one rank", Marking::Once),
+            ("  + marked every step", Marking::EveryStep),
+        ] {
+            rows.push(StepRow::new::<C, $net<C>>(label, &cd, model, batch, marking));
+        }
         rows
     }};
     (@alone true, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {
         type A = Autodiff<$inner>;
-        $rows.push(StepRow::new::<A, $net<A>>("Autodiff<B>", &$device, $model, $batch, false));
+        let alone = Marking::Unmarked;
+        $rows.push(StepRow::new::<A, $net<A>>("Autodiff<B>", &$device, $model, $batch, alone));
     };
     (@alone false, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {};
 }
 
 /// The rows of model `$m` with the plan run at world 1 (`SingleRank::Run`): the lazy layer,
-/// then the model marked, so its gradients are read, bucketed, reduced and handed back as with
-/// more ranks.
+/// then the model marked once, so its gradients are read, bucketed, reduced and handed back
+/// as with more ranks.
 macro_rules! run_rows {
     ($inner:ty, $device:expr, $net:ident, $m:expr) => {{
         let (_, model, batch) = $m;
         let cd = CollectiveDevice::new($device.clone(), 0);
         type C = Autodiff<Collective<$inner>>;
         vec![
-            StepRow::new::<C, $net<C>>("Autodiff<Collective<B>>", &cd, model, batch, false),
-            StepRow::new::<C, $net<C>>("  + plan run, one rank", &cd, model, batch, true),
+            StepRow::new::<C, $net<C>>(
+                "Autodiff<Collective<B>>",
+                &cd,
+                model,
+                batch,
+                Marking::Unmarked,
+            ),
+            StepRow::new::<C, $net<C>>("  + plan run, one rank", &cd, model, batch, Marking::Once),
         ]
     }};
 }

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # A host-bound training step's instructions, part by part, which a shared, noisy machine does
 # not blur the way it blurs time: runs `benches/host_step.rs` (the step bench's tiny deep MLP,
-# 16 layers of 16 on batch 8, on NdArray at world 1) under valgrind's callgrind for its three
+# 16 layers of 16 on batch 8, on NdArray at world 1) under valgrind's callgrind for its four
 # rows, each in a process of its own:
-#   lazy  Autodiff<Collective<NdArray>>, the model not marked;
-#   skip  the model marked before each step under a one-rank server (the sync skipped);
-#   run   the same with the plan run anyway (gradients read, bucketed, reduced, handed back);
+#   lazy    Autodiff<Collective<NdArray>>, the model not marked;
+#   skip    the model marked once under a one-rank server (the sync skipped);
+#   remark  the same, the model marked again before every step;
+#   run     the model marked once, the plan run anyway (gradients read, bucketed, reduced and
+#           handed back);
 # and prints instructions per step: the whole step, marking (and Burn's share of it:
 # `Param::consume` and `set_distributed`), backward (and within it the sync hooks:
 # `submit_gradient_sync` for all gradients, `submit_sync_collective`), and the optimizer.
@@ -26,7 +28,7 @@ fi
 [ -x "$bin" ] || { echo "error: no bench binary at '$bin'" >&2; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for row in lazy skip run; do
+for row in lazy skip remark run; do
   valgrind --tool=callgrind --callgrind-out-file="$work/$row.out" \
     "$bin" "$row" "$steps" "$word" > "$work/$row.log" 2>&1 \
     || { cat "$work/$row.log" >&2; exit 1; }
@@ -37,60 +39,81 @@ python3 - "$work" <<'PY'
 import re, sys
 
 work = sys.argv[1]
-ROWS = ["lazy", "skip", "run"]
+ROWS = ["lazy", "skip", "remark", "run"]
 
 def functions(row):
-    """Inclusive instructions and call count of every function in the row's profile."""
+    """Every function in the row's profile: its inclusive instructions, its call count, and
+    its callers' lines (each with the instructions spent in it from that caller)."""
     lines = open(f"{work}/{row}.tree").read().split("\n")
     found = {}
     for i, line in enumerate(lines):
         if " *  " not in line:
             continue
         total = int(line.split()[0].replace(",", ""))
-        calls, j = 0, i - 1
+        calls, callers, j = 0, [], i - 1
         while j >= 0 and " <" in lines[j]:
             m = re.search(r"\(([\d,]+)x\)", lines[j])
             calls += int(m.group(1).replace(",", "")) if m else 0
+            callers.append(lines[j])
             j -= 1
         name = line.split(" *  ", 1)[1]
-        found[name] = (total, calls)
+        found[name] = (total, calls, callers)
     return found
 
-def inclusive(found, pattern):
-    """The first function whose name contains `pattern`: (instructions, calls); (0, 0) if none."""
-    for name, v in found.items():
-        if pattern in name:
-            return v
+def inclusive(found, pattern, caller=None):
+    """The first function whose name contains `pattern`: (instructions, calls), counting only
+    its calls from callers whose name contains `caller` when one is given; (0, 0) if none."""
+    for name, (total, calls, callers) in found.items():
+        if pattern not in name:
+            continue
+        if caller is None:
+            return (total, calls)
+        total, calls = 0, 0
+        for line in callers:
+            if caller in line:
+                total += int(line.split()[0].replace(",", ""))
+                m = re.search(r"\(([\d,]+)x\)", line)
+                calls += int(m.group(1).replace(",", "")) if m else 0
+        return (total, calls)
     return (0, 0)
 
+SHARDER = "mark_distributed_as::Sharder"
+OPTIMIZER = "SimpleOptimizerMapper<B,O>"
+# Burn's marking of one parameter: `Tensor::set_distributed`, or, where the compiler inlined
+# it into its caller, the `AutodiffTensor::grad_distributed` it calls; a caller filter keeps
+# whichever of the two that caller calls directly.
+SET_DISTRIBUTED = [">>::set_distributed [", "AutodiffTensor<B>::grad_distributed ["]
 PARTS = [
-    # (label, pattern, indent)
-    ("whole step", "StepRow::new::{{closure}}", 0),
-    ("marking", "params::mark_distributed_as [", 1),
-    ("Burn's Param::consume", "Param<T>::consume [", 2),
-    ("Burn's set_distributed", ">>::set_distributed [", 2),
-    ("backward", "burn_tensor::tensor::api::base::Tensor<B,_>>::backward [", 1),
-    ("Burn's gradient registration", "DistributedRegistration>::on_register [", 2),
-    ("submit_gradient_sync, all", ">::submit_gradient_sync [", 3),
-    ("submit_sync_collective", ">::submit_sync_collective [", 2),
-    ("optimizer", "OptimizerAdaptor<O,M,B>::step_common [", 1),
+    # (label, patterns (summed), indent, only from callers whose name contains)
+    ("whole step", ["StepRow::new::{{closure}}"], 0, None),
+    ("marking", ["params::mark_distributed_as ["], 1, None),
+    ("Burn's Param::consume", ["Param<T>::consume ["], 2, SHARDER),
+    ("Burn's set_distributed", SET_DISTRIBUTED, 2, SHARDER),
+    ("backward", ["burn_tensor::tensor::api::base::Tensor<B,_>>::backward ["], 1, None),
+    ("Burn's gradient registration", ["DistributedRegistration>::on_register ["], 2, None),
+    ("submit_gradient_sync, all", [">::submit_gradient_sync ["], 3, None),
+    ("submit_sync_collective", [">::submit_sync_collective ["], 2, None),
+    ("optimizer", ["OptimizerAdaptor<O,M,B>::step_common ["], 1, None),
+    ("Burn's set_distributed", SET_DISTRIBUTED, 2, OPTIMIZER),
 ]
+GRADIENTS = 6  # the row whose calls count the gradients submitted
 
 profiles = {row: functions(row) for row in ROWS}
 table = {}
 for row in ROWS:
     found = profiles[row]
-    total, steps = inclusive(found, PARTS[0][1])
+    total, steps = inclusive(found, PARTS[0][1][0])
     if steps == 0:
         sys.exit(f"error: no training step in the {row} profile")
-    table[row] = [inclusive(found, p)[0] / steps for _, p, _ in PARTS]
-    grads = inclusive(found, PARTS[6][1])[1] / steps
+    table[row] = [sum(inclusive(found, p, c)[0] for p in ps) / steps for _, ps, _, c in PARTS]
+    grads = inclusive(found, PARTS[GRADIENTS][1][0])[1] / steps
     table[row].append(grads)
 
 print("instructions per step (mean over every step, the warm-up's included)")
-print(f"  {'':34s}" + "".join(f"{r:>12s}" for r in ROWS) + "   skip - lazy")
-for k, (label, _, indent) in enumerate(PARTS):
+print(f"  {'':34s}" + "".join(f"{r:>12s}" for r in ROWS) + "   skip-lazy remark-skip")
+for k, (label, _, indent, _) in enumerate(PARTS):
     cells = "".join(f"{table[r][k]:12,.0f}" for r in ROWS)
-    print(f"  {'  ' * indent + label:34s}{cells}{table['skip'][k] - table['lazy'][k]:+14,.0f}")
+    diffs = [table[a][k] - table[b][k] for a, b in (("skip", "lazy"), ("remark", "skip"))]
+    print(f"  {'  ' * indent + label:34s}{cells}" + "".join(f"{d:+12,.0f}" for d in diffs))
 print(f"  {'gradients submitted':34s}" + "".join(f"{table[r][-1]:12.0f}" for r in ROWS))
 PY

@@ -288,13 +288,14 @@ fn back_to_back_user_all_reduces_on_fused_wgpu_are_one_device_bucket() {
 }
 
 /// The overhead table of the step benchmark (`benches/step.rs`) as a CI proxy on Burn's fused
-/// wgpu backend, tiny model, few steps: Burn alone, the lazy layer, and the model marked under a
-/// one-rank server, in turn. Not a timing check (the times are printed, never compared): what it
-/// checks is that every row ran its steps and that the marked row's syncs took the one-rank
-/// path, every step, without a bucket or a read of a gradient.
+/// wgpu backend, tiny model, few steps: Burn alone, the lazy layer, and the model marked once
+/// under a one-rank server, in turn. Not a timing check (the times are printed, never compared):
+/// what it checks is that every row ran its steps and that the marked row synced every step
+/// (Burn's optimizer marks the parameters it updates again), each through the one-rank path,
+/// without a bucket or a read of a gradient.
 #[test]
 fn the_overhead_table_runs_on_fused_wgpu_and_a_marked_model_syncs_locally() {
-    use collective_fusion::train::overhead::{StepRow, StepTable};
+    use collective_fusion::train::overhead::{Marking, StepRow, StepTable};
     use collective_fusion::train::{Mlp as NetMlp, RunModel};
     if !adapter() {
         return;
@@ -317,9 +318,15 @@ fn the_overhead_table_runs_on_fused_wgpu_and_a_marked_model_syncs_locally() {
         width: 32,
     };
     let rows = vec![
-        StepRow::new::<Alone, NetMlp<Alone>>("Autodiff<Wgpu>", &d, model, 8, false),
-        StepRow::new::<Lazy, NetMlp<Lazy>>("Autodiff<Collective<Wgpu>>", &cd, model, 8, false),
-        StepRow::new::<Lazy, NetMlp<Lazy>>("  + sync, one rank", &cd, model, 8, true),
+        StepRow::new::<Alone, NetMlp<Alone>>("Autodiff<Wgpu>", &d, model, 8, Marking::Unmarked),
+        StepRow::new::<Lazy, NetMlp<Lazy>>(
+            "Autodiff<Collective<Wgpu>>",
+            &cd,
+            model,
+            8,
+            Marking::Unmarked,
+        ),
+        StepRow::new::<Lazy, NetMlp<Lazy>>("  + sync, one rank", &cd, model, 8, Marking::Once),
     ];
     let table = StepTable::measure("fused wgpu, tiny mlp", rows, 1, 3);
     let stats = sync_stats::<Wgpu>(0);

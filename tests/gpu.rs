@@ -926,9 +926,9 @@ mod training {
     /// warm-up steps, one rank, rows in turn (`train::overhead`), for the GPU-sized overhead
     /// models (three MLPs, the convnet, the blocks): Burn alone (`Autodiff<Cuda>`, fusion on),
     /// `Autodiff<Collective<Cuda>>` with the model unmarked (the lazy layer only; also with the
-    /// recorder's window at 2, 16 and 4096 ops instead of the default 64), marked under a
-    /// one-rank NCCL server (the default `SingleRank::Skip`: what a user with one GPU gets), and
-    /// with the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
+    /// recorder's window at 2, 16 and 4096 ops instead of the default 64), marked once under a
+    /// one-rank NCCL server (the default `SingleRank::Skip`: what a user with one GPU gets) and
+    /// marked again every step (what marking costs), and with the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
     /// place, as with more GPUs).
     #[test]
     fn bench_a_training_step_against_burn_alone() {
@@ -936,7 +936,7 @@ mod training {
             return;
         }
         use collective_fusion::backend::SingleRank;
-        use collective_fusion::train::overhead::{StepRow, StepTable, overhead_models};
+        use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
         use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
         type A = Autodiff<Cuda>;
         type C = Autodiff<Collective<Cuda>>;
@@ -974,7 +974,7 @@ mod training {
                         dev,
                         model,
                         batch,
-                        false,
+                        Marking::Unmarked,
                     )];
                     if skip {
                         rows.push(StepRow::new::<C, N>(
@@ -982,16 +982,25 @@ mod training {
                             cd,
                             model,
                             batch,
-                            false,
+                            Marking::Unmarked,
                         ));
-                        // Marked, right after the same model unmarked (it ran after the window
-                        // rows before, which a row's place in the turn might have slowed).
+                        // Marked once (as a training loop does; Burn's optimizer keeps the
+                        // mark), right after the same model unmarked (it ran after the window
+                        // rows before, which a row's place in the turn might have slowed), then
+                        // marked again every step: what marking costs a step.
                         rows.push(StepRow::new::<C, N>(
                             "  + one-rank NCCL server, skip",
                             cd,
                             model,
                             batch,
-                            true,
+                            Marking::Once,
+                        ));
+                        rows.push(StepRow::new::<C, N>(
+                            "  + marked every step",
+                            cd,
+                            model,
+                            batch,
+                            Marking::EveryStep,
                         ));
                         // The same with the recorder handing work to the inner backend every
                         // op (window 2), every 8, or once a step (4096: a whole step kept until
@@ -1004,7 +1013,7 @@ mod training {
                                     cd,
                                     model,
                                     batch,
-                                    false,
+                                    Marking::Unmarked,
                                 )
                                 .with_lazy_window(window),
                             );
@@ -1015,7 +1024,7 @@ mod training {
                             cd,
                             model,
                             batch,
-                            true,
+                            Marking::Once,
                         ));
                     }
                     rows

@@ -21,8 +21,8 @@ use crate::measure::median;
 pub const PHASES: [&str; 5] = ["mark", "forward", "backward", "optimizer", "read"];
 
 /// Where one step's wall time went, in milliseconds, one entry per [`PHASES`] name: marking the
-/// model (zero when it is not marked), the forward pass and the loss, `backward` (the sync
-/// hooks of a marked model run inside it), the optimizer (gradients taken, SGD), and the final
+/// model (zero in a step that does not mark it), the forward pass and the loss, `backward` (the
+/// sync hooks of a marked model run inside it), the optimizer (gradients taken, SGD) and the final
 /// one-value read. On a device backend every part but the read is host time (what recording and
 /// launching cost); the read waits for whatever the device has left, so the work a lazy layer
 /// still holds at the step's end shows there.
@@ -36,6 +36,22 @@ impl StepPhases {
     }
 }
 
+/// Whether and when a [`StepRow`] marks its model distributed (a communication server must be
+/// running for its backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Marking {
+    /// Not marked: nothing is synced.
+    Unmarked,
+    /// Marked once, in the row's first step, as a training loop does before it starts (the
+    /// README's, `run`'s): Burn's optimizers mark each parameter they update again
+    /// (`set_distributed`), so every later backward pass syncs its gradients too.
+    Once,
+    /// Marked again before every step, as a loop must that replaces its parameters by other
+    /// means than Burn's optimizers, or that accumulates gradients over micro-batches (a
+    /// backward pass consumes the mark): what marking costs a step.
+    EveryStep,
+}
+
 /// One configuration: a model on a backend, which runs one training step when called and
 /// returns where its wall time went.
 pub struct StepRow {
@@ -46,8 +62,8 @@ pub struct StepRow {
 
 impl StepRow {
     /// A row training model `M` (sized by `model`) on backend `Bk` on batch `batch` of the
-    /// synthetic data; `marked`: the model is marked distributed before each step (a
-    /// communication server must be running for `Bk`), so its gradients are synced.
+    /// synthetic data, its model marked distributed as `marking` says (so that its gradients
+    /// are synced).
     ///
     /// # Panics
     /// When marking the model fails (a server that is not running, or one whose ranks differ).
@@ -56,18 +72,25 @@ impl StepRow {
         device: &Bk::Device,
         model: RunModel,
         batch: usize,
-        marked: bool,
+        marking: Marking,
     ) -> Self {
         Bk::seed(device, 1);
         let mut held = Some(M::init(device, model));
         let (x, y) = synthetic_batch::<Bk>(0, (0, batch), INPUTS, OUTPUTS, device);
         let mut optim = SgdConfig::new().init::<Bk, M>();
+        let mut steps = 0usize;
         let step = move || {
             let mut clock = PhaseClock::start();
             let mut m = held.take().expect("the model between steps");
-            if marked {
+            let mark = match marking {
+                Marking::Unmarked => false,
+                Marking::Once => steps == 0,
+                Marking::EveryStep => true,
+            };
+            if mark {
                 m = mark_distributed::<Bk, M>(m).expect("marking the model");
             }
+            steps += 1;
             clock.lap(0);
             let loss = MseLoss::new().forward(m.forward(x.clone()), y.clone(), Reduction::Mean);
             clock.lap(1);
@@ -353,8 +376,8 @@ mod tests {
             width: 8,
         };
         let rows = vec![
-            StepRow::new::<B, Mlp<B>>("a", &d, model, 4, false),
-            StepRow::new::<B, Mlp<B>>("b", &d, model, 4, false),
+            StepRow::new::<B, Mlp<B>>("a", &d, model, 4, Marking::Unmarked),
+            StepRow::new::<B, Mlp<B>>("b", &d, model, 4, Marking::Unmarked),
         ];
         let table = StepTable::measure("tiny", rows, 1, 3);
         assert_eq!(table.labels, ["a", "b"]);

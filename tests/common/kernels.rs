@@ -11,7 +11,7 @@ use burn_autodiff::Autodiff;
 use burn_backend::Backend;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use collective_fusion::backend::{Collective, CollectiveDevice, sync_stats};
-use collective_fusion::train::overhead::{StepRow, StepTable};
+use collective_fusion::train::overhead::{Marking, StepRow, StepTable};
 use collective_fusion::train::{Mlp, RunModel};
 
 /// Which side a child process runs: `alone`, `collective` or `marked`.
@@ -37,7 +37,7 @@ where
     };
     let row = if side == "alone" {
         type A<B> = Autodiff<B>;
-        StepRow::new::<A<B>, Mlp<A<B>>>("alone", &device, MODEL, 8, false)
+        StepRow::new::<A<B>, Mlp<A<B>>>("alone", &device, MODEL, 8, Marking::Unmarked)
     } else {
         type C<B> = Autodiff<Collective<B>>;
         let cd = CollectiveDevice::new(device, 0);
@@ -50,7 +50,12 @@ where
                 },
             );
         }
-        StepRow::new::<C<B>, Mlp<C<B>>>(&side, &cd, MODEL, 8, marked)
+        let marking = if marked {
+            Marking::Once
+        } else {
+            Marking::Unmarked
+        };
+        StepRow::new::<C<B>, Mlp<C<B>>>(&side, &cd, MODEL, 8, marking)
     };
     let _ = StepTable::measure(&side, vec![row], 0, 3);
     if side == "marked" {
