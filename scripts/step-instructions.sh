@@ -13,8 +13,7 @@
 # `submit_gradient_sync` for all gradients, `submit_sync_collective`), and the optimizer.
 # Usage: scripts/step-instructions.sh [STEPS [MODEL_WORD [BENCH_BINARY]]]   (from the repository
 # root; needs valgrind and python3; without a binary it builds `cargo bench --bench host_step
-# --no-run` first). STEPS defaults to 20 timed steps (3 warm-up steps run first and are counted
-# too), MODEL_WORD to `tiny`.
+# --no-run` first). STEPS defaults to 20, MODEL_WORD to `tiny`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind > /dev/null || { echo "error: valgrind is not installed" >&2; exit 1; }
@@ -28,23 +27,29 @@ fi
 [ -x "$bin" ] || { echo "error: no bench binary at '$bin'" >&2; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Each row runs twice, with STEPS and with 2 x STEPS timed steps: the difference is STEPS
+# steady steps, without start-up, warm-up or the first step's marking (which draws the lazily
+# initialized parameters).
 for row in lazy skip remark run; do
-  valgrind --tool=callgrind --callgrind-out-file="$work/$row.out" \
-    "$bin" "$row" "$steps" "$word" > "$work/$row.log" 2>&1 \
-    || { cat "$work/$row.log" >&2; exit 1; }
-  callgrind_annotate --threshold=100 --inclusive=yes --tree=caller "$work/$row.out" > "$work/$row.tree"
+  for n in "$steps" $((2 * steps)); do
+    valgrind --tool=callgrind --callgrind-out-file="$work/$row.$n.out" \
+      "$bin" "$row" "$n" "$word" > "$work/$row.$n.log" 2>&1 \
+      || { cat "$work/$row.$n.log" >&2; exit 1; }
+    callgrind_annotate --threshold=100 --inclusive=yes --tree=caller "$work/$row.$n.out" \
+      > "$work/$row.$n.tree"
+  done
 done
-grep -m1 '^NdArray · ' "$work/lazy.log" | sed 's/ (median.*//; s/, Skip$//'
-python3 - "$work" <<'PY'
+grep -m1 '^NdArray · ' "$work/lazy.$steps.log" | sed 's/ (median.*//; s/, Skip$//'
+python3 - "$work" "$steps" <<'PY'
 import re, sys
 
-work = sys.argv[1]
+work, steps = sys.argv[1], int(sys.argv[2])
 ROWS = ["lazy", "skip", "remark", "run"]
 
-def functions(row):
-    """Every function in the row's profile: its inclusive instructions, its call count, and
-    its callers' lines (each with the instructions spent in it from that caller)."""
-    lines = open(f"{work}/{row}.tree").read().split("\n")
+def functions(path):
+    """Every function in a profile: its inclusive instructions, its call count, and its
+    callers' lines (each with the instructions spent in it from that caller)."""
+    lines = open(path).read().split("\n")
     found = {}
     for i, line in enumerate(lines):
         if " *  " not in line:
@@ -98,18 +103,20 @@ PARTS = [
 ]
 GRADIENTS = 6  # the row whose calls count the gradients submitted
 
-profiles = {row: functions(row) for row in ROWS}
+def per_step(row, patterns, caller, which=0):
+    """Instructions (`which` 0) or calls (1) per steady step: the longer run less the shorter."""
+    short, long = (functions(f"{work}/{row}.{n}.tree") for n in (steps, 2 * steps))
+    got = [sum(inclusive(f, p, caller)[which] for p in patterns) for f in (short, long)]
+    return (got[1] - got[0]) / steps
+
 table = {}
 for row in ROWS:
-    found = profiles[row]
-    total, steps = inclusive(found, PARTS[0][1][0])
-    if steps == 0:
-        sys.exit(f"error: no training step in the {row} profile")
-    table[row] = [sum(inclusive(found, p, c)[0] for p in ps) / steps for _, ps, _, c in PARTS]
-    grads = inclusive(found, PARTS[GRADIENTS][1][0])[1] / steps
-    table[row].append(grads)
+    if per_step(row, PARTS[0][1], None, which=1) != 1:
+        sys.exit(f"error: the {row} profiles do not differ by {steps} training steps")
+    table[row] = [per_step(row, ps, c) for _, ps, _, c in PARTS]
+    table[row].append(per_step(row, PARTS[GRADIENTS][1], None, which=1))
 
-print("instructions per step (mean over every step, the warm-up's included)")
+print(f"instructions per step (the difference between {2 * steps} and {steps} steps, over {steps})")
 print(f"  {'':34s}" + "".join(f"{r:>12s}" for r in ROWS) + "   skip-lazy remark-skip")
 for k, (label, _, indent, _) in enumerate(PARTS):
     cells = "".join(f"{table[r][k]:12,.0f}" for r in ROWS)
