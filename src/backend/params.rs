@@ -100,10 +100,12 @@ pub(crate) fn register_hook<B: 'static>(hook: ReplicaHook) {
 /// rank) marking is a collective: every rank marks its model at the same point, each on its
 /// own thread, and the ranks check that their models have the same parameters and start from
 /// rank 0's values (or verify that they already do; see
-/// [`InitialWeights`](super::InitialWeights) and the `replicas` module). Marking parameters
-/// already replicated (before every backward pass, as Burn's autodiff needs) communicates
-/// nothing, unless their values were drawn again since (a lazily initialized model forked
-/// again): those are replicated again.
+/// [`InitialWeights`](super::InitialWeights) and the `replicas` module). A training loop marks
+/// its model once: Burn's optimizers mark each parameter they update again. A backward pass
+/// consumes the mark, so a loop that runs several backward passes between updates (gradient
+/// accumulation) or replaces parameters by other means marks again before each; marking
+/// parameters already replicated communicates nothing, unless their values were drawn again
+/// since (a lazily initialized model forked again): those are replicated again.
 ///
 /// # Errors
 /// [`ReplicaError`] when the ranks' models differ (naming the first differing parameter on

@@ -23,8 +23,8 @@
 //! Requires: every rank marks at the same point of its program, each on its own thread (the
 //! exchange is a collective). Guarantees: after a successful marking every rank's parameters
 //! are bit for bit rank 0's (or were checked to be); marking again parameters already
-//! replicated (Burn's autodiff needs the model marked before every backward pass) costs nothing
-//! and communicates nothing; a new model (new parameters) is replicated again, and so are
+//! replicated (a backward pass consumes Burn's mark, so a loop that accumulates gradients marks
+//! before each) communicates nothing; a new model (new parameters) is replicated again, and so are
 //! parameters that keep their ids but whose values were drawn again since (initialized by this
 //! marking, or trained parameters whose value derives from a random draw the ranks did not agree
 //! on since: [`CTensor::is_drawn`]). Running statistics (no gradient) drawn from dropped-out
