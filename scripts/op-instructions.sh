@@ -9,13 +9,8 @@
 # and python3; without a binary it builds `cargo bench --bench backend --no-run` first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v valgrind > /dev/null || { echo "error: valgrind is not installed" >&2; exit 1; }
-bin=${1:-}
-if [ -z "$bin" ]; then
-  bin=$(cargo bench --locked --bench backend --no-run --message-format=json \
-    | grep -o '"executable":"[^"]*/deps/backend-[^"]*"' | cut -d'"' -f4 | tail -1)
-fi
-[ -x "$bin" ] || { echo "error: no bench binary at '$bin'" >&2; exit 1; }
+. scripts/bench-binary.sh
+bin=$(bench_binary backend "${1:-}")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The bench's wgpu group asks for an adapter at start-up; give it a runtime folder.

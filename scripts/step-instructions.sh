@@ -16,15 +16,10 @@
 # --no-run` first). STEPS defaults to 20, MODEL_WORD to `tiny`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v valgrind > /dev/null || { echo "error: valgrind is not installed" >&2; exit 1; }
+. scripts/bench-binary.sh
 steps=${1:-20}
 word=${2:-tiny}
-bin=${3:-}
-if [ -z "$bin" ]; then
-  bin=$(cargo bench --locked --bench host_step --no-run --message-format=json \
-    | grep -o '"executable":"[^"]*/deps/host_step-[^"]*"' | cut -d'"' -f4 | tail -1)
-fi
-[ -x "$bin" ] || { echo "error: no bench binary at '$bin'" >&2; exit 1; }
+bin=$(bench_binary host_step "${3:-}")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Each row runs twice, with STEPS and with 2 x STEPS timed steps: the difference is STEPS
