@@ -102,7 +102,7 @@ def per_step(row, patterns, caller, which=0):
     """Instructions (`which` 0) or calls (1) per steady step: the longer run less the shorter."""
     short, long = (functions(f"{work}/{row}.{n}.tree") for n in (steps, 2 * steps))
     got = [sum(inclusive(f, p, caller)[which] for p in patterns) for f in (short, long)]
-    return (got[1] - got[0]) / steps
+    return round((got[1] - got[0]) / steps)
 
 table = {}
 for row in ROWS:
