@@ -10,7 +10,8 @@
 #           handed back);
 # and prints instructions per step: the whole step, marking (and Burn's share of it:
 # `Param::consume` and `set_distributed`), backward (and within it the sync hooks:
-# `submit_gradient_sync` for all gradients, `submit_sync_collective`), and the optimizer.
+# `submit_gradient_sync` for all gradients, `submit_sync_collective`), and the optimizer (and
+# Burn's `set_distributed` within it: its optimizers mark each parameter they update again).
 # Usage: scripts/step-instructions.sh [STEPS [MODEL_WORD [BENCH_BINARY]]]   (from the repository
 # root; needs valgrind and python3; without a binary it builds `cargo bench --bench host_step
 # --no-run` first). STEPS defaults to 20, MODEL_WORD to `tiny`.
@@ -36,11 +37,12 @@ for row in lazy skip remark run; do
 done
 grep -m1 '^NdArray · ' "$work/lazy.$steps.log" | sed 's/ (median.*//; s/, Skip$//'
 python3 - "$work" "$steps" <<'PY'
-import re, sys
+import functools, re, sys
 
 work, steps = sys.argv[1], int(sys.argv[2])
 ROWS = ["lazy", "skip", "remark", "run"]
 
+@functools.cache
 def functions(path):
     """Every function in a profile: its inclusive instructions, its call count, and its
     callers' lines (each with the instructions spent in it from that caller)."""
