@@ -928,8 +928,8 @@ mod training {
     /// `Autodiff<Collective<Cuda>>` with the model unmarked (the lazy layer only; also with the
     /// recorder's window at 2, 16 and 4096 ops instead of the default 64), marked once under a
     /// one-rank NCCL server (the default `SingleRank::Skip`: what a user with one GPU gets) and
-    /// marked again every step (what marking costs), and with the plan run anyway over NCCL (`SingleRank::Run`: buckets packed and reduced in
-    /// place, as with more GPUs).
+    /// marked again every step (what marking costs), and with the plan run anyway over NCCL
+    /// (`SingleRank::Run`: buckets packed and reduced in place, as with more GPUs).
     #[test]
     fn bench_a_training_step_against_burn_alone() {
         if !gpu_or_skip("lazy layer overhead", 1, true) {
