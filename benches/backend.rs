@@ -9,8 +9,8 @@
 //!   `Collective<Wgpu>` over it; skipped without a wgpu adapter;
 //! - `mark/…`: marking a 16-layer MLP's 32 parameters for gradient sync before a step, under
 //!   `Autodiff<Collective<NdArray>>` with a one-rank server running: Burn's own marking alone
-//!   (`set_distributed` on each parameter, what a data-parallel step asks of any backend)
-//!   against [`mark_distributed`] (the same, plus stable names and the replication check).
+//!   (burn-train's `ModuleSharder`: `set_distributed` on each parameter, what a data-parallel
+//!   step asks of any backend) against [`mark_distributed`] (the same, plus stable names and the replication check).
 //!
 //! Run with `cargo bench --bench backend`; the ratio is time(collective) / time(ndarray) within
 //! a group.
@@ -22,11 +22,8 @@ use std::time::Duration;
 
 use burn_autodiff::Autodiff;
 use burn_backend::Backend;
-use burn_backend::distributed::{
-    DistributedBackend, DistributedConfig, DistributedParamId, ReduceOperation,
-};
-use burn_core::module::{Module, ModuleMapper, Param};
-use burn_core::tensor::backend::AutodiffBackend;
+use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::Module;
 use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::{Linear, LinearConfig};
@@ -94,17 +91,6 @@ fn mlp<B: Backend>(
     });
 }
 
-/// Burn's own marking: each float parameter set distributed under its id, nothing else.
-struct SetDistributed;
-
-impl<B: AutodiffBackend> ModuleMapper<B> for SetDistributed {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
-        Param::from_mapped_value(id, tensor, mapper)
-    }
-}
-
 /// Marking a 16-layer MLP (32 parameters) before each step, Burn's way and ours.
 fn mark(c: &mut Criterion) {
     type A = Autodiff<Collective<NdArray>>;
@@ -123,7 +109,11 @@ fn mark(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(3));
     g.bench_function("burn_set_distributed", |bench| {
         bench.iter(|| {
-            let m = held.take().expect("the model").map(&mut SetDistributed);
+            // burn-train's own marking (its DDP learner's `grad_sharded`).
+            let m = held
+                .take()
+                .expect("the model")
+                .map(&mut burn_train::ModuleSharder);
             held = Some(black_box(m));
         })
     });

@@ -20,7 +20,6 @@ use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOpe
 use burn_ndarray::{NdArray, NdArrayDevice};
 use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions, SingleRank};
 use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
-use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
 /// Untimed steps before the timed ones, as in the step bench.
 const WARMUP: usize = 3;
@@ -72,11 +71,7 @@ fn main() {
         );
     }
     let label = args[0].as_str();
-    let row = match model {
-        RunModel::Mlp { .. } => StepRow::new::<C, Mlp<C>>(label, &cd, model, batch, marking),
-        RunModel::ConvNet => StepRow::new::<C, ConvNet<C>>(label, &cd, model, batch, marking),
-        RunModel::Blocks { .. } => StepRow::new::<C, Blocks<C>>(label, &cd, model, batch, marking),
-    };
+    let row = StepRow::for_model::<C>(label, &cd, model, batch, marking);
     let title = format!("NdArray · {name}, batch {batch}, {single_rank:?}");
     print!("{}", StepTable::measure(&title, vec![row], WARMUP, steps));
     if marked {

@@ -31,56 +31,44 @@ use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
 use collective_fusion::backend::{Collective, CollectiveDevice, CollectiveOptions, SingleRank};
 use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
-use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
 
 /// Untimed steps per row (kernel compilation, autotuning, allocator warm-up).
 const WARMUP: usize = 3;
 
-/// The rows of model `$m` (`$net` its type) over inner backend `$inner` on `$device`, with an
-/// `Autodiff<$inner>` row when `$alone` is `true`.
+/// The rows of model `$m` over inner backend `$inner` on `$device`. With `$skip` (the default
+/// `SingleRank::Skip`): an `Autodiff<$inner>` row when `$alone` is `true`, the lazy layer, the
+/// model marked once, and marked every step; otherwise (`SingleRank::Run`) the lazy layer and
+/// the model marked once, so its gradients are read, bucketed, reduced and handed back as with
+/// more ranks.
 macro_rules! rows {
-    ($inner:ty, $device:expr, $net:ident, $m:expr, $alone:tt) => {{
+    ($inner:ty, $device:expr, $m:expr, $alone:tt, $skip:expr) => {{
         let (_, model, batch) = $m;
         let cd = CollectiveDevice::new($device.clone(), 0);
         let mut rows = Vec::new();
-        rows!(@alone $alone, rows, $inner, $device, $net, model, batch);
+        if $skip {
+            rows!(@alone $alone, rows, $inner, $device, model, batch);
+        }
+        let marked: &[(&str, Marking)] = if $skip {
+            &[
+                ("  + sync, one rank", Marking::Once),
+                ("  + marked every step", Marking::EveryStep),
+            ]
+        } else {
+            &[("  + plan run, one rank", Marking::Once)]
+        };
         type C = Autodiff<Collective<$inner>>;
-        for (label, marking) in [
-            ("Autodiff<Collective<B>>", Marking::Unmarked),
-            ("  + sync, one rank", Marking::Once),
-            ("  + marked every step", Marking::EveryStep),
-        ] {
-            rows.push(StepRow::new::<C, $net<C>>(label, &cd, model, batch, marking));
+        let lazy = ("Autodiff<Collective<B>>", Marking::Unmarked);
+        for &(label, marking) in std::iter::once(&lazy).chain(marked) {
+            rows.push(StepRow::for_model::<C>(label, &cd, model, batch, marking));
         }
         rows
     }};
-    (@alone true, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {
+    (@alone true, $rows:expr, $inner:ty, $device:expr, $model:expr, $batch:expr) => {
         type A = Autodiff<$inner>;
         let alone = Marking::Unmarked;
-        $rows.push(StepRow::new::<A, $net<A>>("Autodiff<B>", &$device, $model, $batch, alone));
+        $rows.push(StepRow::for_model::<A>("Autodiff<B>", &$device, $model, $batch, alone));
     };
-    (@alone false, $rows:expr, $inner:ty, $device:expr, $net:ident, $model:expr, $batch:expr) => {};
-}
-
-/// The rows of model `$m` with the plan run at world 1 (`SingleRank::Run`): the lazy layer,
-/// then the model marked once, so its gradients are read, bucketed, reduced and handed back
-/// as with more ranks.
-macro_rules! run_rows {
-    ($inner:ty, $device:expr, $net:ident, $m:expr) => {{
-        let (_, model, batch) = $m;
-        let cd = CollectiveDevice::new($device.clone(), 0);
-        type C = Autodiff<Collective<$inner>>;
-        vec![
-            StepRow::new::<C, $net<C>>(
-                "Autodiff<Collective<B>>",
-                &cd,
-                model,
-                batch,
-                Marking::Unmarked,
-            ),
-            StepRow::new::<C, $net<C>>("  + plan run, one rank", &cd, model, batch, Marking::Once),
-        ]
-    }};
+    (@alone false, $rows:expr, $inner:ty, $device:expr, $model:expr, $batch:expr) => {};
 }
 
 /// Every selected model's table over inner backend `$inner` on `$device`: with the default
@@ -107,14 +95,7 @@ macro_rules! backend {
                     continue;
                 }
                 let skip = single_rank == SingleRank::Skip;
-                let rows = match (m.1, skip) {
-                    (RunModel::Mlp { .. }, true) => rows!($inner, device, Mlp, m, $alone),
-                    (RunModel::ConvNet, true) => rows!($inner, device, ConvNet, m, $alone),
-                    (RunModel::Blocks { .. }, true) => rows!($inner, device, Blocks, m, $alone),
-                    (RunModel::Mlp { .. }, false) => run_rows!($inner, device, Mlp, m),
-                    (RunModel::ConvNet, false) => run_rows!($inner, device, ConvNet, m),
-                    (RunModel::Blocks { .. }, false) => run_rows!($inner, device, Blocks, m),
-                };
+                let rows = rows!($inner, device, m, $alone, skip);
                 let title = format!("{} · {}, batch {}, {single_rank:?}", $label, m.0, m.2);
                 print!("{}", StepTable::measure(&title, rows, WARMUP, rounds));
             }

@@ -936,8 +936,8 @@ mod training {
             return;
         }
         use collective_fusion::backend::SingleRank;
+        use collective_fusion::train::RunModel;
         use collective_fusion::train::overhead::{Marking, StepRow, StepTable, overhead_models};
-        use collective_fusion::train::{Blocks, ConvNet, Mlp, RunModel};
         type A = Autodiff<Cuda>;
         type C = Autodiff<Collective<Cuda>>;
         let dev = CudaDevice::default();
@@ -959,17 +959,14 @@ mod training {
                         all_reduce_op: ReduceOperation::Mean,
                     },
                 );
-                fn rows<
-                    M: collective_fusion::train::Net<A>,
-                    N: collective_fusion::train::Net<C>,
-                >(
+                fn rows(
                     dev: &CudaDevice,
                     cd: &CollectiveDevice<CudaDevice>,
                     model: RunModel,
                     batch: usize,
                     skip: bool,
                 ) -> Vec<StepRow> {
-                    let mut rows = vec![StepRow::new::<A, M>(
+                    let mut rows = vec![StepRow::for_model::<A>(
                         "Autodiff<Cuda>",
                         dev,
                         model,
@@ -977,7 +974,7 @@ mod training {
                         Marking::Unmarked,
                     )];
                     if skip {
-                        rows.push(StepRow::new::<C, N>(
+                        rows.push(StepRow::for_model::<C>(
                             "Autodiff<Collective<Cuda>>",
                             cd,
                             model,
@@ -988,14 +985,14 @@ mod training {
                         // mark), right after the same model unmarked (it ran after the window
                         // rows before, which a row's place in the turn might have slowed), then
                         // marked again every step: what marking costs a step.
-                        rows.push(StepRow::new::<C, N>(
+                        rows.push(StepRow::for_model::<C>(
                             "  + one-rank NCCL server, skip",
                             cd,
                             model,
                             batch,
                             Marking::Once,
                         ));
-                        rows.push(StepRow::new::<C, N>(
+                        rows.push(StepRow::for_model::<C>(
                             "  + marked every step",
                             cd,
                             model,
@@ -1008,7 +1005,7 @@ mod training {
                         // recording ahead of the device costs, and what is left for the read.
                         for window in [2, 16, 4096] {
                             rows.push(
-                                StepRow::new::<C, N>(
+                                StepRow::for_model::<C>(
                                     &format!("  lazy window {window}"),
                                     cd,
                                     model,
@@ -1019,7 +1016,7 @@ mod training {
                             );
                         }
                     } else {
-                        rows.push(StepRow::new::<C, N>(
+                        rows.push(StepRow::for_model::<C>(
                             "  + plan run over NCCL",
                             cd,
                             model,
@@ -1030,15 +1027,7 @@ mod training {
                     rows
                 }
                 let skip = single_rank == SingleRank::Skip;
-                let rows = match model {
-                    RunModel::Mlp { .. } => rows::<Mlp<A>, Mlp<C>>(&dev, &cd, model, batch, skip),
-                    RunModel::ConvNet => {
-                        rows::<ConvNet<A>, ConvNet<C>>(&dev, &cd, model, batch, skip)
-                    }
-                    RunModel::Blocks { .. } => {
-                        rows::<Blocks<A>, Blocks<C>>(&dev, &cd, model, batch, skip)
-                    }
-                };
+                let rows = rows(&dev, &cd, model, batch, skip);
                 let title = format!("overhead · {name}, batch {batch}, {single_rank:?}");
                 eprint!("{}", StepTable::measure(&title, rows, 5, 20));
                 Collective::<Cuda>::close_communication_server(&cd);

@@ -12,7 +12,7 @@ use burn_core::tensor::Tensor;
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
-use super::nets::{INPUTS, Net, OUTPUTS, RunModel};
+use super::nets::{Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, RunModel};
 use super::synthetic_batch;
 use crate::backend::{HookTimes, LazyStats, hook_times, lazy_stats, mark_distributed};
 use crate::measure::median;
@@ -107,6 +107,27 @@ impl StepRow {
         StepRow {
             label: label.to_string(),
             step: Box::new(step),
+        }
+    }
+
+    /// [`Self::new`] with the network type `RunModel` names for `model` (`Mlp`, `ConvNet` or
+    /// `Blocks` over `Bk`).
+    ///
+    /// # Panics
+    /// As [`Self::new`].
+    pub fn for_model<Bk: AutodiffBackend>(
+        label: &str,
+        device: &Bk::Device,
+        model: RunModel,
+        batch: usize,
+        marking: Marking,
+    ) -> Self {
+        match model {
+            RunModel::Mlp { .. } => Self::new::<Bk, Mlp<Bk>>(label, device, model, batch, marking),
+            RunModel::ConvNet => Self::new::<Bk, ConvNet<Bk>>(label, device, model, batch, marking),
+            RunModel::Blocks { .. } => {
+                Self::new::<Bk, Blocks<Bk>>(label, device, model, batch, marking)
+            }
         }
     }
 
@@ -377,7 +398,8 @@ mod tests {
         };
         let rows = vec![
             StepRow::new::<B, Mlp<B>>("a", &d, model, 4, Marking::Unmarked),
-            StepRow::new::<B, Mlp<B>>("b", &d, model, 4, Marking::Unmarked),
+            // The same network, its type picked from `model`.
+            StepRow::for_model::<B>("b", &d, model, 4, Marking::Unmarked),
         ];
         let table = StepTable::measure("tiny", rows, 1, 3);
         assert_eq!(table.labels, ["a", "b"]);
