@@ -1290,14 +1290,19 @@ fn a_single_rank_sync_leaves_the_gradients_alone_and_trains_alike() {
                 assert_eq!(stats.local_steps, STEPS as u64, "{stats:?}");
                 assert_eq!(stats.compiled, 0, "{stats:?}");
                 assert!(calls.is_empty(), "{calls:?}");
-                // Nothing is read, so nothing is computed or written back in the hooks.
+                // Nothing is read, so nothing is computed or written back in the hooks, and no
+                // collective is waited for.
                 assert_eq!((hooks.force_ns, hooks.writeback_ns), (0, 0), "{hooks:?}");
+                assert_eq!((hooks.collectives, hooks.waited_ns), (0, 0), "{hooks:?}");
             }
             SingleRank::Run => {
                 assert_eq!(stats.local_steps, 0, "{stats:?}");
                 assert_eq!(stats.eager_steps + stats.flushed_steps, STEPS as u64);
                 assert!(!calls.is_empty());
                 assert!(hooks.force_ns > 0 && hooks.writeback_ns > 0, "{hooks:?}");
+                // Every step waited for its plan's collectives, within its sync point.
+                assert!(hooks.collectives >= STEPS as u64, "{hooks:?}");
+                assert!(hooks.waited_ns <= hooks.sync_ns, "{hooks:?}");
             }
         }
     }

@@ -461,9 +461,9 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let start = Instant::now();
         s.note_held(device.rank as usize);
         s.flush_user(device.rank as usize, None);
-        let writeback = s.sync(device);
+        let parts = s.sync(device);
         s.meet_after_backward(device.rank as usize);
-        super::hook_times::synced(device.rank as usize, start.elapsed(), writeback);
+        super::hook_times::synced(device.rank as usize, start.elapsed(), parts);
     }
 
     fn all_reduce(

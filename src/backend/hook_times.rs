@@ -28,6 +28,16 @@ pub struct HookTimes {
     pub sync_ns: u64,
     /// Of `sync_ns`: writing the reduced gradients back into their tensors.
     pub writeback_ns: u64,
+    /// Collectives the synced steps waited for (launched during backward or at the sync
+    /// point; none in a step that left its gradients as they were).
+    pub collectives: u64,
+    /// Of `sync_ns`: blocked waiting for those collectives' results (the union of the waits
+    /// inside the sync point, [`MeasuredStep::waited_at_sync_us`]): on a GPU, the training
+    /// thread idle until the device finished backward, the packs and the all-reduces. The rest
+    /// of the sync point is host work (reducing what was left, launching, the write-back).
+    ///
+    /// [`MeasuredStep::waited_at_sync_us`]: crate::measure::MeasuredStep::waited_at_sync_us
+    pub waited_ns: u64,
 }
 
 impl HookTimes {
@@ -40,6 +50,8 @@ impl HookTimes {
             syncs: self.syncs - before.syncs,
             sync_ns: self.sync_ns - before.sync_ns,
             writeback_ns: self.writeback_ns - before.writeback_ns,
+            collectives: self.collectives - before.collectives,
+            waited_ns: self.waited_ns - before.waited_ns,
         }
     }
 
@@ -51,6 +63,8 @@ impl HookTimes {
         self.syncs += other.syncs;
         self.sync_ns += other.sync_ns;
         self.writeback_ns += other.writeback_ns;
+        self.collectives += other.collectives;
+        self.waited_ns += other.waited_ns;
     }
 }
 
@@ -80,13 +94,25 @@ pub(super) fn submitted(rank: usize, total: Duration, force: Duration) {
     });
 }
 
-/// One `submit_sync_collective` on `rank`: `total` of wall time, `writeback` of it writing the
-/// gradients back.
-pub(super) fn synced(rank: usize, total: Duration, writeback: Duration) {
+/// What one sync point spent, besides its whole time: see [`HookTimes`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SyncTimes {
+    /// Writing the reduced gradients back.
+    pub writeback: Duration,
+    /// Collectives the step waited for.
+    pub collectives: u64,
+    /// Blocked waiting for their results.
+    pub waited: Duration,
+}
+
+/// One `submit_sync_collective` on `rank`: `total` of wall time, split as `parts` says.
+pub(super) fn synced(rank: usize, total: Duration, parts: SyncTimes) {
     update(rank, |h| {
         h.syncs += 1;
         h.sync_ns += ns(total);
-        h.writeback_ns += ns(writeback);
+        h.writeback_ns += ns(parts.writeback);
+        h.collectives += parts.collectives;
+        h.waited_ns += ns(parts.waited);
     });
 }
 
@@ -120,7 +146,11 @@ mod tests {
         synced(
             rank as usize,
             Duration::from_micros(50),
-            Duration::from_micros(20),
+            SyncTimes {
+                writeback: Duration::from_micros(20),
+                collectives: 3,
+                waited: Duration::from_micros(25),
+            },
         );
         let d = hook_times(rank).since(&before);
         assert_eq!(
@@ -133,6 +163,8 @@ mod tests {
                 syncs: 1,
                 sync_ns: 50_000,
                 writeback_ns: 20_000,
+                collectives: 3,
+                waited_ns: 25_000,
             }
         );
         assert_eq!(hook_times(rank + 1), HookTimes::default());

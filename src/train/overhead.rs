@@ -312,13 +312,22 @@ impl std::fmt::Display for StepTable {
                 let per = |ns: u64| ns as f64 / 1e6 / rounds.max(1) as f64;
                 write!(
                     f,
-                    "; sync hooks per step: {:.0} gradients, forcing {:.3} ms, submitting {:.3}, sync point {:.3} (write-back {:.3})",
+                    "; sync hooks per step: {:.0} gradients, forcing {:.3} ms, submitting {:.3}, sync point {:.3} (write-back {:.3}",
                     h.gradients as f64 / rounds.max(1) as f64,
                     per(h.force_ns),
                     per(h.submit_ns),
                     per(h.sync_ns),
                     per(h.writeback_ns)
                 )?;
+                if h.collectives > 0 {
+                    write!(
+                        f,
+                        ", waiting for {:.1} collectives {:.3}",
+                        h.collectives as f64 / rounds.max(1) as f64,
+                        per(h.waited_ns)
+                    )?;
+                }
+                write!(f, ")")?;
             }
             writeln!(f)?;
         }
@@ -430,14 +439,21 @@ mod tests {
             syncs: 2,
             sync_ns: 500_000,
             writeback_ns: 100_000,
+            ..HookTimes::default()
+        };
+        // The same, its steps having waited for 3 collectives (2 and 1) at their sync points.
+        let waited = HookTimes {
+            collectives: 3,
+            waited_ns: 300_000,
+            ..hooks
         };
         let table = StepTable {
             title: "t".into(),
-            labels: vec!["a".into(), "b".into()],
-            times: vec![vec![1.0, 1.0]; 2],
-            phases: vec![vec![StepPhases([0.2; 5]); 2]; 2],
-            lazy: vec![LazyStats::default(); 2],
-            hooks: vec![HookTimes::default(), hooks],
+            labels: vec!["a".into(), "b".into(), "c".into()],
+            times: vec![vec![1.0, 1.0]; 3],
+            phases: vec![vec![StepPhases([0.2; 5]); 2]; 3],
+            lazy: vec![LazyStats::default(); 3],
+            hooks: vec![HookTimes::default(), hooks, waited],
             warmup: 0,
         };
         let text = table.to_string();
@@ -446,6 +462,12 @@ mod tests {
         assert!(
             lines[4].ends_with(
                 "; sync hooks per step: 4 gradients, forcing 1.500 ms, submitting 0.500, sync point 0.250 (write-back 0.050)"
+            ),
+            "{text}"
+        );
+        assert!(
+            lines[6].ends_with(
+                "sync point 0.250 (write-back 0.050, waiting for 1.5 collectives 0.150)"
             ),
             "{text}"
         );

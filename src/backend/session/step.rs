@@ -10,6 +10,7 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted, param_name};
 use crate::backend::distributed::{from_host, graph_dtype, read_host};
+use crate::backend::hook_times::SyncTimes;
 use crate::backend::options::{SingleRank, UnusedParameters};
 use crate::backend::record::StepRecord;
 use crate::backend::{CTensor, Collective, CollectiveDevice};
@@ -316,11 +317,9 @@ impl<I: Backend> Session<I> {
     }
 
     /// Burn's `submit_sync_collective`: reduces what is left and writes every reduced gradient
-    /// back; returns how long the write-back took, for [`crate::backend::hook_times`].
-    pub(in crate::backend) fn sync(
-        &self,
-        device: &CollectiveDevice<I::Device>,
-    ) -> std::time::Duration {
+    /// back; returns how long the write-back took and how long the step waited for how many
+    /// collectives, for [`crate::backend::hook_times`].
+    pub(in crate::backend) fn sync(&self, device: &CollectiveDevice<I::Device>) -> SyncTimes {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
         let st = &mut *guard;
@@ -333,7 +332,7 @@ impl<I: Backend> Session<I> {
             st.submitted.clear();
             st.index.clear();
             st.registered.clear();
-            return std::time::Duration::ZERO;
+            return SyncTimes::default();
         }
         if !st.accumulated.is_empty() {
             let mut names: Vec<&str> = st.accumulated.keys().map(String::as_str).collect();
@@ -350,7 +349,7 @@ impl<I: Backend> Session<I> {
             }
             st.local_steps += 1;
             self.finish_step(rank, st, log, false);
-            return std::time::Duration::ZERO;
+            return SyncTimes::default();
         }
         if self.options.probe_link && !st.probed && self.world > 1 {
             // Every rank's first synced step, before any of its collectives.
@@ -400,7 +399,15 @@ impl<I: Backend> Session<I> {
         let writeback = writeback.elapsed();
         self.finish_step(rank, st, log, true);
         self.agree_ahead(rank, st);
-        writeback
+        // The step just measured (`finish_step` ended it on the clock).
+        let (collectives, waited_us) = self.clock(rank).last.as_ref().map_or((0, 0.0), |m| {
+            (m.collectives.len() as u64, m.waited_at_sync_us())
+        });
+        SyncTimes {
+            writeback,
+            collectives,
+            waited: std::time::Duration::from_secs_f64(waited_us.max(0.0) * 1e-6),
+        }
     }
 
     /// At a sync point, where every rank's training thread gets to: agrees on the plans the
