@@ -50,10 +50,12 @@ impl<I: Backend> Session<I> {
         let Some(every) = self.options.measured_plans else {
             return;
         };
+        // The step just ended: its gradients, in ready order.
+        let grads = st.last_step.as_ref().map_or(&[][..], |r| &r.grads[..]);
         if self.world < 2
             || self.options.config.bucket.policy != BucketPolicy::Cost
             || self.options.unused == UnusedParameters::ZeroFill
-            || st.submitted.is_empty()
+            || grads.is_empty()
         {
             return;
         }
@@ -65,10 +67,9 @@ impl<I: Backend> Session<I> {
         if n > 2 && !n.is_multiple_of(every.every_steps.max(1)) {
             return;
         }
-        let entries: Vec<(String, TensorType)> = st
-            .submitted
+        let entries: Vec<(String, TensorType)> = grads
             .iter()
-            .map(|s| (s.name.clone(), s.ty.clone()))
+            .map(|(n, t, _)| (n.clone(), t.clone()))
             .collect();
         // Only rank 0's profile is shared; the others send placeholders of its length.
         let mine = if rank == 0 {

@@ -431,27 +431,29 @@ impl<I: Backend> Session<I> {
     ) {
         self.clock(rank).end_step(self.world, self.clocks.len());
         st.last_ran = (log.ran, log.entries.iter().map(|e| e.seq).collect());
+        // The step's gradients leave it: their names and types move into its record.
+        let grads = st
+            .submitted
+            .drain(..)
+            .map(|x| (x.name, x.ty, x.seq))
+            .collect();
         st.last_step = Some(StepRecord {
             world: self.world as u32,
             reduce: self.reduce,
-            grads: st
-                .submitted
-                .iter()
-                .map(|x| (x.name.clone(), x.ty.clone(), x.seq))
-                .collect(),
+            grads,
             log: log.entries,
         });
         self.plan_from_measured(rank, st);
         if synced
             && self.options.unused != UnusedParameters::ZeroFill
-            && let (Some(plan), Some(segment)) = (&st.expected, &st.expected_segment)
+            && let (Some(plan), Some(segment), Some(record)) =
+                (&st.expected, &st.expected_segment, &st.last_step)
         {
             let key = crate::backend::follow::segment_key(
-                st.submitted.iter().map(|s| (s.name.as_str(), &s.ty)),
+                record.grads.iter().map(|(n, t, _)| (n.as_str(), t)),
             );
             st.history.synced(key, plan, segment);
         }
-        st.submitted.clear();
         st.index.clear();
         st.registered.clear();
         SYNCS_TOTAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
