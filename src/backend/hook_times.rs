@@ -68,16 +68,39 @@ impl HookTimes {
     }
 }
 
-type Table = hashbrown::HashMap<u32, HookTimes>;
+/// Ranks whose times sit in a fixed table; a higher rank's are in a map ([`times_of`]).
+const RANKS: usize = 256;
 
-static TIMES: Mutex<Option<Table>> = Mutex::new(None);
+const ZERO: HookTimes = HookTimes {
+    gradients: 0,
+    force_ns: 0,
+    submit_ns: 0,
+    syncs: 0,
+    sync_ns: 0,
+    writeback_ns: 0,
+    collectives: 0,
+    waited_ns: 0,
+};
+
+/// The times of `rank`, each rank's under a lock of its own: every gradient of every rank
+/// adds to them, and ranks that share a process (threads, one per GPU) must not take turns at
+/// one lock for it.
+fn times_of(rank: usize) -> &'static Mutex<HookTimes> {
+    static LOW: [Mutex<HookTimes>; RANKS] = [const { Mutex::new(ZERO) }; RANKS];
+    static HIGH: Mutex<Option<hashbrown::HashMap<usize, &'static Mutex<HookTimes>>>> =
+        Mutex::new(None);
+    if let Some(t) = LOW.get(rank) {
+        return t;
+    }
+    // A panic while a lock was held left at worst a counter short.
+    let mut high = HIGH.lock().unwrap_or_else(|e| e.into_inner());
+    high.get_or_insert_with(Default::default)
+        .entry(rank)
+        .or_insert_with(|| Box::leak(Box::new(Mutex::new(ZERO))))
+}
 
 fn update(rank: usize, f: impl FnOnce(&mut HookTimes)) {
-    // A panic while the lock was held left at worst a counter short.
-    let mut t = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    f(t.get_or_insert_with(Default::default)
-        .entry(rank as u32)
-        .or_default());
+    f(&mut times_of(rank).lock().unwrap_or_else(|e| e.into_inner()));
 }
 
 fn ns(d: Duration) -> u64 {
@@ -118,10 +141,9 @@ pub(super) fn synced(rank: usize, total: Duration, parts: SyncTimes) {
 
 /// The hook times of `rank` so far (all zero for a rank that never synced).
 pub fn hook_times(rank: u32) -> HookTimes {
-    let t = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    t.as_ref()
-        .and_then(|t| t.get(&rank).copied())
-        .unwrap_or_default()
+    *times_of(rank as usize)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
@@ -130,43 +152,46 @@ mod tests {
 
     #[test]
     fn hook_times_add_up_per_rank_and_split_as_measured() {
-        // A rank no other test uses: the table is the process's.
-        let rank = 9_001;
-        let before = hook_times(rank);
-        submitted(
-            rank as usize,
-            Duration::from_micros(30),
-            Duration::from_micros(10),
-        );
-        submitted(
-            rank as usize,
-            Duration::from_micros(5),
-            Duration::from_micros(7),
-        );
-        synced(
-            rank as usize,
-            Duration::from_micros(50),
-            SyncTimes {
-                writeback: Duration::from_micros(20),
-                collectives: 3,
-                waited: Duration::from_micros(25),
-            },
-        );
-        let d = hook_times(rank).since(&before);
-        assert_eq!(
-            d,
-            HookTimes {
-                gradients: 2,
-                // A force longer than its call (clock granularity) leaves no negative rest.
-                force_ns: 17_000,
-                submit_ns: 20_000,
-                syncs: 1,
-                sync_ns: 50_000,
-                writeback_ns: 20_000,
-                collectives: 3,
-                waited_ns: 25_000,
-            }
-        );
-        assert_eq!(hook_times(rank + 1), HookTimes::default());
+        // Ranks no other test uses, one in the fixed table and one past it: the table is the
+        // process's.
+        for rank in [(RANKS - 1) as u32, 9_001] {
+            let before = hook_times(rank);
+            submitted(
+                rank as usize,
+                Duration::from_micros(30),
+                Duration::from_micros(10),
+            );
+            submitted(
+                rank as usize,
+                Duration::from_micros(5),
+                Duration::from_micros(7),
+            );
+            synced(
+                rank as usize,
+                Duration::from_micros(50),
+                SyncTimes {
+                    writeback: Duration::from_micros(20),
+                    collectives: 3,
+                    waited: Duration::from_micros(25),
+                },
+            );
+            let d = hook_times(rank).since(&before);
+            assert_eq!(
+                d,
+                HookTimes {
+                    gradients: 2,
+                    // A force longer than its call (clock granularity) leaves no negative rest.
+                    force_ns: 17_000,
+                    submit_ns: 20_000,
+                    syncs: 1,
+                    sync_ns: 50_000,
+                    writeback_ns: 20_000,
+                    collectives: 3,
+                    waited_ns: 25_000,
+                },
+                "rank {rank}"
+            );
+            assert_eq!(hook_times(rank + 1), HookTimes::default(), "rank {rank}");
+        }
     }
 }
