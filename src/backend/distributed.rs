@@ -20,7 +20,7 @@ use super::rank_threads::works_for;
 use super::record::StepRecord;
 use super::replicas::ReplicaState;
 use super::session::{
-    DeviceCounts, RankState, Session, closed, lock, param_name, session, sessions,
+    DeviceCounts, RankState, Session, closed, lock, param_name, session, sessions_mut,
 };
 use super::step_clock::StepClock;
 use super::{Collective, CollectiveDevice};
@@ -363,7 +363,7 @@ impl<I: Backend> Collective<I> {
             calls,
             options,
         };
-        lock(sessions()).insert(TypeId::of::<I>(), Arc::new(session));
+        sessions_mut().insert(TypeId::of::<I>(), Arc::new(session));
         lock(closed()).remove(&TypeId::of::<I>());
         super::params::register_hook::<Collective<I>>(super::replicas::replicate::<I>);
         Ok(())
@@ -382,11 +382,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
     }
 
     fn close_communication_server(_device: &Self::Device) {
-        let Some(s) = lock(sessions())
-            .get(&TypeId::of::<I>())
-            .cloned()
-            .and_then(|a| a.downcast::<Session<I>>().ok())
-        else {
+        let Some(s) = super::session::running::<I>() else {
             return;
         };
         // A rank may still be finishing its last step: its buckets were launched during backward
@@ -402,7 +398,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         {
             std::thread::sleep(Duration::from_millis(1));
         }
-        lock(sessions()).remove(&TypeId::of::<I>());
+        sessions_mut().remove(&TypeId::of::<I>());
         lock(closed()).insert(TypeId::of::<I>());
         if s.failed.load(std::sync::atomic::Ordering::SeqCst) {
             return;

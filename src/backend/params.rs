@@ -17,7 +17,7 @@
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 
 use burn_backend::TensorPrimitive;
 use burn_backend::distributed::DistributedParamId;
@@ -29,18 +29,17 @@ use burn_core::tensor::backend::AutodiffBackend;
 use super::replicas::ReplicaError;
 
 /// Parameter id → stable name. Ids are unique within a process, names are not: ranks that are
-/// threads of one process and build their own models have parameters of the same names.
-fn registry() -> std::sync::MutexGuard<'static, HashMap<DistributedParamId, String>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<DistributedParamId, String>>> = OnceLock::new();
-    REGISTRY
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+/// threads of one process and build their own models have parameters of the same names. Read
+/// for every gradient of every rank, written when a model is marked: readers do not take
+/// turns. (A panic while the lock was held left at worst a name unregistered.)
+fn registry() -> &'static RwLock<HashMap<DistributedParamId, String>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<DistributedParamId, String>>> = OnceLock::new();
+    REGISTRY.get_or_init(RwLock::default)
 }
 
 /// Names each parameter `id` `name`, under one lock.
 fn assign<'a>(names: impl Iterator<Item = (DistributedParamId, &'a str)>) {
-    let mut r = registry();
+    let mut r = registry().write().unwrap_or_else(|e| e.into_inner());
     for (id, name) in names {
         if r.get(&id).is_none_or(|n| n != name) {
             r.insert(id, name.to_string());
@@ -50,7 +49,11 @@ fn assign<'a>(names: impl Iterator<Item = (DistributedParamId, &'a str)>) {
 
 /// The name of parameter `id`: its stable key if a module walk named it, `param.<id>` otherwise.
 pub(crate) fn name_of(id: DistributedParamId) -> String {
-    if let Some(n) = registry().get(&id) {
+    if let Some(n) = registry()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&id)
+    {
         return n.clone();
     }
     // `DistributedParamId(123)` → `param.123`

@@ -13,7 +13,7 @@
 //! gradient) aborts the group, so that no other rank waits for this one, and then panics with
 //! the typed error's message on the calling rank.
 use std::any::{Any, TypeId};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockWriteGuard};
 use std::time::Instant;
 
 use burn_backend::Backend;
@@ -171,16 +171,29 @@ pub(super) struct DeviceCounts {
     pub(super) views: std::sync::atomic::AtomicU64,
 }
 
-type Sessions = Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
+/// The running servers, by inner backend. Read by every hook call of every rank (each
+/// gradient's), written when a server starts or closes: readers do not take turns.
+type Sessions = RwLock<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>;
 
-pub(super) fn sessions() -> &'static Sessions {
+fn sessions() -> &'static Sessions {
     static S: OnceLock<Sessions> = OnceLock::new();
     S.get_or_init(Default::default)
 }
 
+/// The running servers, to change (a panic while the lock was held left at worst a server
+/// registered or not).
+pub(super) fn sessions_mut()
+-> RwLockWriteGuard<'static, HashMap<TypeId, Arc<dyn Any + Send + Sync>>> {
+    sessions().write().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The communication server running for `Collective<I>`, if one is.
 pub(super) fn running<I: Backend>() -> Option<Arc<Session<I>>> {
-    let any = lock(sessions()).get(&TypeId::of::<I>()).cloned();
+    let any = sessions()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&TypeId::of::<I>())
+        .cloned();
     any.and_then(|a| a.downcast::<Session<I>>().ok())
 }
 
