@@ -21,10 +21,19 @@ const LOG: &str = "CF_PERSISTENT_PROBE_LOG";
 pub const SIDES: [&str; 2] = ["alone", "collective"];
 
 /// What the log says of persistent memory.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Persistent {
     /// Allocations served by the persistent pool (a new page, or a free slot of one).
     pub allocations: usize,
+    /// Every allocation the log records, persistent or not, in order: what a failure shows, so
+    /// that a difference says which allocation left the persistent pool (not compared).
+    pub log: Vec<String>,
+}
+
+impl PartialEq for Persistent {
+    fn eq(&self, other: &Self) -> bool {
+        self.allocations == other.allocations
+    }
 }
 
 /// Two linear layers and a parameter from data, their parameters touched so that Burn's lazy initializers run.
@@ -74,11 +83,16 @@ pub fn sides(child_test: &str) -> Vec<Persistent> {
         |cmd, log| {
             cmd.env(LOG, log);
         },
-        |log| Persistent {
-            allocations: std::fs::read_to_string(log)
-                .unwrap_or_default()
-                .matches("using persistent memory")
-                .count(),
+        |log| {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            Persistent {
+                allocations: text.matches("using persistent memory").count(),
+                log: text
+                    .lines()
+                    .filter(|l| l.contains("Reserved memory") || l.contains("Allocated a new"))
+                    .map(str::to_string)
+                    .collect(),
+            }
         },
     )
 }
