@@ -95,8 +95,23 @@ fn read_log(path: &Path) -> Kernels {
 }
 
 /// Runs test `child_test` of this binary once per side of [`SIDES`] with CubeCL's log on, and
-/// returns each side's kernels.
+/// returns each side's kernels. When the sides differ, every side runs once more and the second
+/// round is returned: a difference must show twice. (CubeCL on Mesa's software driver is not
+/// the same from one process to the next on every machine: one fresh-clone CI logged a slice
+/// kernel fewer for Burn alone's side, which this crate's code does not run.)
 pub fn sides(child_test: &str) -> Vec<Kernels> {
+    let first = run_sides(child_test);
+    let agree = first
+        .iter()
+        .all(|k| k.launches == first[0].launches && k.compiled == first[0].compiled);
+    if agree {
+        return first;
+    }
+    eprintln!("{child_test}: the sides differ; every side runs once more. First round: {first:?}");
+    run_sides(child_test)
+}
+
+fn run_sides(child_test: &str) -> Vec<Kernels> {
     super::child_sides(
         child_test,
         CHILD,
