@@ -1035,6 +1035,59 @@ mod training {
         }
     }
 
+    /// The child's part of the memory table on CUDA: measures the row `CF_MEMORY_ROW` names
+    /// of the overhead model `CF_MEMORY_MODEL` indexes and prints its reading; does nothing
+    /// without them (as the bench below runs it).
+    #[test]
+    fn memory_child() {
+        use collective_fusion::train::memory::{CubeProbe, MEMORY_CHILD, MemoryRow, measure_row};
+        use cubecl::Runtime;
+        let (Ok(row), Ok(model)) = (std::env::var(MEMORY_CHILD), std::env::var(MEMORY_MODEL))
+        else {
+            return;
+        };
+        let row = MemoryRow::from_name(&row).expect("a memory row");
+        let (_, model, batch) = collective_fusion::train::overhead::overhead_models(true)
+            [model.parse::<usize>().unwrap()];
+        let dev = CudaDevice::default();
+        let mut probe = CubeProbe(cubecl::cuda::CudaRuntime::client(&dev));
+        // One rank over NCCL: buckets packed and reduced in place on the device.
+        let options = CollectiveOptions {
+            transport: Transport::NcclLocal,
+            ..CollectiveOptions::default()
+        };
+        let m = measure_row::<Cuda>(row, options, dev, model, batch, (3, 5), &mut probe);
+        println!("{m}");
+    }
+
+    /// The overhead model a memory child measures, by its index in `overhead_models(true)`.
+    const MEMORY_MODEL: &str = "CF_MEMORY_MODEL";
+
+    /// Not a pass/fail test: what a training step holds in device memory (CubeCL's pools:
+    /// the peak they reserved, what is in use between steps), each row in a child process of
+    /// this binary (`train::memory`): Burn alone (`Autodiff<Cuda>`, fusion on), the lazy layer,
+    /// marked under a one-rank NCCL server (skipping the sync), and the plan run anyway with
+    /// the reduced gradients copied out of their bucket or handed back as views of it.
+    #[test]
+    fn bench_what_a_training_step_holds_in_device_memory() {
+        use collective_fusion::train::memory::{MEMORY_CHILD, MemoryRow, MemoryTable};
+        if std::env::var_os(MEMORY_CHILD).is_some() || !gpu_or_skip("step memory", 1, true) {
+            return;
+        }
+        let exe = std::env::current_exe().expect("this test binary");
+        let models = collective_fusion::train::overhead::overhead_models(true);
+        for (index, (name, _, batch)) in models.into_iter().enumerate() {
+            let title = format!("memory · {name}, batch {batch}");
+            let table = MemoryTable::in_children(&title, &MemoryRow::ALL, (3, 5), |_| {
+                let mut c = std::process::Command::new(&exe);
+                c.args(["--exact", "training::memory_child", "--nocapture"])
+                    .env(MEMORY_MODEL, index.to_string());
+                c
+            });
+            eprint!("{table}");
+        }
+    }
+
     /// Seeded weights and biases of the two layers, in [-0.1, 0.1].
     fn initial_weights(seed: u64) -> Vec<Vec<f32>> {
         let mut rng = collective_fusion::runtime::synthetic::SplitMix64(seed);

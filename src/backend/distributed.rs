@@ -362,6 +362,7 @@ impl<I: Backend> Collective<I> {
                 .collect(),
             calls,
             options,
+            _logs: super::lazy::LogReaders::new(devices.iter().map(|d| d.rank)),
         };
         sessions_mut().insert(TypeId::of::<I>(), Arc::new(session));
         lock(closed()).remove(&TypeId::of::<I>());

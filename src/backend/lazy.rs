@@ -159,8 +159,12 @@ struct Queue {
     /// Queued nodes per recording thread (the bound applies to each thread's own).
     per_thread: hashbrown::HashMap<ThreadId, usize>,
     log: VecDeque<LogEntry>,
-    /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]).
+    /// The nodes whose op ran, in the order they ran (at most [`MAX_LOG`]; none while nobody
+    /// reads the log).
     ran: VecDeque<u64>,
+    /// Servers that read this rank's log at their sync points ([`LogReaders`]). With none, the
+    /// log keeps only the entries of queued nodes, which the queue's own walks read.
+    readers: usize,
     /// The rank's counters (under the queue's lock: a run takes one lock to note what ran).
     stats: LazyStats,
 }
@@ -261,6 +265,7 @@ impl Recorder {
                 per_thread: hashbrown::HashMap::new(),
                 log: VecDeque::new(),
                 ran: VecDeque::new(),
+                readers: 0,
                 stats: LazyStats::default(),
             }),
         }
@@ -361,11 +366,13 @@ impl Recorder {
         }
         let mut q = lock(&self.queue);
         let executed = ran.len() as u64;
-        for s in ran {
-            if q.ran.len() == MAX_LOG {
-                q.ran.pop_front();
+        if q.readers > 0 {
+            for s in ran {
+                if q.ran.len() == MAX_LOG {
+                    q.ran.pop_front();
+                }
+                q.ran.push_back(s);
             }
-            q.ran.push_back(s);
         }
         let st = &mut q.stats;
         st.executed += executed;
@@ -450,6 +457,14 @@ impl Recorder {
             }
             None => 0,
         };
+        if q.readers == 0 {
+            // Nobody takes this log: what the dependency walks of `run_until` and
+            // `run_producers` read is the entries of queued nodes, the oldest queued first.
+            let oldest = q.pending.front().map_or(seq, |p| p.seq);
+            while q.log.front().is_some_and(|e| e.seq < oldest) {
+                q.log.pop_front();
+            }
+        }
         if q.log.len() == MAX_LOG {
             q.log.pop_front();
         }
@@ -483,6 +498,45 @@ pub(crate) fn take_log(rank: u32) -> StepLog {
     StepLog {
         entries: std::mem::replace(&mut q.log, VecDeque::with_capacity(logged)).into(),
         ran: std::mem::replace(&mut q.ran, VecDeque::with_capacity(ran)).into(),
+    }
+}
+
+/// The ranks whose logs a communication server takes at its sync points ([`take_log`]), for
+/// as long as it holds this. A rank no server reads keeps no log beyond its queued nodes (a
+/// program that records without a server, an evaluation loop or one device alone, holds no
+/// history of its ops), and its log starts afresh when a server begins to read it.
+pub(crate) struct LogReaders(Vec<u32>);
+
+impl LogReaders {
+    /// Starts reading the logs of `ranks`.
+    pub(crate) fn new(ranks: impl IntoIterator<Item = u32>) -> Self {
+        let ranks: Vec<u32> = ranks.into_iter().collect();
+        for &r in &ranks {
+            let mut q = lock(&recorder(r).queue);
+            if q.readers == 0 {
+                // What the rank recorded before: no step of this server's.
+                let oldest = q.pending.front().map(|p| p.seq);
+                q.log.retain(|e| oldest.is_some_and(|o| e.seq >= o));
+                q.ran.clear();
+            }
+            q.readers += 1;
+        }
+        LogReaders(ranks)
+    }
+}
+
+impl Drop for LogReaders {
+    fn drop(&mut self) {
+        for &r in &self.0 {
+            let mut q = lock(&recorder(r).queue);
+            q.readers -= 1;
+            if q.readers == 0 {
+                let oldest = q.pending.front().map(|p| p.seq);
+                q.log.retain(|e| oldest.is_some_and(|o| e.seq >= o));
+                q.log.shrink_to_fit();
+                q.ran = VecDeque::new();
+            }
+        }
     }
 }
 
@@ -608,6 +662,50 @@ mod tests {
         );
         let st = super::lazy_stats(RANK);
         assert_eq!((st.recorded, st.executed, st.skipped), (2, 2, 0));
+    }
+
+    /// `n` chained ops on `rank` (each doubles the last), read at the end.
+    fn chain(rank: u32, n: usize) -> Vec<f32> {
+        let clones = Arc::new(AtomicUsize::new(0));
+        let mut t = CTensor::lazy(rank, record("fill", []), || Buf(vec![1.0; 4], clones));
+        for _ in 0..n {
+            let prev = t;
+            t = CTensor::lazy(rank, record("double", [prev.input()]), move || {
+                let mut v = prev.into_inner();
+                v.0.iter_mut().for_each(|x| *x *= 2.0);
+                v
+            });
+        }
+        t.into_inner().0
+    }
+
+    fn log_len(rank: u32) -> (usize, usize) {
+        let q = super::lock(&recorder(rank).queue);
+        (q.log.len(), q.ran.len())
+    }
+
+    /// A rank no server reads keeps no history of its ops, however many it records (an
+    /// evaluation loop, one device without a server); a server's sync points get every op
+    /// recorded since it started, and none from before.
+    #[test]
+    fn a_rank_keeps_a_log_only_while_a_server_reads_it() {
+        const RANK: u32 = 4091;
+        assert_eq!(chain(RANK, 10_000), vec![f32::INFINITY; 4]);
+        let (logged, ran) = log_len(RANK);
+        assert!(logged <= super::lazy_window() + 1, "{logged} entries kept");
+        assert_eq!(ran, 0);
+        let readers = super::LogReaders::new([RANK]);
+        chain(RANK, 9);
+        let log = super::take_log(RANK);
+        assert_eq!(
+            log.entries.len(),
+            10,
+            "the fill and 9 ops since the server started"
+        );
+        assert_eq!(log.ran.len(), 10);
+        chain(RANK, 5);
+        drop(readers);
+        assert_eq!(log_len(RANK), (0, 0), "nothing queued, nothing kept");
     }
 
     #[test]

@@ -158,6 +158,9 @@ pub(super) struct Session<I: Backend> {
     pub(super) device: Vec<DeviceCounts>,
     /// By rank: what its steps measured (locked briefly, never while forcing a tensor).
     pub(super) clocks: Vec<Mutex<StepClock>>,
+    /// This process's ranks, whose recorders keep a log of their ops for this server's sync
+    /// points while it lives.
+    pub(super) _logs: super::lazy::LogReaders,
 }
 
 /// A rank's device work so far (the device fields of [`SyncStats`]).

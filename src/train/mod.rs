@@ -32,6 +32,7 @@ use crate::passes::{CompileError, compile};
 use crate::trace::TraceSpan;
 
 mod compare;
+pub mod memory;
 mod nets;
 pub mod overhead;
 

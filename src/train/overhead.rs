@@ -131,6 +131,11 @@ impl StepRow {
         }
     }
 
+    /// Runs one step of this row: where its wall time went.
+    pub fn run_step(&mut self) -> StepPhases {
+        (self.step)()
+    }
+
     /// This row with the lazy recorder's window ([`set_lazy_window`]) at `ops` during each of
     /// its steps, and the window it found put back after.
     ///
@@ -222,7 +227,7 @@ impl StepTable {
                 let before = last.then(|| lazy_stats(0));
                 // The hooks' times are summed over the timed rounds only.
                 let hooks_before = (round >= warmup).then(|| hook_times(0));
-                let step = (row.step)();
+                let step = row.run_step();
                 if let Some(before) = before {
                     *l = lazy_stats(0).since(&before);
                 }
