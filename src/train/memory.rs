@@ -12,8 +12,10 @@
 //! (`benches/memory.rs`) and the GPU check (`tests/gpu.rs`) print their tables with it.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
@@ -348,7 +350,8 @@ pub struct MemoryTable {
 impl MemoryTable {
     /// Runs every row of `rows` in the child process `child` makes for it (a command that runs
     /// this binary's memory child with [`MEMORY_CHILD`] set to the row's name, which this adds),
-    /// and collects what each printed.
+    /// and collects what each printed; a child that runs past 15 minutes is killed, and its
+    /// row says so.
     pub fn in_children(
         title: &str,
         rows: &[MemoryRow],
@@ -358,9 +361,10 @@ impl MemoryTable {
         let rows = rows
             .iter()
             .map(|&row| {
-                let out = child(row).env(MEMORY_CHILD, row.name()).output();
-                let reading = match out {
-                    Err(e) => Err(format!("the child did not start: {e}")),
+                let mut cmd = child(row);
+                cmd.env(MEMORY_CHILD, row.name());
+                let reading = match output_within(cmd, CHILD_LIMIT) {
+                    Err(e) => Err(e),
                     Ok(out) => {
                         let stdout = String::from_utf8_lossy(&out.stdout);
                         StepMemory::from_output(&stdout).ok_or_else(|| {
@@ -383,6 +387,65 @@ impl MemoryTable {
             steps,
         }
     }
+}
+
+/// How long a memory child may run before it is killed (a wide model's steps on a software
+/// GPU take minutes).
+const CHILD_LIMIT: Duration = Duration::from_secs(900);
+
+/// What `cmd` printed and how it ended, or why it has no result: it did not start, or ran past
+/// `limit` and was killed.
+fn output_within(mut cmd: Command, limit: Duration) -> Result<Output, String> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("the child did not start: {e}"))?;
+    // Read on threads of their own, so that a child that fills a pipe does not stall.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut p) = pipe {
+                // A pipe that fails to read gives what was read so far.
+                let _ = p.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(None) => {
+                // Killed and reaped; an error here means it ended meanwhile.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("the child ran past {limit:?} and was killed"));
+            }
+            Err(e) => return Err(format!("waiting for the child failed: {e}")),
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -474,6 +537,27 @@ mod tests {
                 peak: 30,
                 between_steps: 5
             }
+        );
+    }
+
+    #[test]
+    fn a_child_past_its_limit_is_killed_and_one_within_it_is_read() {
+        let mut sleeper = Command::new("sleep");
+        sleeper.arg("30");
+        let started = Instant::now();
+        let e = output_within(sleeper, Duration::from_millis(200)).unwrap_err();
+        assert!(e.contains("ran past"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let mut echo = Command::new("echo");
+        echo.arg("step memory: peak 7 bytes, between steps 3 bytes");
+        let out = output_within(echo, Duration::from_secs(60)).unwrap();
+        let m = StepMemory::from_output(&String::from_utf8_lossy(&out.stdout));
+        assert_eq!(
+            m,
+            Some(StepMemory {
+                peak: 7,
+                between_steps: 3
+            })
         );
     }
 
