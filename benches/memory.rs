@@ -8,9 +8,11 @@
 //! here; no `Autodiff<NdArray>` row, see `benches/step.rs`), Burn's default wgpu backend
 //! (`burn_wgpu::Wgpu`, fusion on; CubeCL's memory pools, Mesa's software Vulkan on a machine
 //! without a GPU), skipped without an adapter, and with `--features cuda` on a machine with a GPU
-//! Burn's CUDA backend with GPU-sized models. Run with `cargo bench --bench memory` (`-- STEPS`
-//! for another number of measured steps than 3; `-- STEPS WORD` for the models whose name
-//! contains WORD).
+//! Burn's CUDA backend with GPU-sized models. A device row runs 3 times (its pools reserve pages
+//! in an order that moves from one process to the next), a host row once. Run with
+//! `cargo bench --bench memory` (`-- STEPS` for another number of measured steps than 3;
+//! `-- STEPS WORD` for the models whose name contains WORD; `-- STEPS WORD RUNS` for another
+//! number of runs of a device row).
 
 mod common;
 
@@ -94,15 +96,22 @@ fn child(row: &str) {
     println!("{m}");
 }
 
-/// Every selected model's table on `backend` (`label` in the titles).
-fn tables(backend: &str, label: &str, rows: &[MemoryRow], steps: usize, only: Option<&str>) {
+/// Every selected model's table on `backend` (`label` in the titles), each row run `runs`
+/// times.
+fn tables(
+    backend: &str,
+    label: &str,
+    rows: &[MemoryRow],
+    (steps, runs): (usize, usize),
+    only: Option<&str>,
+) {
     let exe = std::env::current_exe().expect("this bench binary");
     for (index, (name, _, batch)) in overhead_models(backend == "cuda").into_iter().enumerate() {
         if only.is_some_and(|o| !name.contains(o)) {
             continue;
         }
         let title = format!("{label} · {name}, batch {batch}");
-        let table = MemoryTable::in_children(&title, rows, (WARMUP, steps), |_| {
+        let table = MemoryTable::in_children(&title, rows, (WARMUP, steps), runs, |_| {
             let mut c = Command::new(&exe);
             c.env(BACKEND, backend)
                 .env(MODEL, index.to_string())
@@ -125,19 +134,27 @@ fn main() {
         .collect();
     let steps: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(3);
     let only = args.get(1).map(String::as_str);
+    let runs: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(3);
     println!(
         "what one training step holds in memory on one rank; ratios to each table's first row"
     );
     let collective = &MemoryRow::ALL[1..];
-    tables("ndarray", "NdArray (host heap)", collective, steps, only);
+    // The host heap's count is the same in every run; a device's pools are not.
+    tables(
+        "ndarray",
+        "NdArray (host heap)",
+        collective,
+        (steps, 1),
+        only,
+    );
     let wd = burn_wgpu::WgpuDevice::DefaultDevice;
     if common::wgpu_adapter(&wd, "wgpu") {
         let label = "burn_wgpu::Wgpu (fusion on; CubeCL's pools)";
-        tables("wgpu", label, &MemoryRow::ALL, steps, only);
+        tables("wgpu", label, &MemoryRow::ALL, (steps, runs), only);
     }
     #[cfg(feature = "cuda")]
     if collective_fusion::runtime::nccl::device_count() > 0 {
         let label = "burn_cuda::Cuda (fusion on; CubeCL's pools)";
-        tables("cuda", label, &MemoryRow::ALL, steps, only);
+        tables("cuda", label, &MemoryRow::ALL, (steps, runs), only);
     }
 }

@@ -5,9 +5,11 @@
 # path, NCCL through the rendezvous, CUDA gradients reduced in place, fused and unfused
 # `Collective<Cuda>` training; the pack-bandwidth, overlap and lazy-layer overhead benches print
 # their tables), a two-process rendezvous sharing a real NCCL id, and `Collective<Cuda>`
-# training through the CLI over NCCL. Logs go to $OUT (default: out/ beside this script); the last lines are one
+# training through the CLI over NCCL, then what a training step holds in device memory (each
+# configuration in a child process). Logs go to $OUT (default: out/ beside this script); the last lines are one
 # summary.
-# Usage: bash .gpu/run.sh   (under 5 minutes on one H200)
+# Usage: bash .gpu/run.sh   (under 5 minutes on one H200 before the memory bench, which is
+# bounded by CF_GPU_MEMORY_TIMEOUT, 180 s by default)
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -49,9 +51,12 @@ stamp() {
     printf '%5d.%d %s\n' $((t / 10)) $((t % 10)) "$line"
   done
 }
-# CF_GPU_TESTS_FILTER runs only the tests whose names hold it (libtest's filter).
+# CF_GPU_TESTS_FILTER runs only the tests whose names hold it (libtest's filter). The memory
+# bench runs last, on its own (below): a child process per row, so a slow one costs only its
+# own table.
+memory_bench=bench_what_a_training_step_holds_in_device_memory
 timeout "${CF_GPU_TESTS_TIMEOUT:-300}" bin/gpu-tests ${CF_GPU_TESTS_FILTER:-} --nocapture \
-  --test-threads=1 2>&1 \
+  --test-threads=1 --skip "$memory_bench" 2>&1 \
   | stamp > "$OUT/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 grep -E "^ *[0-9]+\.[0-9] test |test result|SKIPPED|panicked|in a child process" "$OUT/gpu-tests.log" \
@@ -80,6 +85,14 @@ record "run --backend cuda --transport nccl --bucket-view" "exit $?"
 timeout 120 "$bin" run --backend cuda --transport nccl-local --world 1 --steps 3 --batch 8 \
   > "$OUT/run-nccl-local.log" 2>&1
 record "run --backend cuda --transport nccl-local" "exit $?"
+
+# What a training step holds in device memory: Burn alone, the lazy layer, marked, the plan run
+# with copies and with bucket views, each row in a child process.
+timeout "${CF_GPU_MEMORY_TIMEOUT:-180}" bin/gpu-tests "training::$memory_bench" --exact --nocapture 2>&1 \
+  | stamp > "$OUT/memory.log"
+rc=${PIPESTATUS[0]}
+grep -E "memory ·|peak" "$OUT/memory.log" | tee "$OUT/memory.txt"
+record "memory bench" "exit $rc"
 
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

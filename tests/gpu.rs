@@ -1078,7 +1078,7 @@ mod training {
         let models = collective_fusion::train::overhead::overhead_models(true);
         for (index, (name, _, batch)) in models.into_iter().enumerate() {
             let title = format!("memory · {name}, batch {batch}");
-            let table = MemoryTable::in_children(&title, &MemoryRow::ALL, (3, 5), |_| {
+            let table = MemoryTable::in_children(&title, &MemoryRow::ALL, (3, 5), 2, |_| {
                 let mut c = std::process::Command::new(&exe);
                 c.args(["--exact", "training::memory_child", "--nocapture"])
                     .env(MEMORY_MODEL, index.to_string());

@@ -50,7 +50,7 @@ fn memory_child() {
 fn readings(steps: usize) -> Vec<(MemoryRow, StepMemory)> {
     let exe = std::env::current_exe().expect("this test binary");
     let rows = &MemoryRow::ALL[1..];
-    let table = MemoryTable::in_children("tiny mlp", rows, (3, steps), |_| {
+    let table = MemoryTable::in_children("tiny mlp", rows, (3, steps), 1, |_| {
         let mut c = std::process::Command::new(&exe);
         c.args(["--exact", "memory_child", "--nocapture"])
             .env(STEPS, steps.to_string());
@@ -60,7 +60,10 @@ fn readings(steps: usize) -> Vec<(MemoryRow, StepMemory)> {
     table
         .rows
         .into_iter()
-        .map(|(row, m)| (row, m.unwrap_or_else(|e| panic!("{}: {e}", row.label()))))
+        .map(|(row, mut runs)| {
+            let m = runs.remove(0);
+            (row, m.unwrap_or_else(|e| panic!("{}: {e}", row.label())))
+        })
         .collect()
 }
 

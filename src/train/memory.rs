@@ -107,6 +107,19 @@ pub trait MemoryProbe {
 pub struct CubeProbe<R: cubecl::Runtime>(pub cubecl::client::ComputeClient<R>);
 
 impl<R: cubecl::Runtime> MemoryProbe for CubeProbe<R> {
+    /// Waits for the device, then has the pools give back every page nothing uses: what the
+    /// warm-up reserved for itself (autotuning's trial buffers, the kernels it compiled) does
+    /// not count in the measured steps' peak, which then is what those steps reserve again.
+    fn reset(&mut self) {
+        if let Err(e) = cubecl::future::block_on(self.0.sync()) {
+            panic!("waiting for the device before reading its memory failed: {e:?}");
+        }
+        self.0.memory_cleanup();
+        if let Err(e) = cubecl::future::block_on(self.0.sync()) {
+            panic!("waiting for the device's memory cleanup failed: {e:?}");
+        }
+    }
+
     fn sample(&mut self) -> MemorySample {
         // In a memory child, whose parent prints the panic's message in the row.
         let u = self
@@ -341,8 +354,8 @@ pub fn measure_collective<I: Backend>(
 pub struct MemoryTable {
     /// What was measured (model, batch, backend).
     pub title: String,
-    /// The rows, each with its reading or why there is none.
-    pub rows: Vec<(MemoryRow, Result<StepMemory, String>)>,
+    /// The rows, each with the reading of every run (or why it has none).
+    pub rows: Vec<(MemoryRow, Vec<Result<StepMemory, String>>)>,
     /// Untimed steps before the measured ones, and measured steps, per row.
     pub steps: (usize, usize),
 }
@@ -350,35 +363,39 @@ pub struct MemoryTable {
 impl MemoryTable {
     /// Runs every row of `rows` in the child process `child` makes for it (a command that runs
     /// this binary's memory child with [`MEMORY_CHILD`] set to the row's name, which this adds),
-    /// and collects what each printed; a child that runs past 15 minutes is killed, and its
-    /// row says so.
+    /// `runs` times, and collects what each printed; a child that runs past 15 minutes is
+    /// killed, and its row says so. (A device's pools reserve pages in an order that moves
+    /// from one process to the next, so a device row's peak is worth a few runs; the host
+    /// heap's count is the same each time.)
     pub fn in_children(
         title: &str,
         rows: &[MemoryRow],
         steps: (usize, usize),
+        runs: usize,
         mut child: impl FnMut(MemoryRow) -> Command,
     ) -> MemoryTable {
+        let one = |row: MemoryRow, child: &mut dyn FnMut(MemoryRow) -> Command| {
+            let mut cmd = child(row);
+            cmd.env(MEMORY_CHILD, row.name());
+            let out = output_within(cmd, CHILD_LIMIT)?;
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            StepMemory::from_output(&stdout).ok_or_else(|| {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+                format!(
+                    "the child printed no reading ({}): {}",
+                    out.status,
+                    last.unwrap_or("")
+                )
+            })
+        };
         let rows = rows
             .iter()
             .map(|&row| {
-                let mut cmd = child(row);
-                cmd.env(MEMORY_CHILD, row.name());
-                let reading = match output_within(cmd, CHILD_LIMIT) {
-                    Err(e) => Err(e),
-                    Ok(out) => {
-                        let stdout = String::from_utf8_lossy(&out.stdout);
-                        StepMemory::from_output(&stdout).ok_or_else(|| {
-                            let stderr = String::from_utf8_lossy(&out.stderr);
-                            let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
-                            format!(
-                                "the child printed no reading ({}): {}",
-                                out.status,
-                                last.unwrap_or("")
-                            )
-                        })
-                    }
-                };
-                (row, reading)
+                (
+                    row,
+                    (0..runs.max(1)).map(|_| one(row, &mut child)).collect(),
+                )
             })
             .collect();
         MemoryTable {
@@ -448,13 +465,28 @@ fn output_within(mut cmd: Command, limit: Duration) -> Result<Output, String> {
     })
 }
 
+/// The highest peak and between-steps reading of `runs` with the lowest peak, or the first
+/// run's error.
+fn highest(runs: &[Result<StepMemory, String>]) -> Result<(StepMemory, u64), String> {
+    let mut out: Option<(StepMemory, u64)> = None;
+    for r in runs {
+        let m = r.as_ref().map_err(Clone::clone)?;
+        let (hi, lo) = out.get_or_insert((*m, m.peak));
+        hi.peak = hi.peak.max(m.peak);
+        hi.between_steps = hi.between_steps.max(m.between_steps);
+        *lo = (*lo).min(m.peak);
+    }
+    out.ok_or_else(|| "no run".to_string())
+}
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
 }
 
 impl std::fmt::Display for MemoryTable {
-    /// The title, then a line per row: the peak in MiB with its ratio to the first row's and
-    /// the difference, then the same for what the step holds between steps.
+    /// The title, then a line per row: the peak in MiB (the highest of the row's runs) with its
+    /// ratio to the first row's and the difference, then the same for what the step holds
+    /// between steps; and where the runs' peaks differ, their range.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (warmup, steps) = self.steps;
         writeln!(
@@ -462,16 +494,18 @@ impl std::fmt::Display for MemoryTable {
             "{} (each row in its own process; {steps} steps after {warmup} warm-up)",
             self.title
         )?;
-        let first = self.rows.first().and_then(|r| r.1.as_ref().ok()).copied();
-        for (row, reading) in &self.rows {
+        let first = self.rows.first().and_then(|r| highest(&r.1).ok());
+        let first = first.map(|(m, _)| m);
+        for (row, runs) in &self.rows {
             write!(f, "  {:<30}", row.label())?;
-            let m = match reading {
+            let (m, lowest) = match highest(runs) {
                 Ok(m) => m,
                 Err(e) => {
                     writeln!(f, " no reading: {e}")?;
                     continue;
                 }
             };
+            let m = &m;
             for (what, v, base) in [
                 ("peak", m.peak, first.map(|b| b.peak)),
                 (
@@ -485,6 +519,15 @@ impl std::fmt::Display for MemoryTable {
                     let diff = mib(v) - mib(b);
                     write!(f, " {:>5.2}x ({diff:+.2})", v as f64 / b as f64)?;
                 }
+            }
+            if lowest != m.peak {
+                let n = runs.len();
+                write!(
+                    f,
+                    "; peaks of {n} runs {:.2}–{:.2}",
+                    mib(lowest),
+                    mib(m.peak)
+                )?;
             }
             writeln!(f)?;
         }
@@ -584,19 +627,31 @@ mod tests {
             rows: vec![
                 (
                     MemoryRow::Alone,
-                    Ok(StepMemory {
+                    vec![Ok(StepMemory {
                         peak: 100 * mib,
                         between_steps: 10 * mib,
-                    }),
+                    })],
                 ),
                 (
                     MemoryRow::PlanRun,
-                    Ok(StepMemory {
-                        peak: 150 * mib,
-                        between_steps: 10 * mib,
-                    }),
+                    vec![
+                        Ok(StepMemory {
+                            peak: 120 * mib,
+                            between_steps: 10 * mib,
+                        }),
+                        Ok(StepMemory {
+                            peak: 150 * mib,
+                            between_steps: 10 * mib,
+                        }),
+                    ],
                 ),
-                (MemoryRow::Sync, Err("the child printed no reading".into())),
+                (
+                    MemoryRow::Sync,
+                    vec![
+                        Ok(StepMemory::default()),
+                        Err("the child printed no reading".into()),
+                    ],
+                ),
             ],
             steps: (2, 3),
         };
@@ -609,8 +664,8 @@ mod tests {
             "{text}"
         );
         assert!(
-            lines[2].contains(
-                "peak    150.00 MiB  1.50x (+50.00)  between steps     10.00 MiB  1.00x (+0.00)"
+            lines[2].ends_with(
+                "peak    150.00 MiB  1.50x (+50.00)  between steps     10.00 MiB  1.00x (+0.00); peaks of 2 runs 120.00–150.00"
             ),
             "{text}"
         );
