@@ -169,20 +169,20 @@ mod tests {
     use crate::graph::builder::{BuildOptions, build_step_graph};
     use crate::model::ModelProfile;
 
+    /// ResNet-50's step graph on `world` ranks.
+    fn step(world: u32) -> Graph {
+        let profile = ModelProfile::load("resnet50").unwrap();
+        let options = BuildOptions {
+            world,
+            ..BuildOptions::default()
+        };
+        build_step_graph(&profile, &options)
+    }
+
     /// Past its capacity the cache drops the plan used least recently, and compiles it again
     /// when it comes back.
     #[test]
     fn a_full_cache_drops_its_least_recently_used_plan() {
-        let profile = ModelProfile::load("resnet50").unwrap();
-        let step = |world| {
-            build_step_graph(
-                &profile,
-                &BuildOptions {
-                    world,
-                    ..BuildOptions::default()
-                },
-            )
-        };
         let config = CompileConfig::default();
         let (two, four, eight) = (step(2), step(4), step(8));
         let mut cache = PlanCache::with_capacity(2);
@@ -217,16 +217,6 @@ mod tests {
 
     #[test]
     fn a_key_compares_the_structure_and_the_config_not_their_hash() {
-        let profile = ModelProfile::load("resnet50").unwrap();
-        let step = |world| {
-            build_step_graph(
-                &profile,
-                &BuildOptions {
-                    world,
-                    ..BuildOptions::default()
-                },
-            )
-        };
         let config = CompileConfig::default();
         let a = PlanKey::new(&step(8), &config).unwrap();
         assert_eq!(a, PlanKey::new(&step(8), &config).unwrap());
