@@ -458,6 +458,18 @@ impl Recorder {
             None => 0,
         };
         if q.readers == 0 {
+            // Nodes dropped before their turn would be skipped when their turn came; at the
+            // front of the queue they would hold the log below from another thread that
+            // never comes back (a worker that made tensors and ended), so they go now.
+            let dead = q
+                .pending
+                .iter()
+                .take_while(|p| p.node.strong_count() == 0)
+                .count();
+            if dead > 0 {
+                q.take_first(dead);
+                q.stats.skipped += dead as u64;
+            }
             // Nobody takes this log: what the dependency walks of `run_until` and
             // `run_producers` read is the entries of queued nodes, the oldest queued first.
             let oldest = q.pending.front().map_or(seq, |p| p.seq);
@@ -706,6 +718,28 @@ mod tests {
         chain(RANK, 5);
         drop(readers);
         assert_eq!(log_len(RANK), (0, 0), "nothing queued, nothing kept");
+    }
+
+    /// Ops another thread recorded and dropped unread (a worker that made tensors and ended)
+    /// do not keep a rank no server reads logging from them on.
+    #[test]
+    fn ops_a_finished_thread_dropped_unread_do_not_hold_the_log() {
+        const RANK: u32 = 4089;
+        std::thread::spawn(|| {
+            let clones = Arc::new(AtomicUsize::new(0));
+            let t = CTensor::lazy(RANK, record("fill", []), || Buf(vec![1.0; 4], clones));
+            drop(CTensor::lazy(
+                RANK,
+                record("double", [t.input()]),
+                move || t.into_inner(),
+            ));
+        })
+        .join()
+        .unwrap();
+        chain(RANK, 1_000);
+        let (logged, _) = log_len(RANK);
+        assert!(logged <= super::lazy_window() + 1, "{logged} entries kept");
+        assert_eq!(super::lazy_stats(RANK).skipped, 2);
     }
 
     #[test]
