@@ -39,11 +39,6 @@ const MODEL: &str = "CF_MEMORY_MODEL";
 /// How many steps a child measures.
 const STEPS: &str = "CF_MEMORY_STEPS";
 
-/// The options every row starts from.
-fn opts() -> CollectiveOptions {
-    CollectiveOptions::default()
-}
-
 /// One child's row: prints its reading for the parent.
 fn child(row: &str) {
     let row = MemoryRow::from_name(row).unwrap_or_else(|| panic!("no memory row named {row:?}"));
@@ -64,7 +59,7 @@ fn child(row: &str) {
             let d = burn_ndarray::NdArrayDevice::Cpu;
             measure_collective::<burn_ndarray::NdArray>(
                 row,
-                opts(),
+                CollectiveOptions::default(),
                 d,
                 model,
                 batch,
@@ -76,7 +71,15 @@ fn child(row: &str) {
             use cubecl::Runtime;
             let d = burn_wgpu::WgpuDevice::DefaultDevice;
             let mut probe = CubeProbe(cubecl::wgpu::WgpuRuntime::client(&d));
-            measure_row::<burn_wgpu::Wgpu>(row, opts(), d, model, batch, steps, &mut probe)
+            measure_row::<burn_wgpu::Wgpu>(
+                row,
+                CollectiveOptions::default(),
+                d,
+                model,
+                batch,
+                steps,
+                &mut probe,
+            )
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
@@ -87,7 +90,7 @@ fn child(row: &str) {
             // place on the device.
             let options = CollectiveOptions {
                 transport: Transport::NcclLocal,
-                ..opts()
+                ..CollectiveOptions::default()
             };
             measure_row::<burn_cuda::Cuda>(row, options, d, model, batch, steps, &mut probe)
         }

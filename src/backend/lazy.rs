@@ -205,6 +205,20 @@ impl Queue {
         Some(found)
     }
 
+    /// Drops the log's entries of nodes older than the oldest queued one (all of them when
+    /// none is queued): what a rank nobody reads keeps is what the dependency walks of
+    /// `run_until` and `run_producers` read, the entries of queued nodes.
+    fn forget_unqueued(&mut self) {
+        let oldest = self.pending.front().map(|p| p.seq);
+        while self
+            .log
+            .front()
+            .is_some_and(|e| oldest.is_none_or(|o| e.seq < o))
+        {
+            self.log.pop_front();
+        }
+    }
+
     /// Takes the queued nodes in `set` off the queue, oldest first.
     fn take(&mut self, set: &hashbrown::HashSet<u64>) -> Vec<Queued> {
         let (picked, kept): (VecDeque<Queued>, VecDeque<Queued>) =
@@ -470,12 +484,7 @@ impl Recorder {
                 q.take_first(dead);
                 q.stats.skipped += dead as u64;
             }
-            // Nobody takes this log: what the dependency walks of `run_until` and
-            // `run_producers` read is the entries of queued nodes, the oldest queued first.
-            let oldest = q.pending.front().map_or(seq, |p| p.seq);
-            while q.log.front().is_some_and(|e| e.seq < oldest) {
-                q.log.pop_front();
-            }
+            q.forget_unqueued();
         }
         if q.log.len() == MAX_LOG {
             q.log.pop_front();
@@ -527,8 +536,7 @@ impl LogReaders {
             let mut q = lock(&recorder(r).queue);
             if q.readers == 0 {
                 // What the rank recorded before: no step of this server's.
-                let oldest = q.pending.front().map(|p| p.seq);
-                q.log.retain(|e| oldest.is_some_and(|o| e.seq >= o));
+                q.forget_unqueued();
                 q.ran.clear();
             }
             q.readers += 1;
@@ -543,8 +551,7 @@ impl Drop for LogReaders {
             let mut q = lock(&recorder(r).queue);
             q.readers -= 1;
             if q.readers == 0 {
-                let oldest = q.pending.front().map(|p| p.seq);
-                q.log.retain(|e| oldest.is_some_and(|o| e.seq >= o));
+                q.forget_unqueued();
                 q.log.shrink_to_fit();
                 q.ran = VecDeque::new();
             }
