@@ -11,15 +11,17 @@
 use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
-use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator, DeviceLaunch, PendingReduce};
-use super::grad::{DeviceBucket, DeviceGrad, Grad, Packed, WholeGrad};
+use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator};
+use super::grad::{DeviceGrad, Grad, Packed};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
-use crate::graph::DType;
 use crate::trace::SpanKind;
 
 mod check;
+mod launch;
 use check::{check_grads, check_plan, check_slot};
+pub use launch::UserAllReduce;
+use launch::{InFlight, Pending, desc_of, launch_slots};
 
 /// Why a plan could not run.
 #[derive(Debug, thiserror::Error)]
@@ -151,73 +153,6 @@ pub struct CollectiveTiming {
     pub wait_start: Instant,
     /// See `wait_start`.
     pub wait_end: Instant,
-}
-
-fn desc_of(
-    plan: &Plan,
-    c: &PlanCollective,
-    count: u64,
-    dtype: DType,
-    slots: &[u32],
-) -> CollectiveDesc {
-    CollectiveDesc {
-        collective: c.id,
-        bucket: c.bucket,
-        op: c.op,
-        dtype,
-        count,
-        params: slots
-            .iter()
-            .map(|s| plan.slots[*s as usize].param.clone())
-            .collect(),
-    }
-}
-
-enum InFlight {
-    /// One packed bucket.
-    Bucket(Pending),
-    /// One call per slot.
-    Slots(Vec<(u32, Pending)>),
-}
-
-/// One all-reduce in flight: of host memory, or in place in device memory.
-enum Pending {
-    Host(PendingReduce),
-    Device(PendingReduce<Box<dyn DeviceBucket>>),
-}
-
-impl Pending {
-    /// Enqueues the all-reduce of `buf`: a device bucket goes to the communicator in place when
-    /// it reduces that memory; otherwise the communicator reads it into host memory on its own
-    /// thread ([`Communicator::all_reduce_read`]), so this one goes on.
-    fn launch(
-        comm: &dyn Communicator,
-        buf: Packed,
-        what: CollectiveDesc,
-        report: &mut ExecReport,
-    ) -> Result<Self, ExecError> {
-        let bucket = match buf {
-            Packed::Host(b) => return Ok(Pending::Host(comm.all_reduce(b, what)?)),
-            Packed::Device(bucket) => bucket,
-        };
-        match comm.all_reduce_device(bucket, what.clone())? {
-            DeviceLaunch::Launched(p) => {
-                report.device_collectives += 1;
-                Ok(Pending::Device(p))
-            }
-            // Read into host memory on the communicator's thread, not this one.
-            DeviceLaunch::Declined(bucket) => {
-                Ok(Pending::Host(comm.all_reduce_read(bucket, what)?))
-            }
-        }
-    }
-
-    fn wait(self, bound: Duration) -> Result<(Packed, CommSpan), CommError> {
-        match self {
-            Pending::Host(p) => p.wait(bound).map(|(b, s)| (Packed::Host(b), s)),
-            Pending::Device(p) => p.wait(bound).map(|(b, s)| (Packed::Device(b), s)),
-        }
-    }
 }
 
 /// Bucket buffers kept from one step to the next, so a steady-state step allocates nothing.
@@ -715,76 +650,6 @@ impl Execution {
             }
         }
         Ok(())
-    }
-}
-
-/// Enqueues one all-reduce per slot of an unpacked collective. A device gradient goes to a
-/// communicator that reduces device memory as a copy (its buffer may be shared), else to the
-/// communicator to read into host memory on its own thread.
-fn launch_slots(
-    plan: &Plan,
-    c: &PlanCollective,
-    comm: &dyn Communicator,
-    grads: &mut [Grad],
-    report: &mut ExecReport,
-    rank: usize,
-) -> Result<Vec<(u32, Pending)>, ExecError> {
-    let mut calls = Vec::with_capacity(c.slots.len());
-    for s in &c.slots {
-        let g = std::mem::take(&mut grads[*s as usize]);
-        let buf = whole(comm, g, rank)?;
-        let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &[*s]);
-        calls.push((*s, Pending::launch(comm, buf, what, report)?));
-    }
-    Ok(calls)
-}
-
-/// A gradient with an all-reduce of its own, as the communicator takes it: a copy of it as a
-/// bucket where the communicator reduces device memory in place; else a device gradient is
-/// read on the communicator's thread, as a declined bucket of one.
-fn whole(comm: &dyn Communicator, g: Grad, rank: usize) -> Result<Packed, ExecError> {
-    let copy = match g.device() {
-        Some(d) if comm.reduces_device_memory() => d
-            .copy_to_bucket()
-            .map_err(|source| ExecError::Kernel { rank, source })?,
-        _ => None,
-    };
-    Ok(match (copy, g) {
-        (Some(bucket), _) => Packed::Device(bucket),
-        (None, Grad::Device(d)) => Packed::Device(Box::new(WholeGrad(d))),
-        (None, Grad::Host(b)) => Packed::Host(b),
-    })
-}
-
-/// One all-reduce of a whole tensor outside any plan (a user's `all_reduce`), in flight on the
-/// communicator's stream: enqueued in program order, waited for when its value is needed.
-pub struct UserAllReduce(Pending);
-
-impl UserAllReduce {
-    /// Enqueues the all-reduce of `g` as `what` (device memory in place where the communicator
-    /// reduces it, else read on its thread); returns at once.
-    pub fn launch(
-        comm: &dyn Communicator,
-        g: Grad,
-        what: CollectiveDesc,
-    ) -> Result<Self, ExecError> {
-        let rank = comm.rank();
-        let buf = whole(comm, g, rank)?;
-        let mut report = ExecReport::default();
-        Ok(UserAllReduce(Pending::launch(
-            comm,
-            buf,
-            what,
-            &mut report,
-        )?))
-    }
-
-    /// Waits for the reduced tensor, at most `bound`.
-    pub fn wait(self, bound: Duration) -> Result<Grad, CommError> {
-        Ok(match self.0.wait(bound)?.0 {
-            Packed::Host(b) => Grad::Host(b),
-            Packed::Device(b) => Grad::Device(b.into_grad()),
-        })
     }
 }
 
