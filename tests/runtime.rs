@@ -764,3 +764,254 @@ fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
         assert!(a.bits_eq(b), "slot {i} changed");
     }
 }
+
+/// Seven gradients (one with no elements) in buckets of at most 16 KiB under DDP.
+fn small_buckets() -> Plan {
+    use collective_fusion::graph::parse::parse;
+    let text = common::chain(&[
+        common::G("a", "f32[1500]", "mean", "g0"),
+        common::G("b", "f32[700]", "mean", "g0"),
+        common::G("c", "f32[0]", "mean", "g0"),
+        common::G("d", "f32[3000]", "mean", "g0"),
+        common::G("e", "f32[40,30]", "mean", "g0"),
+        common::G("f", "f32[900]", "mean", "g0"),
+        common::G("g", "f32[2500]", "mean", "g0"),
+    ]);
+    let mut g = parse(&text).unwrap();
+    compile(&mut g, &config(bucket(Ddp, 16 * 1024, 16 * 1024), true)).unwrap();
+    lower(&g).unwrap()
+}
+
+/// An execution whose unpacks are deferred ([`Execution::defer_unpacks`], the backend's
+/// hand-back) lets each host bucket's member copies go once the bucket is launched, leaves every
+/// packed collective's unpack to the caller, refuses to finish before they are done or to
+/// unpack one twice, and ends with the same bits as the eager run.
+#[test]
+fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
+    use collective_fusion::runtime::Grad;
+    use collective_fusion::runtime::exec::{Execution, Workspace};
+    let plan = small_buckets();
+    let packed: Vec<u32> = plan
+        .collectives
+        .iter()
+        .filter(|c| c.packed)
+        .map(|c| c.id)
+        .collect();
+    assert!(packed.len() > 1, "several buckets: {:?}", plan.collectives);
+    let ins = inputs(&plan, 11);
+    let eager = run_in_process(&plan, ins.clone(), ExecOptions::default()).unwrap();
+    let opts = ExecOptions::default();
+    let comms = InProcessGroup::ranks(WORLD as usize, opts.timeout);
+    let deferred: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(ins)
+            .map(|(comm, g)| {
+                let (plan, packed) = (&plan, &packed);
+                s.spawn(move || {
+                    let mut grads: Vec<Grad> = g.into_iter().map(Grad::Host).collect();
+                    let mut ws = Workspace::default();
+                    let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
+                    ex.defer_unpacks();
+                    let ready = vec![true; plan.slots.len()];
+                    // To the first wait: every bucket launched so far has let its members go.
+                    ex.run(
+                        plan,
+                        comm,
+                        &mut grads,
+                        &ready,
+                        &mut NoHooks,
+                        opts,
+                        &mut ws,
+                        false,
+                    )
+                    .unwrap();
+                    let first = plan.collectives[packed[0] as usize].slots.clone();
+                    for slot in &first {
+                        let Grad::Host(b) = &grads[*slot as usize] else {
+                            panic!("a host gradient")
+                        };
+                        assert!(b.is_empty(), "slot {slot} kept its copy past the launch");
+                    }
+                    ex.run(
+                        plan,
+                        comm,
+                        &mut grads,
+                        &ready,
+                        &mut NoHooks,
+                        opts,
+                        &mut ws,
+                        true,
+                    )
+                    .unwrap();
+                    assert!(ex.is_done());
+                    assert_eq!(ex.deferred(), &packed[..], "every packed unpack deferred");
+                    for c in packed.iter().rev() {
+                        ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c)
+                            .unwrap();
+                    }
+                    let again = ex.unpack(plan, comm, &mut grads, opts, &mut ws, packed[0]);
+                    let err = again.expect_err("a second unpack").to_string();
+                    assert!(err.contains(&format!("collective #{}", packed[0])), "{err}");
+                    ex.finish().unwrap();
+                    grads
+                        .into_iter()
+                        .map(|g| g.into_host().unwrap())
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (got, (want, _))) in deferred.iter().zip(&eager).enumerate() {
+        for (slot, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(a.bits_eq(b), "rank {r}, {}", plan.slots[slot].param);
+        }
+    }
+}
+
+/// An execution that defers its unpacks does not finish before the caller did them.
+#[test]
+fn an_execution_with_unpacks_left_does_not_finish() {
+    use collective_fusion::runtime::Grad;
+    use collective_fusion::runtime::exec::{Execution, Workspace};
+    let plan = on_group_of(&small_buckets(), 1);
+    let comms = InProcessGroup::ranks(1, Duration::from_secs(10));
+    let opts = ExecOptions::default();
+    let mut grads: Vec<Grad> = seeded_gradients(&plan, 0, 3)
+        .into_iter()
+        .map(Grad::Host)
+        .collect();
+    let mut ws = Workspace::default();
+    let mut ex = Execution::new(&plan, &comms[0], &mut ws, opts).unwrap();
+    ex.defer_unpacks();
+    let ready = vec![true; plan.slots.len()];
+    ex.run(
+        &plan,
+        &comms[0],
+        &mut grads,
+        &ready,
+        &mut NoHooks,
+        opts,
+        &mut ws,
+        true,
+    )
+    .unwrap();
+    let first = *ex.deferred().first().expect("a deferred unpack");
+    let err = ex.finish().expect_err("unpacks left").to_string();
+    assert!(
+        err.contains(&format!("collective #{first} is never unpacked")),
+        "{err}"
+    );
+}
+
+/// A step that stops following its plan (`drain`) gives back, exactly as they arrived, the
+/// gradients it copied into buckets it never launched; those of launched buckets come back
+/// reduced.
+#[test]
+fn a_drained_execution_gives_back_the_gradients_of_buckets_it_never_launched() {
+    use collective_fusion::runtime::Grad;
+    use collective_fusion::runtime::exec::{Execution, Workspace};
+    let plan = on_group_of(&small_buckets(), 1);
+    let comms = InProcessGroup::ranks(1, Duration::from_secs(10));
+    let opts = ExecOptions::default();
+    let given = seeded_gradients(&plan, 0, 7);
+    let mut grads: Vec<Grad> = given.iter().cloned().map(Grad::Host).collect();
+    let mut ws = Workspace::default();
+    let mut ex = Execution::new(&plan, &comms[0], &mut ws, opts).unwrap();
+    // Every gradient but the plan's last: the last bucket is never complete.
+    let last = plan
+        .compute
+        .iter()
+        .rev()
+        .find_map(|s| match s {
+            collective_fusion::codegen::plan::Step::Gradient { slot } => Some(*slot),
+            _ => None,
+        })
+        .unwrap();
+    let mut ready = vec![true; plan.slots.len()];
+    ready[last as usize] = false;
+    ex.run(
+        &plan,
+        &comms[0],
+        &mut grads,
+        &ready,
+        &mut NoHooks,
+        opts,
+        &mut ws,
+        false,
+    )
+    .unwrap();
+    let open = plan
+        .collectives
+        .iter()
+        .find(|c| c.slots.contains(&last))
+        .unwrap();
+    assert!(open.packed && open.slots.len() > 1, "{open:?}");
+    let copied: Vec<u32> = open.slots.iter().copied().filter(|s| *s != last).collect();
+    for s in &copied {
+        let Grad::Host(b) = &grads[*s as usize] else {
+            panic!("a host gradient")
+        };
+        assert!(
+            b.is_empty(),
+            "slot {s} was not copied into its bucket as it arrived"
+        );
+    }
+    let reduced = ex
+        .drain(&plan, &comms[0], &mut grads, opts, &mut ws)
+        .unwrap();
+    for s in &copied {
+        assert!(!reduced.contains(s));
+        let Grad::Host(b) = &grads[*s as usize] else {
+            panic!("a host gradient")
+        };
+        assert!(b.bits_eq(&given[*s as usize]), "slot {s} came back changed");
+    }
+    assert!(
+        !reduced.is_empty(),
+        "the complete buckets were launched and reduced"
+    );
+}
+
+/// A bucket filled as its members arrive (copied in, the rest packed, the copied ones scaled
+/// at the launch) is the bucket `pack` makes, bit for bit, for a mean over 3 ranks in every
+/// float dtype; a member of another dtype than the wire's (a bf16 bucket of f32 gradients) is
+/// not copied in.
+#[test]
+fn a_bucket_filled_as_its_members_arrive_is_packs_bucket() {
+    use collective_fusion::codegen::layout::BucketLayout;
+    use collective_fusion::graph::DType;
+    use collective_fusion::runtime::host;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let members: Vec<HostBuffer> = [5usize, 0, 17, 3]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let v: Vec<f64> = (0..*n)
+                    .map(|k| (k as f64 - 4.5) * 0.37 + i as f64)
+                    .collect();
+                HostBuffer::from_f64(dtype, &v).unwrap()
+            })
+            .collect();
+        let sizes: Vec<u64> = members.iter().map(|m| m.len() as u64).collect();
+        let layout = BucketLayout::of_sizes(&sizes, dtype, dtype, Some(3), 16);
+        let refs: Vec<&HostBuffer> = members.iter().collect();
+        let want = host::pack(&layout, &refs, Some(3)).unwrap();
+        let mut flat = HostBuffer::default();
+        for j in [2, 0] {
+            assert!(host::copies_in(&layout, j));
+            host::copy_member(&layout, j, &members[j], &mut flat).unwrap();
+            let back = host::copied_member(&layout, j, &flat).unwrap();
+            assert!(back.bits_eq(&members[j]), "{dtype}: member {j} read back");
+        }
+        let rest: Vec<Option<&HostBuffer>> = (0..members.len())
+            .map(|j| (j != 0 && j != 2).then_some(&members[j]))
+            .collect();
+        host::pack_rest(&layout, &rest, Some(3), &mut flat).unwrap();
+        host::scale_copied(&layout, &[0, 2], Some(3), &mut flat).unwrap();
+        assert!(flat.bits_eq(&want), "{dtype}");
+    }
+    let cast = BucketLayout::of_sizes(&[4, 6], DType::F32, DType::BF16, Some(2), 16);
+    assert!(!host::copies_in(&cast, 0));
+}

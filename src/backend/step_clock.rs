@@ -65,6 +65,14 @@ impl StepClock {
         now
     }
 
+    /// The hand-back began `d` later than [`StepClock::handback`] said: `d` of it was the
+    /// plan's own work (its unpacks), measured as such.
+    pub(super) fn handback_later(&mut self, d: std::time::Duration) {
+        if let Some(h) = &mut self.handback {
+            *h += d;
+        }
+    }
+
     /// The backward pass reached the sync point.
     pub(super) fn sync_point(&mut self) {
         self.sync = Some(Instant::now());

@@ -160,6 +160,9 @@ pub struct CollectiveTiming {
 pub struct Workspace {
     plan_hash: u64,
     buffers: Vec<HostBuffer>,
+    /// Slot → (packed collective, member) where the member is copied into its bucket as it
+    /// arrives ([`host::copies_in`]).
+    member_of: Vec<Option<(u32, u32)>>,
     /// The ranks agreed on this plan (see [`agree`](super::agree)).
     agreed: bool,
 }
@@ -168,9 +171,20 @@ impl Workspace {
     /// A workspace for `plan` whose ranks already agreed on it ([`agree`](super::agree::agree)
     /// ran), so [`Execution::new`] does not agree again.
     pub fn agreed_on(plan: &Plan) -> Self {
+        let mut member_of = vec![None; plan.slots.len()];
+        for c in plan.collectives.iter().filter(|c| c.packed) {
+            for (j, s) in c.slots.iter().enumerate() {
+                if host::copies_in(&c.layout, j)
+                    && let Some(m) = member_of.get_mut(*s as usize)
+                {
+                    *m = Some((c.id, j as u32));
+                }
+            }
+        }
         Workspace {
             plan_hash: plan.graph_hash,
             buffers: vec![HostBuffer::default(); plan.collectives.len()],
+            member_of,
             agreed: true,
         }
     }
@@ -252,6 +266,12 @@ pub struct Execution {
     /// When each collective was launched, and its bytes.
     launched: Vec<Option<(Instant, u64)>>,
     report: ExecReport,
+    /// Unpack steps leave their reduced bucket for [`Execution::unpack`].
+    defer_unpacks: bool,
+    /// The collectives whose unpack was left for [`Execution::unpack`], in plan order.
+    deferred: Vec<u32>,
+    /// Slots copied into their bucket as they arrived, their own copy let go.
+    copied: Vec<bool>,
 }
 
 impl Execution {
@@ -265,8 +285,7 @@ impl Execution {
     ) -> Result<Self, ExecError> {
         check_plan(plan, comm.rank(), comm.world())?;
         if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
-            ws.plan_hash = plan.graph_hash;
-            ws.buffers = vec![HostBuffer::default(); plan.collectives.len()];
+            *ws = Workspace::agreed_on(plan);
             ws.agreed = false;
         }
         if !ws.agreed {
@@ -282,7 +301,61 @@ impl Execution {
             flight: (0..plan.collectives.len()).map(|_| None).collect(),
             launched: vec![None; plan.collectives.len()],
             report: ExecReport::default(),
+            defer_unpacks: false,
+            deferred: Vec::new(),
+            copied: vec![false; plan.slots.len()],
         })
+    }
+
+    /// From here on, an unpack step leaves its collective's reduced bucket where it is, for
+    /// [`Execution::unpack`]: a caller that hands the reduced gradients back in place of the
+    /// ones they were reduced from can then unpack a bucket right before its members replace
+    /// theirs, so that one bucket's copies live beside the gradients at a time, not all of them.
+    pub fn defer_unpacks(&mut self) {
+        self.defer_unpacks = true;
+    }
+
+    /// The collectives whose unpack was left for [`Execution::unpack`], in plan order.
+    pub fn deferred(&self) -> &[u32] {
+        &self.deferred
+    }
+
+    /// Unpacks collective `c`, whose unpack step was deferred, into its slots of `grads`.
+    pub fn unpack(
+        &mut self,
+        plan: &Plan,
+        comm: &dyn Communicator,
+        grads: &mut [Grad],
+        opts: ExecOptions,
+        ws: &mut Workspace,
+        c: u32,
+    ) -> Result<(), ExecError> {
+        self.same_plan(plan)?;
+        let Some(at) = self.deferred.iter().position(|d| *d == c) else {
+            return Err(ExecError::Plan {
+                plan: plan.name.clone(),
+                why: format!("collective #{c} has no unpack left to do"),
+            });
+        };
+        self.deferred.remove(at);
+        self.unpack_now(plan, c, comm, grads, opts, ws)
+    }
+
+    /// Runs the unpack step of collective `c` now, deferring or not.
+    fn unpack_now(
+        &mut self,
+        plan: &Plan,
+        c: u32,
+        comm: &dyn Communicator,
+        grads: &mut [Grad],
+        opts: ExecOptions,
+        ws: &mut Workspace,
+    ) -> Result<(), ExecError> {
+        let defer = std::mem::replace(&mut self.defer_unpacks, false);
+        let step = Step::Unpack { collective: c };
+        let done = self.step(plan, &step, comm, grads, &mut NoHooks, opts, ws);
+        self.defer_unpacks = defer;
+        done
     }
 
     /// The slot of the next gradient the plan expects, if any is still to come: the first one
@@ -352,6 +425,10 @@ impl Execution {
         let launched: Vec<u32> = (0..self.flight.len() as u32)
             .filter(|c| self.flight[*c as usize].is_some())
             .collect();
+        for c in std::mem::take(&mut self.deferred) {
+            self.unpack_now(plan, c, comm, grads, opts, ws)?;
+            reduced.extend(&plan.collectives[c as usize].slots);
+        }
         for c in launched {
             self.step(
                 plan,
@@ -363,17 +440,33 @@ impl Execution {
                 ws,
             )?;
             if plan.collectives[c as usize].packed {
-                self.step(
-                    plan,
-                    &Step::Unpack { collective: c },
-                    comm,
-                    grads,
-                    &mut NoHooks,
-                    opts,
-                    ws,
-                )?;
+                self.unpack_now(plan, c, comm, grads, opts, ws)?;
             }
             reduced.extend(&plan.collectives[c as usize].slots);
+        }
+        // The members of collectives never launched that were copied into their bucket are
+        // given back as they were, for the caller to reduce otherwise.
+        for c in &plan.collectives {
+            if self.report.launched.contains(&c.id) {
+                continue;
+            }
+            for (j, s) in c.slots.iter().enumerate() {
+                let s = *s as usize;
+                if !std::mem::take(&mut self.copied[s]) {
+                    continue;
+                }
+                let flat = match &self.packed[c.id as usize] {
+                    Some(Packed::Host(b)) => b,
+                    _ => &ws.buffers[c.id as usize],
+                };
+                let back = host::copied_member(&c.layout, j, flat).map_err(|source| {
+                    ExecError::Kernel {
+                        rank: self.rank,
+                        source,
+                    }
+                })?;
+                grads[s] = Grad::Host(back);
+            }
         }
         self.pc = self.steps;
         Ok(reduced)
@@ -391,6 +484,12 @@ impl Execution {
             return Err(ExecError::Plan {
                 plan: format!("{:016x}", self.plan_hash),
                 why: format!("collective #{c} is never waited for"),
+            });
+        }
+        if let Some(c) = self.deferred.first() {
+            return Err(ExecError::Plan {
+                plan: format!("{:016x}", self.plan_hash),
+                why: format!("collective #{c} is never unpacked"),
             });
         }
         Ok(self.report)
@@ -438,6 +537,19 @@ impl Execution {
                 let s = *slot as usize;
                 hooks.gradient(*slot, &plan.slots[s].param, &mut grads[s]);
                 check_slot(&plan.slots[s], rank, &grads[s])?;
+                // A host gradient goes into its bucket now, as DDP's hook copies a gradient into
+                // its bucket: only one copy of it is held from here on, not two.
+                if let Some(&Some((c, j))) = ws.member_of.get(s)
+                    && let Grad::Host(b) = &grads[s]
+                    && self.packed[c as usize].is_none()
+                    && self.flight[c as usize].is_none()
+                {
+                    let layout = &plan.collectives[c as usize].layout;
+                    host::copy_member(layout, j as usize, b, &mut ws.buffers[c as usize])
+                        .map_err(kerr)?;
+                    grads[s] = Grad::Host(HostBuffer::default());
+                    self.copied[s] = true;
+                }
             }
             Step::Pack { collective } => {
                 let c = &plan.collectives[*collective as usize];
@@ -459,19 +571,25 @@ impl Execution {
                     None => {
                         // Host kernels; device members are read into host memory first, so the
                         // unpack runs on the host too.
-                        for s in &c.slots {
+                        // Members copied in as they arrived are in the buffer already.
+                        let copied = &self.copied;
+                        for s in c.slots.iter().filter(|s| !copied[**s as usize]) {
                             grads[*s as usize].host_mut().map_err(kerr)?;
                         }
-                        let members: Vec<&HostBuffer> = c
+                        let members: Vec<Option<&HostBuffer>> = c
                             .slots
                             .iter()
-                            .filter_map(|s| match &grads[*s as usize] {
-                                Grad::Host(b) => Some(b),
-                                Grad::Device(_) => None,
+                            .map(|s| match &grads[*s as usize] {
+                                _ if copied[*s as usize] => Ok(None),
+                                Grad::Host(b) => Ok(Some(b)),
+                                Grad::Device(_) => Err(ExecError::Plan {
+                                    plan: plan.name.clone(),
+                                    why: format!("slot {s} stayed on its device for a host pack"),
+                                }),
                             })
-                            .collect();
+                            .collect::<Result<_, _>>()?;
                         let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
-                        host::pack_into(&c.layout, &members, c.layout.scale_div, &mut buf)
+                        host::pack_rest(&c.layout, &members, c.layout.scale_div, &mut buf)
                             .map_err(kerr)?;
                         Packed::Host(buf)
                     }
@@ -493,6 +611,24 @@ impl Execution {
                             plan: plan.name.clone(),
                             why: format!("collective #{} is ready before its pack", c.id),
                         })?;
+                    let mut buf = buf;
+                    if let Packed::Host(b) = &mut buf {
+                        // The members copied in as they arrived get the pack's scaling now
+                        // (until here they could be read back exactly, see `drain`).
+                        let copied: Vec<usize> = (0..c.slots.len())
+                            .filter(|j| self.copied[c.slots[*j] as usize])
+                            .collect();
+                        host::scale_copied(&c.layout, &copied, c.layout.scale_div, b)
+                            .map_err(kerr)?;
+                        // The bucket holds the members' values: the other members' host copies
+                        // go now too (the unpack makes new ones), so a step keeps one copy of
+                        // its gradients beside Burn's, the buckets, not two.
+                        for s in &c.slots {
+                            if let Grad::Host(b) = &mut grads[*s as usize] {
+                                *b = HostBuffer::default();
+                            }
+                        }
+                    }
                     let what = desc_of(plan, c, buf.len() as u64, buf.dtype(), &c.slots);
                     let bytes = buf.len() as u64 * buf.dtype().size();
                     self.launched[c.id as usize] = Some((Instant::now(), bytes));
@@ -602,12 +738,19 @@ impl Execution {
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                let buf = self.packed[c.id as usize]
-                    .take()
-                    .ok_or_else(|| ExecError::Plan {
+                if self.packed[c.id as usize].is_none() {
+                    return Err(ExecError::Plan {
                         plan: plan.name.clone(),
                         why: format!("unpack of collective #{} before it finished", c.id),
-                    })?;
+                    });
+                }
+                if self.defer_unpacks {
+                    self.deferred.push(c.id);
+                    return Ok(());
+                }
+                let Some(buf) = self.packed[c.id as usize].take() else {
+                    unreachable!("checked just above")
+                };
                 let on_device: Option<Vec<&dyn DeviceGrad>> = c
                     .slots
                     .iter()
@@ -631,7 +774,15 @@ impl Execution {
                         .collect::<Result<_, _>>()
                         .map_err(kerr)?;
                     let buf = buf.into_host().map_err(kerr)?;
-                    host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
+                    if members.iter().all(|m| m.is_empty()) {
+                        // Let go at the launch (above): new copies.
+                        let out = host::unpack_new(&c.layout, &buf).map_err(kerr)?;
+                        for (m, o) in members.iter_mut().zip(out) {
+                            **m = o;
+                        }
+                    } else {
+                        host::unpack(&c.layout, &buf, &mut members).map_err(kerr)?;
+                    }
                     ws.buffers[c.id as usize] = buf;
                 }
                 span(

@@ -105,21 +105,33 @@ fn pack_typed<F: Element, W: Element>(
     scale_div: Option<u32>,
     out: &mut [W],
 ) {
-    for (j, (m, l)) in members.iter().zip(&layout.members).enumerate() {
-        // Padding after this member, up to the next one (or the end).
-        let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
-        out[l.offset as usize + m.len()..end].fill(W::ZERO);
-        let dst = &mut out[l.offset as usize..][..m.len()];
-        match scale_div {
-            Some(d) => {
-                for (o, x) in dst.iter_mut().zip(m.iter()) {
-                    *o = W::from_f64(x.scale_div(d).to_f64());
-                }
+    for (j, m) in members.iter().enumerate() {
+        pack_member_typed(layout, j, m, scale_div, out);
+    }
+}
+
+/// Member `j` into its place in `out` (scaled, cast), and zeros in the padding after it, up to
+/// the next member (or the end).
+fn pack_member_typed<F: Element, W: Element>(
+    layout: &BucketLayout,
+    j: usize,
+    m: &[F],
+    scale_div: Option<u32>,
+    out: &mut [W],
+) {
+    let l = &layout.members[j];
+    let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
+    out[l.offset as usize + m.len()..end].fill(W::ZERO);
+    let dst = &mut out[l.offset as usize..][..m.len()];
+    match scale_div {
+        Some(d) => {
+            for (o, x) in dst.iter_mut().zip(m.iter()) {
+                *o = W::from_f64(x.scale_div(d).to_f64());
             }
-            None => {
-                for (o, x) in dst.iter_mut().zip(m.iter()) {
-                    *o = W::from_f64(x.to_f64());
-                }
+        }
+        None => {
+            for (o, x) in dst.iter_mut().zip(m.iter()) {
+                *o = W::from_f64(x.to_f64());
             }
         }
     }
@@ -213,6 +225,157 @@ pub fn unpack(
     check_flat(layout, buffer.len(), buffer.dtype())?;
     for (i, m) in members.iter_mut().enumerate() {
         with_host_buffer!(buffer, b => with_host_buffer!(&mut **m, o => unpack_typed(layout, b, o, i)));
+    }
+    Ok(())
+}
+
+/// [`unpack`] into new member buffers of the layout's dtypes and lengths: for members whose own
+/// memory was let go once the bucket held their values.
+pub fn unpack_new(
+    layout: &BucketLayout,
+    buffer: &HostBuffer,
+) -> Result<Vec<HostBuffer>, KernelError> {
+    let mut members = layout
+        .members
+        .iter()
+        .map(|l| {
+            crate::graph::DType::from_name(&l.dtype)
+                .and_then(|d| HostBuffer::zeros(d, l.numel as usize))
+                .ok_or_else(|| KernelError::Dtype {
+                    bucket: label(layout),
+                    dtype: l.dtype.clone(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut refs: Vec<&mut HostBuffer> = members.iter_mut().collect();
+    unpack(layout, buffer, &mut refs)?;
+    Ok(members)
+}
+
+// A bucket filled as its gradients arrive (the backend's host path): each member is copied into
+// the flat buffer as it is the moment it exists ([`copy_member`], its own copy let go), the
+// bucket's other members are packed when the last one is in ([`pack_rest`]), and the copied ones
+// are scaled in place at the launch ([`scale_copied`]). Until then a copied member can be read
+// back exactly ([`copied_member`]); the numbers are [`pack`]'s, bit for bit.
+
+/// Whether member `j` can be copied in before the pack: its dtype is the wire's, so the copy
+/// is exact and the pack's arithmetic (scale in the member's dtype, then the cast, an identity
+/// here) can run in place later.
+pub fn copies_in(layout: &BucketLayout, j: usize) -> bool {
+    layout
+        .members
+        .get(j)
+        .is_some_and(|l| l.dtype == layout.wire_dtype)
+}
+
+/// Makes `out` the layout's flat buffer, reusing its memory when it already is one.
+pub fn ensure_flat(layout: &BucketLayout, out: &mut HostBuffer) -> Result<(), KernelError> {
+    if out.dtype().name() != layout.wire_dtype || out.len() as u64 != layout.numel {
+        *out = wire_buffer(layout)?;
+    }
+    Ok(())
+}
+
+/// Copies member `j` into its place in the layout's flat buffer `out` unscaled (the padding
+/// after it zeroed). The member must be one [`copies_in`] allows.
+pub fn copy_member(
+    layout: &BucketLayout,
+    j: usize,
+    member: &HostBuffer,
+    out: &mut HostBuffer,
+) -> Result<(), KernelError> {
+    check_one(layout, j, member)?;
+    ensure_flat(layout, out)?;
+    match (member, out) {
+        (HostBuffer::F32(m), HostBuffer::F32(o)) => pack_member_typed(layout, j, m, None, o),
+        (HostBuffer::F64(m), HostBuffer::F64(o)) => pack_member_typed(layout, j, m, None, o),
+        (HostBuffer::F16(m), HostBuffer::F16(o)) => pack_member_typed(layout, j, m, None, o),
+        (HostBuffer::BF16(m), HostBuffer::BF16(o)) => pack_member_typed(layout, j, m, None, o),
+        (m, _) => {
+            return Err(KernelError::Dtype {
+                bucket: label(layout),
+                dtype: format!("{} into a {} bucket", m.dtype(), layout.wire_dtype),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Packs the members given (`Some`, in layout order) into `out` as [`pack_into`] does; the
+/// others (`None`) are in `out` already, copied in by [`copy_member`].
+pub fn pack_rest(
+    layout: &BucketLayout,
+    members: &[Option<&HostBuffer>],
+    scale_div: Option<u32>,
+    out: &mut HostBuffer,
+) -> Result<(), KernelError> {
+    if members.len() != layout.members.len() {
+        return check_members(
+            layout,
+            members.iter().map(|_| (0, crate::graph::DType::F32)),
+        );
+    }
+    ensure_flat(layout, out)?;
+    for (j, m) in members.iter().enumerate() {
+        let Some(m) = m else { continue };
+        check_one(layout, j, m)?;
+        with_host_buffer!(*m, v => with_host_buffer!(&mut *out, o => pack_member_typed(layout, j, v, scale_div, o)));
+    }
+    Ok(())
+}
+
+/// Scales the members `copied` (indices, each copied in by [`copy_member`]) in place in the
+/// packed flat buffer `out`, as the pack would have: the bucket is then [`pack`]'s.
+pub fn scale_copied(
+    layout: &BucketLayout,
+    copied: &[usize],
+    scale_div: Option<u32>,
+    out: &mut HostBuffer,
+) -> Result<(), KernelError> {
+    check_flat(layout, out.len(), out.dtype())?;
+    let Some(d) = scale_div else { return Ok(()) };
+    for &j in copied {
+        let l = &layout.members[j];
+        let range = l.offset as usize..(l.offset + l.numel) as usize;
+        with_host_buffer!(&mut *out, o => {
+            for x in &mut o[range] {
+                *x = x.scale_div(d);
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Member `j`, copied in by [`copy_member`] and not scaled yet, read back out of `flat`.
+pub fn copied_member(
+    layout: &BucketLayout,
+    j: usize,
+    flat: &HostBuffer,
+) -> Result<HostBuffer, KernelError> {
+    check_flat(layout, flat.len(), flat.dtype())?;
+    let l = &layout.members[j];
+    let range = l.offset as usize..(l.offset + l.numel) as usize;
+    Ok(match flat {
+        HostBuffer::F32(v) => HostBuffer::F32(v[range].to_vec()),
+        HostBuffer::F64(v) => HostBuffer::F64(v[range].to_vec()),
+        HostBuffer::F16(v) => HostBuffer::F16(v[range].to_vec()),
+        HostBuffer::BF16(v) => HostBuffer::BF16(v[range].to_vec()),
+    })
+}
+
+/// Checks member `j` against the layout.
+fn check_one(layout: &BucketLayout, j: usize, member: &HostBuffer) -> Result<(), KernelError> {
+    let Some(l) = layout.members.get(j) else {
+        return check_members(layout, std::iter::repeat_n((0, member.dtype()), j + 1));
+    };
+    if member.len() as u64 != l.numel || member.dtype().name() != l.dtype {
+        return Err(KernelError::Member {
+            bucket: label(layout),
+            index: j,
+            param: l.param.clone().unwrap_or_else(|| "-".into()),
+            expected: format!("{}[{}]", l.dtype, l.numel),
+            got: format!("{}[{}]", member.dtype(), member.len()),
+        });
     }
     Ok(())
 }

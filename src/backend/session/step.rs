@@ -298,22 +298,106 @@ impl<I: Backend> Session<I> {
         launched_early: bool,
     ) {
         self.advance_live(rank, &mut live, &mut st.workspace, true);
-        match live.exec.finish() {
-            Ok(report) => self.record(rank, &report),
-            Err(e) => self.fail(rank, e.to_string()),
-        }
-        if launched_early {
-            *if live.held_to_sync {
-                &mut st.held_steps
-            } else {
-                &mut st.eager_steps
-            } += 1;
-        }
+        self.end_live(rank, live.exec, live.held_to_sync, st, launched_early);
         for (grad, source) in live.grads.into_iter().zip(live.source) {
             if let Some(i) = source {
                 reduced[i] = Some(grad);
             }
         }
+    }
+
+    /// Records a live execution's spans once every step ran and counts its step as eager or
+    /// held (`launched_early`).
+    fn end_live(
+        &self,
+        rank: usize,
+        exec: Execution,
+        held_to_sync: bool,
+        st: &mut RankState<I>,
+        launched_early: bool,
+    ) {
+        match exec.finish() {
+            Ok(report) => self.record(rank, &report),
+            Err(e) => self.fail(rank, e.to_string()),
+        }
+        if launched_early {
+            *if held_to_sync {
+                &mut st.held_steps
+            } else {
+                &mut st.eager_steps
+            } += 1;
+        }
+    }
+
+    /// Hands back the gradients of a live execution that ran to its end with its unpacks
+    /// deferred ([`Execution::defer_unpacks`]): bucket by bucket, each unpacked right before its
+    /// members replace the gradients Burn holds, so the step holds one bucket's reduced copies
+    /// beside the gradients at a time rather than all of them (what DDP holds: the gradients
+    /// and the buckets). Returns the time the unpacks took.
+    fn hand_back_live(
+        &self,
+        rank: usize,
+        st: &mut RankState<I>,
+        mut live: Live,
+    ) -> std::time::Duration {
+        let (comm, opts) = (self.comm(rank), self.opts());
+        let mut unpacking = std::time::Duration::ZERO;
+        let mut handed = vec![false; live.grads.len()];
+        for c in live.exec.deferred().to_vec() {
+            let t = Instant::now();
+            let unpacked = live.exec.unpack(
+                &live.plan,
+                comm,
+                &mut live.grads,
+                opts,
+                &mut st.workspace,
+                c,
+            );
+            if let Err(e) = unpacked {
+                self.fail(rank, e.to_string());
+            }
+            unpacking += t.elapsed();
+            for s in &live.plan.collectives[c as usize].slots {
+                let s = *s as usize;
+                handed[s] = true;
+                if let Some(i) = live.source[s] {
+                    self.write_back(rank, &st.submitted[i], std::mem::take(&mut live.grads[s]));
+                }
+            }
+        }
+        // Gradients with an all-reduce of their own.
+        for (s, g) in live.grads.iter_mut().enumerate() {
+            if let (false, Some(i)) = (handed[s], live.source[s]) {
+                self.write_back(rank, &st.submitted[i], std::mem::take(g));
+            }
+        }
+        self.end_live(rank, live.exec, live.held_to_sync, st, true);
+        unpacking
+    }
+
+    /// Writes the reduced gradient `g` over the one Burn holds for `sub`.
+    fn write_back(&self, rank: usize, sub: &Submitted<I>, g: Grad) {
+        // SAFETY: Burn keeps the pointer valid until the sync hook returns; nothing else
+        // touches the gradient meanwhile.
+        let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+        let buf = match g {
+            Grad::Host(buf) => buf,
+            Grad::Device(g) => {
+                // The reduced gradient, in a new buffer of the tensor's own device.
+                let like = t.inner_for("gradient write-back");
+                match crate::backend::device::tensor_from::<I>(&like, g).map_err(|g| g.read()) {
+                    Ok(p) => {
+                        t.set(p);
+                        return;
+                    }
+                    Err(Ok(buf)) => buf,
+                    Err(Err(e)) => self.fail(rank, format!("{}: {e}", sub.name)),
+                }
+            }
+        };
+        let data = from_host(buf, t.shape());
+        let dev = t.device(|p| I::float_device(p));
+        t.set(I::float_from_data(data, &dev));
     }
 
     /// Burn's `submit_sync_collective`: reduces what is left and writes every reduced gradient
@@ -364,37 +448,23 @@ impl<I: Backend> Session<I> {
                 Err(e) => self.fail(rank, format!("probing the link: {e}")),
             }
         }
-        let reduced = if self.options.unused == UnusedParameters::ZeroFill {
-            self.reduce_zero_fill(rank, st)
+        let (reduced, live) = if self.options.unused == UnusedParameters::ZeroFill {
+            (self.reduce_zero_fill(rank, st), None)
         } else {
             self.reduce_following(rank, st)
         };
-        // Write back in place, through the pointers Burn gave us; only now, so a failed step
-        // leaves every gradient as it was.
+        // Write back in place, through the pointers Burn gave us; only now, once every
+        // collective of the step finished.
         let writeback = self.clock(rank).handback();
         for (sub, g) in st.submitted.iter().zip(reduced) {
-            let Some(g) = g else { continue };
-            // SAFETY: Burn keeps the pointer valid until this hook returns; nothing else
-            // touches the gradient meanwhile.
-            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
-            let buf = match g {
-                Grad::Host(buf) => buf,
-                Grad::Device(g) => {
-                    // The reduced gradient, in a new buffer of the tensor's own device.
-                    let like = t.inner_for("gradient write-back");
-                    match crate::backend::device::tensor_from::<I>(&like, g).map_err(|g| g.read()) {
-                        Ok(p) => {
-                            t.set(p);
-                            continue;
-                        }
-                        Err(Ok(buf)) => buf,
-                        Err(Err(e)) => self.fail(rank, format!("{}: {e}", sub.name)),
-                    }
-                }
-            };
-            let data = from_host(buf, t.shape());
-            let dev = t.device(|p| I::float_device(p));
-            t.set(I::float_from_data(data, &dev));
+            if let Some(g) = g {
+                self.write_back(rank, sub, g);
+            }
+        }
+        if let Some(live) = live {
+            let unpacking = self.hand_back_live(rank, st, live);
+            // The unpacks are the plan's copies (measured as such), not the hand-back's.
+            self.clock(rank).handback_later(unpacking);
         }
         let writeback = writeback.elapsed();
         self.finish_step(rank, st, log, true);
@@ -461,20 +531,23 @@ impl<I: Backend> Session<I> {
 
     /// The default sync: every registered gradient must have arrived; the step follows its plan
     /// as far as its gradients came in that plan's order, and reduces the
-    /// rest with a plan of its own. Returns the reduced gradients by submission index.
+    /// rest with a plan of its own. Returns the reduced gradients by submission index, and a
+    /// live execution that reduced every gradient, its unpacks left to the hand-back
+    /// ([`Session::hand_back_live`]) and its gradients not among the first.
     pub(in crate::backend) fn reduce_following(
         &self,
         rank: usize,
         st: &mut RankState<I>,
-    ) -> Vec<Option<Grad>> {
+    ) -> (Vec<Option<Grad>>, Option<Live>) {
         self.check_registered(rank, st);
         if st.submitted.is_empty() {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         let opts = self.opts();
         let comm = self.comm(rank);
         // Reduced gradients by submission index.
         let mut reduced: Vec<Option<Grad>> = (0..st.submitted.len()).map(|_| None).collect();
+        let mut complete_live = None;
         if let Some(mut live) = st.live.take() {
             let complete = !live.diverged
                 && live.ready.iter().all(|r| *r)
@@ -486,7 +559,9 @@ impl<I: Backend> Session<I> {
                     st.expected_segment = Some(segment);
                     st.planner.stale = st.planner.base.is_some();
                 }
-                self.complete_live(rank, live, st, &mut reduced, true);
+                live.exec.defer_unpacks();
+                self.advance_live(rank, &mut live, &mut st.workspace, true);
+                complete_live = Some(live);
             } else {
                 // Finish what was launched (every rank launched the same), give the rest back.
                 let done = match live.exec.drain(
@@ -518,8 +593,12 @@ impl<I: Backend> Session<I> {
             }
         }
         // Whatever is not reduced yet: compile (cached) and run its own plan, in ready order.
+        let mut pending = vec![false; st.submitted.len()];
+        for i in complete_live.iter().flat_map(|l| l.source.iter().flatten()) {
+            pending[*i] = true;
+        }
         let left: Vec<usize> = (0..st.submitted.len())
-            .filter(|i| reduced[*i].is_none())
+            .filter(|i| reduced[*i].is_none() && !pending[*i])
             .collect();
         if !left.is_empty() {
             let owned: Vec<(String, TensorType)> = left
@@ -562,7 +641,7 @@ impl<I: Backend> Session<I> {
             st.expected_segment = Some(g);
             st.planner.stale = st.planner.base.is_some();
         }
-        reduced
+        (reduced, complete_live)
     }
 
     /// Every parameter Burn registered for this step's sync must have sent its gradient; else
