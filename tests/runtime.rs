@@ -846,17 +846,34 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
                     .unwrap();
                     assert!(ex.is_done());
                     assert_eq!(ex.deferred(), &packed[..], "every packed unpack deferred");
+                    // Each bucket's members handed over one by one, in layout order.
+                    let mut out: Vec<Option<Grad>> = (0..grads.len()).map(|_| None).collect();
                     for c in packed.iter().rev() {
-                        ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c)
-                            .unwrap();
+                        let mut order = Vec::new();
+                        ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c, &mut |s, g| {
+                            order.push(s);
+                            out[s as usize] = Some(g);
+                        })
+                        .unwrap();
+                        assert_eq!(order, plan.collectives[*c as usize].slots);
                     }
-                    let again = ex.unpack(plan, comm, &mut grads, opts, &mut ws, packed[0]);
+                    let again = ex.unpack(
+                        plan,
+                        comm,
+                        &mut grads,
+                        opts,
+                        &mut ws,
+                        packed[0],
+                        &mut |_, _| {},
+                    );
                     let err = again.expect_err("a second unpack").to_string();
                     assert!(err.contains(&format!("collective #{}", packed[0])), "{err}");
                     ex.finish().unwrap();
+                    // Gradients with an all-reduce of their own are in their slots.
                     grads
                         .into_iter()
-                        .map(|g| g.into_host().unwrap())
+                        .zip(out)
+                        .map(|(g, o)| o.unwrap_or(g).into_host().unwrap())
                         .collect::<Vec<_>>()
                 })
             })

@@ -320,7 +320,11 @@ impl Execution {
         &self.deferred
     }
 
-    /// Unpacks collective `c`, whose unpack step was deferred, into its slots of `grads`.
+    /// Unpacks collective `c`, whose unpack step was deferred, handing each member's reduced
+    /// gradient to `hand` (its slot, the gradient) as soon as it exists: a bucket in host
+    /// memory one member at a time (one member's new buffer beside the bucket at a time), a
+    /// device bucket by its one unpack kernel, then its members in layout order.
+    #[allow(clippy::too_many_arguments)]
     pub fn unpack(
         &mut self,
         plan: &Plan,
@@ -329,6 +333,7 @@ impl Execution {
         opts: ExecOptions,
         ws: &mut Workspace,
         c: u32,
+        hand: &mut dyn FnMut(u32, Grad),
     ) -> Result<(), ExecError> {
         self.same_plan(plan)?;
         let Some(at) = self.deferred.iter().position(|d| *d == c) else {
@@ -338,7 +343,39 @@ impl Execution {
             });
         };
         self.deferred.remove(at);
-        self.unpack_now(plan, c, comm, grads, opts, ws)
+        let col = &plan.collectives[c as usize];
+        let on_device = col
+            .slots
+            .iter()
+            .all(|s| grads[*s as usize].device().is_some());
+        if let (false, Some(Packed::Host(_))) = (on_device, &self.packed[c as usize])
+            && let Some(Packed::Host(buf)) = self.packed[c as usize].take()
+        {
+            let rank = self.rank;
+            let (start, mut took) = (Instant::now(), Duration::ZERO);
+            for (j, s) in col.slots.iter().enumerate() {
+                let t = Instant::now();
+                let g = host::unpack_member(&col.layout, j, &buf)
+                    .map_err(|source| ExecError::Kernel { rank, source })?;
+                took += t.elapsed();
+                grads[*s as usize] = Grad::default();
+                hand(*s, Grad::Host(g));
+            }
+            ws.buffers[c as usize] = buf;
+            self.report.spans.push(Span {
+                kind: SpanKind::Unpack,
+                bytes: col.layout.bytes,
+                name: format!("unpack {}", bucket_name(col)),
+                start,
+                end: start + took,
+            });
+            return Ok(());
+        }
+        self.unpack_now(plan, c, comm, grads, opts, ws)?;
+        for s in &col.slots {
+            hand(*s, std::mem::take(&mut grads[*s as usize]));
+        }
+        Ok(())
     }
 
     /// Runs the unpack step of collective `c` now, deferring or not.

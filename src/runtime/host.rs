@@ -235,21 +235,33 @@ pub fn unpack_new(
     layout: &BucketLayout,
     buffer: &HostBuffer,
 ) -> Result<Vec<HostBuffer>, KernelError> {
-    let mut members = layout
-        .members
-        .iter()
-        .map(|l| {
-            crate::graph::DType::from_name(&l.dtype)
-                .and_then(|d| HostBuffer::zeros(d, l.numel as usize))
-                .ok_or_else(|| KernelError::Dtype {
-                    bucket: label(layout),
-                    dtype: l.dtype.clone(),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut refs: Vec<&mut HostBuffer> = members.iter_mut().collect();
-    unpack(layout, buffer, &mut refs)?;
-    Ok(members)
+    (0..layout.members.len())
+        .map(|j| unpack_member(layout, j, buffer))
+        .collect()
+}
+
+/// Member `j` of the reduced flat buffer, in a new buffer of its own dtype.
+pub fn unpack_member(
+    layout: &BucketLayout,
+    j: usize,
+    buffer: &HostBuffer,
+) -> Result<HostBuffer, KernelError> {
+    check_flat(layout, buffer.len(), buffer.dtype())?;
+    let l = layout.members.get(j).ok_or_else(|| KernelError::Member {
+        bucket: label(layout),
+        index: j,
+        param: "-".into(),
+        expected: format!("{} members", layout.members.len()),
+        got: format!("member {j}"),
+    })?;
+    let mut out = crate::graph::DType::from_name(&l.dtype)
+        .and_then(|d| HostBuffer::zeros(d, l.numel as usize))
+        .ok_or_else(|| KernelError::Dtype {
+            bucket: label(layout),
+            dtype: l.dtype.clone(),
+        })?;
+    with_host_buffer!(buffer, b => with_host_buffer!(&mut out, o => unpack_typed(layout, b, o, j)));
+    Ok(out)
 }
 
 // A bucket filled as its gradients arrive (the backend's host path): each member is copied into

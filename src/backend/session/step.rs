@@ -341,10 +341,19 @@ impl<I: Backend> Session<I> {
         mut live: Live,
     ) -> std::time::Duration {
         let (comm, opts) = (self.comm(rank), self.opts());
-        let mut unpacking = std::time::Duration::ZERO;
+        let (mut unpacking, mut writing) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
         let mut handed = vec![false; live.grads.len()];
         for c in live.exec.deferred().to_vec() {
             let t = Instant::now();
+            let (source, submitted) = (&live.source, &st.submitted);
+            let mut hand = |s: u32, g: Grad| {
+                handed[s as usize] = true;
+                if let Some(i) = source[s as usize] {
+                    let w = Instant::now();
+                    self.write_back(rank, &submitted[i], g);
+                    writing += w.elapsed();
+                }
+            };
             let unpacked = live.exec.unpack(
                 &live.plan,
                 comm,
@@ -352,18 +361,12 @@ impl<I: Backend> Session<I> {
                 opts,
                 &mut st.workspace,
                 c,
+                &mut hand,
             );
             if let Err(e) = unpacked {
                 self.fail(rank, e.to_string());
             }
             unpacking += t.elapsed();
-            for s in &live.plan.collectives[c as usize].slots {
-                let s = *s as usize;
-                handed[s] = true;
-                if let Some(i) = live.source[s] {
-                    self.write_back(rank, &st.submitted[i], std::mem::take(&mut live.grads[s]));
-                }
-            }
         }
         // Gradients with an all-reduce of their own.
         for (s, g) in live.grads.iter_mut().enumerate() {
@@ -372,7 +375,7 @@ impl<I: Backend> Session<I> {
             }
         }
         self.end_live(rank, live.exec, live.held_to_sync, st, true);
-        unpacking
+        unpacking.saturating_sub(writing)
     }
 
     /// Writes the reduced gradient `g` over the one Burn holds for `sub`.
