@@ -775,19 +775,19 @@ impl Execution {
             }
             Step::Unpack { collective } => {
                 let c = &plan.collectives[*collective as usize];
-                if self.packed[c.id as usize].is_none() {
-                    return Err(ExecError::Plan {
-                        plan: plan.name.clone(),
-                        why: format!("unpack of collective #{} before it finished", c.id),
-                    });
-                }
+                let early = || ExecError::Plan {
+                    plan: plan.name.clone(),
+                    why: format!("unpack of collective #{} before it finished", c.id),
+                };
                 if self.defer_unpacks {
+                    // The reduced bucket stays in `packed` for `unpack`.
+                    if self.packed[c.id as usize].is_none() {
+                        return Err(early());
+                    }
                     self.deferred.push(c.id);
                     return Ok(());
                 }
-                let Some(buf) = self.packed[c.id as usize].take() else {
-                    unreachable!("checked just above")
-                };
+                let buf = self.packed[c.id as usize].take().ok_or_else(early)?;
                 let on_device: Option<Vec<&dyn DeviceGrad>> = c
                     .slots
                     .iter()
