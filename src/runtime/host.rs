@@ -224,7 +224,18 @@ pub fn unpack(
     }
     check_flat(layout, buffer.len(), buffer.dtype())?;
     for (i, m) in members.iter_mut().enumerate() {
-        with_host_buffer!(buffer, b => with_host_buffer!(&mut **m, o => unpack_typed(layout, b, o, i)));
+        let l = &layout.members[i];
+        let range = l.offset as usize..(l.offset + l.numel) as usize;
+        // The cast back to the same type is a copy.
+        match (buffer, &mut **m) {
+            (HostBuffer::F32(b), HostBuffer::F32(o)) => o.copy_from_slice(&b[range]),
+            (HostBuffer::F64(b), HostBuffer::F64(o)) => o.copy_from_slice(&b[range]),
+            (HostBuffer::F16(b), HostBuffer::F16(o)) => o.copy_from_slice(&b[range]),
+            (HostBuffer::BF16(b), HostBuffer::BF16(o)) => o.copy_from_slice(&b[range]),
+            (b, o) => {
+                with_host_buffer!(b, b => with_host_buffer!(o, o => unpack_typed(layout, b, o, i)))
+            }
+        }
     }
     Ok(())
 }
@@ -254,6 +265,16 @@ pub fn unpack_member(
         expected: format!("{} members", layout.members.len()),
         got: format!("member {j}"),
     })?;
+    let range = l.offset as usize..(l.offset + l.numel) as usize;
+    if l.dtype == layout.wire_dtype {
+        // The cast back to the same type is a copy.
+        return Ok(match buffer {
+            HostBuffer::F32(v) => HostBuffer::F32(v[range].to_vec()),
+            HostBuffer::F64(v) => HostBuffer::F64(v[range].to_vec()),
+            HostBuffer::F16(v) => HostBuffer::F16(v[range].to_vec()),
+            HostBuffer::BF16(v) => HostBuffer::BF16(v[range].to_vec()),
+        });
+    }
     let mut out = crate::graph::DType::from_name(&l.dtype)
         .and_then(|d| HostBuffer::zeros(d, l.numel as usize))
         .ok_or_else(|| KernelError::Dtype {
@@ -299,10 +320,10 @@ pub fn copy_member(
     check_one(layout, j, member)?;
     ensure_flat(layout, out)?;
     match (member, out) {
-        (HostBuffer::F32(m), HostBuffer::F32(o)) => pack_member_typed(layout, j, m, None, o),
-        (HostBuffer::F64(m), HostBuffer::F64(o)) => pack_member_typed(layout, j, m, None, o),
-        (HostBuffer::F16(m), HostBuffer::F16(o)) => pack_member_typed(layout, j, m, None, o),
-        (HostBuffer::BF16(m), HostBuffer::BF16(o)) => pack_member_typed(layout, j, m, None, o),
+        (HostBuffer::F32(m), HostBuffer::F32(o)) => copy_same(layout, j, m, o),
+        (HostBuffer::F64(m), HostBuffer::F64(o)) => copy_same(layout, j, m, o),
+        (HostBuffer::F16(m), HostBuffer::F16(o)) => copy_same(layout, j, m, o),
+        (HostBuffer::BF16(m), HostBuffer::BF16(o)) => copy_same(layout, j, m, o),
         (m, _) => {
             return Err(KernelError::Dtype {
                 bucket: label(layout),
@@ -311,6 +332,15 @@ pub fn copy_member(
         }
     }
     Ok(())
+}
+
+/// Member `j` into its place in `out`, of its own dtype (a `memcpy`: what the pack's cast to the
+/// same type is, bit for bit), and zeros in the padding after it.
+fn copy_same<T: Element>(layout: &BucketLayout, j: usize, m: &[T], out: &mut [T]) {
+    let l = &layout.members[j];
+    let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
+    out[l.offset as usize + m.len()..end].fill(T::ZERO);
+    out[l.offset as usize..][..m.len()].copy_from_slice(m);
 }
 
 /// Packs the members given (`Some`, in layout order) into `out` as [`pack_into`] does; the
@@ -364,15 +394,7 @@ pub fn copied_member(
     j: usize,
     flat: &HostBuffer,
 ) -> Result<HostBuffer, KernelError> {
-    check_flat(layout, flat.len(), flat.dtype())?;
-    let l = &layout.members[j];
-    let range = l.offset as usize..(l.offset + l.numel) as usize;
-    Ok(match flat {
-        HostBuffer::F32(v) => HostBuffer::F32(v[range].to_vec()),
-        HostBuffer::F64(v) => HostBuffer::F64(v[range].to_vec()),
-        HostBuffer::F16(v) => HostBuffer::F16(v[range].to_vec()),
-        HostBuffer::BF16(v) => HostBuffer::BF16(v[range].to_vec()),
-    })
+    unpack_member(layout, j, flat)
 }
 
 /// Checks member `j` against the layout.
