@@ -330,10 +330,11 @@ impl<I: Backend> Session<I> {
     }
 
     /// Hands back the gradients of a live execution that ran to its end with its unpacks
-    /// deferred ([`Execution::defer_unpacks`]): bucket by bucket, each unpacked right before its
-    /// members replace the gradients Burn holds, so the step holds one bucket's reduced copies
-    /// beside the gradients at a time rather than all of them (what DDP holds: the gradients
-    /// and the buckets). Returns the time the unpacks took.
+    /// deferred ([`Execution::defer_unpacks`]): each reduced gradient replaces the one Burn holds
+    /// the moment it is unpacked (a host bucket member by member, a device bucket after its one
+    /// unpack kernel), so the step holds the reduced copies of one gradient (one device bucket)
+    /// beside the gradients at a time rather than all of them: at most the gradients and the
+    /// buckets, what DDP holds. Returns the time the unpacks took.
     fn hand_back_live(
         &self,
         rank: usize,
@@ -464,12 +465,13 @@ impl<I: Backend> Session<I> {
                 self.write_back(rank, sub, g);
             }
         }
+        let mut unpacking = std::time::Duration::ZERO;
         if let Some(live) = live {
-            let unpacking = self.hand_back_live(rank, st, live);
+            unpacking = self.hand_back_live(rank, st, live);
             // The unpacks are the plan's copies (measured as such), not the hand-back's.
             self.clock(rank).handback_later(unpacking);
         }
-        let writeback = writeback.elapsed();
+        let writeback = writeback.elapsed().saturating_sub(unpacking);
         self.finish_step(rank, st, log, true);
         self.agree_ahead(rank, st);
         // The step just measured (`finish_step` ended it on the clock).
@@ -534,9 +536,9 @@ impl<I: Backend> Session<I> {
 
     /// The default sync: every registered gradient must have arrived; the step follows its plan
     /// as far as its gradients came in that plan's order, and reduces the
-    /// rest with a plan of its own. Returns the reduced gradients by submission index, and a
-    /// live execution that reduced every gradient, its unpacks left to the hand-back
-    /// ([`Session::hand_back_live`]) and its gradients not among the first.
+    /// rest with a plan of its own. Returns the reduced gradients by submission index and, when
+    /// the step followed its plan to the end, that live execution, whose unpacks are left to the
+    /// hand-back ([`Session::hand_back_live`]; its gradients are not in the first).
     pub(in crate::backend) fn reduce_following(
         &self,
         rank: usize,
