@@ -814,18 +814,13 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
                     let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
                     ex.defer_unpacks();
                     let ready = vec![true; plan.slots.len()];
+                    let run =
+                        |ex: &mut Execution, grads: &mut [Grad], ws: &mut Workspace, block| {
+                            ex.run(plan, comm, grads, &ready, &mut NoHooks, opts, ws, block)
+                                .unwrap()
+                        };
                     // To the first wait: every bucket launched so far has let its members go.
-                    ex.run(
-                        plan,
-                        comm,
-                        &mut grads,
-                        &ready,
-                        &mut NoHooks,
-                        opts,
-                        &mut ws,
-                        false,
-                    )
-                    .unwrap();
+                    run(&mut ex, &mut grads, &mut ws, false);
                     let first = plan.collectives[packed[0] as usize].slots.clone();
                     for slot in &first {
                         let Grad::Host(b) = &grads[*slot as usize] else {
@@ -833,17 +828,7 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
                         };
                         assert!(b.is_empty(), "slot {slot} kept its copy past the launch");
                     }
-                    ex.run(
-                        plan,
-                        comm,
-                        &mut grads,
-                        &ready,
-                        &mut NoHooks,
-                        opts,
-                        &mut ws,
-                        true,
-                    )
-                    .unwrap();
+                    run(&mut ex, &mut grads, &mut ws, true);
                     assert!(ex.is_done());
                     assert_eq!(ex.deferred(), &packed[..], "every packed unpack deferred");
                     // Each bucket's members handed over one by one, in layout order.
@@ -1019,7 +1004,7 @@ fn a_bucket_filled_as_its_members_arrive_is_packs_bucket() {
         for j in [2, 0] {
             assert!(host::copies_in(&layout, j));
             host::copy_member(&layout, j, &members[j], &mut flat).unwrap();
-            let back = host::copied_member(&layout, j, &flat).unwrap();
+            let back = host::unpack_member(&layout, j, &flat).unwrap();
             assert!(back.bits_eq(&members[j]), "{dtype}: member {j} read back");
         }
         let rest: Vec<Option<&HostBuffer>> = (0..members.len())

@@ -498,7 +498,7 @@ impl Execution {
                     Some(Packed::Host(b)) => b,
                     _ => &ws.buffers[c.id as usize],
                 };
-                let back = host::copied_member(&c.layout, j, flat).map_err(|source| {
+                let back = host::unpack_member(&c.layout, j, flat).map_err(|source| {
                     ExecError::Kernel {
                         rank: self.rank,
                         source,

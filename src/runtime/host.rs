@@ -67,18 +67,52 @@ pub(crate) fn check_members(
             got: format!("{} members", members.len()),
         });
     }
-    for (i, ((len, dtype), l)) in members.zip(&layout.members).enumerate() {
-        if len as u64 != l.numel || dtype.name() != l.dtype {
-            return Err(KernelError::Member {
-                bucket: label(layout),
-                index: i,
-                param: l.param.clone().unwrap_or_else(|| "-".into()),
-                expected: format!("{}[{}]", l.dtype, l.numel),
-                got: format!("{dtype}[{len}]"),
-            });
-        }
+    for (i, (len, dtype)) in members.enumerate() {
+        check_member(layout, i, len, dtype)?;
     }
     Ok(())
+}
+
+/// Member `i` of the layout; an error where it has fewer.
+fn member_at(
+    layout: &BucketLayout,
+    i: usize,
+) -> Result<&crate::codegen::layout::MemberLayout, KernelError> {
+    layout.members.get(i).ok_or_else(|| KernelError::Member {
+        bucket: label(layout),
+        index: i,
+        param: "-".into(),
+        expected: format!("{} members", layout.members.len()),
+        got: format!("member {i}"),
+    })
+}
+
+/// Checks that member `i` of the layout exists and has `len` elements of `dtype`; the error
+/// names it.
+fn check_member(
+    layout: &BucketLayout,
+    i: usize,
+    len: usize,
+    dtype: crate::graph::DType,
+) -> Result<(), KernelError> {
+    let l = member_at(layout, i)?;
+    if len as u64 != l.numel || dtype.name() != l.dtype {
+        return Err(KernelError::Member {
+            bucket: label(layout),
+            index: i,
+            param: l.param.clone().unwrap_or_else(|| "-".into()),
+            expected: format!("{}[{}]", l.dtype, l.numel),
+            got: format!("{dtype}[{len}]"),
+        });
+    }
+    Ok(())
+}
+
+/// Zeros in the padding after member `j`'s `len` elements, up to the next member (or the end).
+fn zero_padding_after<W: Element>(layout: &BucketLayout, j: usize, len: usize, out: &mut [W]) {
+    let start = layout.members[j].offset as usize + len;
+    let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
+    out[start..end].fill(W::ZERO);
 }
 
 /// Checks that a reduced flat buffer of `len` elements of `dtype` is the layout's.
@@ -119,10 +153,8 @@ fn pack_member_typed<F: Element, W: Element>(
     scale_div: Option<u32>,
     out: &mut [W],
 ) {
-    let l = &layout.members[j];
-    let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
-    out[l.offset as usize + m.len()..end].fill(W::ZERO);
-    let dst = &mut out[l.offset as usize..][..m.len()];
+    zero_padding_after(layout, j, m.len(), out);
+    let dst = &mut out[layout.members[j].offset as usize..][..m.len()];
     match scale_div {
         Some(d) => {
             for (o, x) in dst.iter_mut().zip(m.iter()) {
@@ -258,13 +290,7 @@ pub fn unpack_member(
     buffer: &HostBuffer,
 ) -> Result<HostBuffer, KernelError> {
     check_flat(layout, buffer.len(), buffer.dtype())?;
-    let l = layout.members.get(j).ok_or_else(|| KernelError::Member {
-        bucket: label(layout),
-        index: j,
-        param: "-".into(),
-        expected: format!("{} members", layout.members.len()),
-        got: format!("member {j}"),
-    })?;
+    let l = member_at(layout, j)?;
     let range = l.offset as usize..(l.offset + l.numel) as usize;
     if l.dtype == layout.wire_dtype {
         // The cast back to the same type is a copy.
@@ -289,7 +315,7 @@ pub fn unpack_member(
 // the flat buffer as it is the moment it exists ([`copy_member`], its own copy let go), the
 // bucket's other members are packed when the last one is in ([`pack_rest`]), and the copied ones
 // are scaled in place at the launch ([`scale_copied`]). Until then a copied member can be read
-// back exactly ([`copied_member`]); the numbers are [`pack`]'s, bit for bit.
+// back exactly ([`unpack_member`]: for a member of the wire's dtype, a copy); the numbers are [`pack`]'s, bit for bit.
 
 /// Whether member `j` can be copied in before the pack: its dtype is the wire's, so the copy
 /// is exact and the pack's arithmetic (scale in the member's dtype, then the cast, an identity
@@ -337,10 +363,8 @@ pub fn copy_member(
 /// Member `j` into its place in `out`, of its own dtype (a `memcpy`: what the pack's cast to the
 /// same type is, bit for bit), and zeros in the padding after it.
 fn copy_same<T: Element>(layout: &BucketLayout, j: usize, m: &[T], out: &mut [T]) {
-    let l = &layout.members[j];
-    let end = layout.members.get(j + 1).map_or(layout.numel, |n| n.offset) as usize;
-    out[l.offset as usize + m.len()..end].fill(T::ZERO);
-    out[l.offset as usize..][..m.len()].copy_from_slice(m);
+    zero_padding_after(layout, j, m.len(), out);
+    out[layout.members[j].offset as usize..][..m.len()].copy_from_slice(m);
 }
 
 /// Packs the members given (`Some`, in layout order) into `out` as [`pack_into`] does; the
@@ -388,28 +412,7 @@ pub fn scale_copied(
     Ok(())
 }
 
-/// Member `j`, copied in by [`copy_member`] and not scaled yet, read back out of `flat`.
-pub fn copied_member(
-    layout: &BucketLayout,
-    j: usize,
-    flat: &HostBuffer,
-) -> Result<HostBuffer, KernelError> {
-    unpack_member(layout, j, flat)
-}
-
 /// Checks member `j` against the layout.
 fn check_one(layout: &BucketLayout, j: usize, member: &HostBuffer) -> Result<(), KernelError> {
-    let Some(l) = layout.members.get(j) else {
-        return check_members(layout, std::iter::repeat_n((0, member.dtype()), j + 1));
-    };
-    if member.len() as u64 != l.numel || member.dtype().name() != l.dtype {
-        return Err(KernelError::Member {
-            bucket: label(layout),
-            index: j,
-            param: l.param.clone().unwrap_or_else(|| "-".into()),
-            expected: format!("{}[{}]", l.dtype, l.numel),
-            got: format!("{}[{}]", member.dtype(), member.len()),
-        });
-    }
-    Ok(())
+    check_member(layout, j, member.len(), member.dtype())
 }
