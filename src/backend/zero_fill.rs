@@ -9,7 +9,7 @@
 use burn_backend::Backend;
 use hashbrown::HashMap;
 
-use super::session::{RankState, Session};
+use super::session::{Live, RankState, Session};
 use crate::graph::{DType, TensorType};
 use crate::runtime::exec::{NoHooks, execute_in};
 use crate::runtime::{Grad, HostBuffer};
@@ -37,13 +37,23 @@ impl<I: Backend> Session<I> {
     /// ranks exchange manifests (gradients that plan does not know, names they zero-filled) and
     /// all run one plan for the union of the unknown ones, zero-filling likewise. The next
     /// step's plan, the same on every rank: this plan's entries, less those zero-filled on every
-    /// rank, then the union.
-    pub(super) fn reduce_zero_fill(&self, rank: usize, st: &mut RankState<I>) -> Vec<Option<Grad>> {
+    /// rank, then the union. Returns the union's reduced gradients by submission index and,
+    /// when there was a previous plan, its execution, run to the end with its unpacks left to
+    /// the hand-back (with whether it launched during backward), as
+    /// [`Session::reduce_following`] does.
+    pub(super) fn reduce_zero_fill(
+        &self,
+        rank: usize,
+        st: &mut RankState<I>,
+    ) -> (Vec<Option<Grad>>, Option<(Live, bool)>) {
         let opts = self.opts();
         let comm = self.comm(rank);
         let n = st.submitted.len();
         let mut reduced: Vec<Option<Grad>> = (0..n).map(|_| None).collect();
         let mut zero: Vec<String> = Vec::new();
+        // Gradients the previous plan reduces (handed back from its execution, `handed`).
+        let mut covered = vec![false; n];
+        let mut handed = None;
         let zeros = |ty: &TensorType, name: &str| {
             HostBuffer::zeros(ty.dtype, ty.numel() as usize)
                 .map(Grad::Host)
@@ -80,10 +90,14 @@ impl<I: Backend> Session<I> {
                 };
                 live.ready[slot] = true;
             }
-            self.complete_live(rank, live, st, &mut reduced, launched_early);
+            self.finish_live(rank, &mut live, &mut st.workspace);
+            for i in live.source.iter().flatten() {
+                covered[*i] = true;
+            }
+            handed = Some((live, launched_early));
         }
         // The manifests.
-        let extras: Vec<usize> = (0..n).filter(|i| reduced[*i].is_none()).collect();
+        let extras: Vec<usize> = (0..n).filter(|i| !covered[*i]).collect();
         let manifest = Manifest {
             extras: extras
                 .iter()
@@ -138,7 +152,7 @@ impl<I: Backend> Session<I> {
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
                 match st.index.get(&s.param).copied() {
-                    Some(i) if reduced[i].is_none() => {
+                    Some(i) if !covered[i] && reduced[i].is_none() => {
                         grads.push(st.submitted[i].data.take().unwrap_or_default());
                         source.push(Some(i));
                     }
@@ -149,16 +163,16 @@ impl<I: Backend> Session<I> {
                     }
                 }
             }
+            // With no previous plan this one reduces the whole step: its buckets are the ones
+            // the next step's plan reuses.
+            let ws = if handed.is_none() {
+                &mut st.workspace
+            } else {
+                &mut st.leftover_workspace
+            };
             self.agree_once(rank, &mut st.agreed, &plan);
-            st.leftover_workspace.agreed(&plan);
-            match execute_in(
-                &plan,
-                comm,
-                &mut grads,
-                &mut NoHooks,
-                opts,
-                &mut st.leftover_workspace,
-            ) {
+            ws.agreed(&plan);
+            match execute_in(&plan, comm, &mut grads, &mut NoHooks, opts, ws) {
                 Ok(report) => self.record(rank, &report),
                 Err(e) => self.fail(rank, e.to_string()),
             }
@@ -197,6 +211,6 @@ impl<I: Backend> Session<I> {
         }
         st.zero_filled += zero.len() as u64;
         st.last_zero_filled = zero;
-        reduced
+        (reduced, handed)
     }
 }

@@ -286,24 +286,11 @@ impl<I: Backend> Session<I> {
         }
     }
 
-    /// Runs the rest of a live execution, waiting for its collectives, and records its spans;
-    /// puts each reduced gradient at its submission index in `reduced`. With `launched_early`
-    /// the step counts as eager, or as held when it was held to the sync point.
-    pub(in crate::backend) fn complete_live(
-        &self,
-        rank: usize,
-        mut live: Live,
-        st: &mut RankState<I>,
-        reduced: &mut [Option<Grad>],
-        launched_early: bool,
-    ) {
-        self.advance_live(rank, &mut live, &mut st.workspace, true);
-        self.end_live(rank, live.exec, live.held_to_sync, st, launched_early);
-        for (grad, source) in live.grads.into_iter().zip(live.source) {
-            if let Some(i) = source {
-                reduced[i] = Some(grad);
-            }
-        }
+    /// Runs the rest of a live execution, waiting for its collectives, and leaves its unpacks to
+    /// the hand-back ([`Session::hand_back_live`], which records its spans).
+    pub(in crate::backend) fn finish_live(&self, rank: usize, live: &mut Live, ws: &mut Workspace) {
+        live.exec.defer_unpacks();
+        self.advance_live(rank, live, ws, true);
     }
 
     /// Records a live execution's spans once every step ran and counts its step as eager or
@@ -334,12 +321,14 @@ impl<I: Backend> Session<I> {
     /// the moment it is unpacked (a host bucket member by member, a device bucket after its one
     /// unpack kernel), so the step holds the reduced copies of one gradient (one device bucket)
     /// beside the gradients at a time rather than all of them: at most the gradients and the
-    /// buckets, what DDP holds. Returns the time the unpacks took.
+    /// buckets, what DDP holds. With `launched_early` the step counts as eager, or as held
+    /// when it was held to the sync point. Returns the time the unpacks took.
     fn hand_back_live(
         &self,
         rank: usize,
         st: &mut RankState<I>,
         mut live: Live,
+        launched_early: bool,
     ) -> std::time::Duration {
         let (comm, opts) = (self.comm(rank), self.opts());
         let (mut unpacking, mut writing) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
@@ -375,7 +364,7 @@ impl<I: Backend> Session<I> {
                 self.write_back(rank, &st.submitted[i], std::mem::take(g));
             }
         }
-        self.end_live(rank, live.exec, live.held_to_sync, st, true);
+        self.end_live(rank, live.exec, live.held_to_sync, st, launched_early);
         unpacking.saturating_sub(writing)
     }
 
@@ -453,9 +442,10 @@ impl<I: Backend> Session<I> {
             }
         }
         let (reduced, live) = if self.options.unused == UnusedParameters::ZeroFill {
-            (self.reduce_zero_fill(rank, st), None)
+            self.reduce_zero_fill(rank, st)
         } else {
-            self.reduce_following(rank, st)
+            let (reduced, live) = self.reduce_following(rank, st);
+            (reduced, live.map(|l| (l, true)))
         };
         // Write back in place, through the pointers Burn gave us; only now, once every
         // collective of the step finished.
@@ -466,8 +456,8 @@ impl<I: Backend> Session<I> {
             }
         }
         let mut unpacking = std::time::Duration::ZERO;
-        if let Some(live) = live {
-            unpacking = self.hand_back_live(rank, st, live);
+        if let Some((live, launched_early)) = live {
+            unpacking = self.hand_back_live(rank, st, live, launched_early);
             // The unpacks are the plan's copies (measured as such), not the hand-back's.
             self.clock(rank).handback_later(unpacking);
         }
@@ -564,8 +554,7 @@ impl<I: Backend> Session<I> {
                     st.expected_segment = Some(segment);
                     st.planner.stale = st.planner.base.is_some();
                 }
-                live.exec.defer_unpacks();
-                self.advance_live(rank, &mut live, &mut st.workspace, true);
+                self.finish_live(rank, &mut live, &mut st.workspace);
                 complete_live = Some(live);
             } else {
                 // Finish what was launched (every rank launched the same), give the rest back.
