@@ -194,7 +194,7 @@ fn train_data_parallel_with<M: Net>(
     });
     // The first step compiled and ran at the sync point; every later step followed its plan,
     // launching buckets during backward.
-    for r in 0..WORLD as usize {
+    for (r, trained) in out.iter().enumerate() {
         let stats = sync_stats::<NdArray>(r);
         assert_eq!(
             stats,
@@ -210,8 +210,17 @@ fn train_data_parallel_with<M: Net>(
                 view_grads: 0,
                 measured_plans: 0,
                 replans: 0,
+                host_bucket_bytes: stats.host_bucket_bytes,
             },
             "rank {r}"
+        );
+        // What the sync keeps between steps: its buckets, at most one copy of the gradients
+        // (f32, as many as the weights) and their alignment padding.
+        let grads = trained.len() as u64 * 4;
+        assert!(
+            stats.host_bucket_bytes <= grads + grads / 10,
+            "rank {r} keeps {} bytes of buckets for {grads} bytes of gradients",
+            stats.host_bucket_bytes
         );
     }
     inspect(&out);

@@ -30,6 +30,8 @@ const WORLD: u32 = 2;
 const ROWS: usize = 3;
 const WIDTH: usize = 8;
 const STEPS: usize = 9;
+/// The gradients of the model's four `WIDTH` × `WIDTH` layers, weights and biases, f32.
+const GRADIENT_BYTES: u64 = 4 * (WIDTH * (WIDTH + 1)) as u64 * 4;
 
 /// Sessions are per backend type: one test at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -188,6 +190,8 @@ fn steps_that_sync_one_list_follow_the_previous_plan() {
         (STEPS as u64 - 1, 1),
         "{st:?}"
     );
+    // What the sync keeps between steps: its buckets, one copy of the gradients.
+    assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
 }
 
 /// Two and three lists in turn: the first `period` steps compile their plans, the next one
@@ -205,6 +209,10 @@ fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time()
             "period {period}: {st:?}"
         );
         assert_eq!(st.compiled, period as u64, "period {period}: {st:?}");
+        assert!(
+            st.host_bucket_bytes <= GRADIENT_BYTES,
+            "period {period}: {st:?}"
+        );
     }
 }
 
@@ -252,6 +260,8 @@ fn ranks_that_enter_backward_with_different_queues_launch_alike() {
         (STEPS as u64 - 1, 1),
         "{st:?}"
     );
+    // What the sync keeps between steps: its buckets, one copy of the gradients.
+    assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
     assert_eq!(logged[0].len(), 2 * STEPS);
     assert_eq!(logged[0], logged[1], "the ranks logged different values");
     for pair in logged[0].chunks(2) {
@@ -330,6 +340,8 @@ fn synchronized_norm_trains_as_one_rank(at: usize) {
         (STEPS as u64 - 1, 1),
         "{st:?}"
     );
+    // What the sync keeps between steps: its buckets, one copy of the gradients.
+    assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
     assert_eq!(meetings, vec![STEPS; WORLD as usize], "meetings per rank");
     assert_eq!(ranks[0], ranks[1], "the ranks diverged");
     let d = CollectiveDevice::new(NdArrayDevice::Cpu, 0);

@@ -154,6 +154,10 @@ pub struct SyncStats {
     pub measured_plans: u64,
     /// Of those, the ones compiled because the measured profile drifted.
     pub replans: u64,
+    /// Bytes of host buckets this rank keeps from one step to the next, for the steps that
+    /// follow (one copy of the gradients packed on the host, as DDP keeps its buckets; none
+    /// for the buckets packed on a device, which go once unpacked).
+    pub host_bucket_bytes: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -173,6 +177,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         view_grads: s.device[rank].views.load(Relaxed),
         measured_plans: st.planner.plans,
         replans: st.planner.replans,
+        host_bucket_bytes: st.workspace.held_bytes() + st.leftover_workspace.held_bytes(),
     }
 }
 

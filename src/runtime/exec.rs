@@ -191,6 +191,14 @@ impl Workspace {
         }
     }
 
+    /// Bytes of the buckets it holds (what it keeps from one step to the next).
+    pub fn held_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .map(|b| b.len() as u64 * b.dtype().size())
+            .sum()
+    }
+
     /// Readies this workspace for `plan`, on which the ranks already agreed (its buffers kept
     /// when it was `plan`'s already), so [`Execution::new`] does not agree again.
     pub fn agreed(&mut self, plan: &Plan) {
