@@ -837,7 +837,8 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
                         let mut order = Vec::new();
                         ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c, &mut |s, g| {
                             order.push(s);
-                            out[s as usize] = Some(g);
+                            out[s as usize] = Some(g.into_grad()?);
+                            Ok(())
                         })
                         .unwrap();
                         assert_eq!(order, plan.collectives[*c as usize].slots);
@@ -849,7 +850,7 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
                         opts,
                         &mut ws,
                         packed[0],
-                        &mut |_, _| {},
+                        &mut |_, _| Ok(()),
                     );
                     let err = again.expect_err("a second unpack").to_string();
                     assert!(err.contains(&format!("collective #{}", packed[0])), "{err}");

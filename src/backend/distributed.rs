@@ -70,6 +70,39 @@ pub(super) fn read_host<I: Backend>(p: I::FloatTensorPrimitive) -> Result<HostBu
     to_host(&data)
 }
 
+/// Writes a reduced member of a host bucket over an NdArray tensor's own memory, in row-major
+/// order, where nothing else shares that memory (Burn's gradient, whose old values nobody reads
+/// again) and the member is of the tensor's dtype and length: the copy back into the gradient
+/// that DDP makes, with no buffer of its own. False, nothing written, otherwise (another
+/// backend's tensor, storage that is borrowed or shared, a layout that is not row-major, a member
+/// to cast back).
+pub(super) fn ndarray_write(p: &mut dyn std::any::Any, g: &crate::runtime::Handed<'_>) -> bool {
+    use burn_ndarray::NdArrayTensor;
+    // A macro, not a function: the storage type is not nameable from here.
+    macro_rules! write {
+        ($storage:expr, $t:ty) => {{
+            let Some(v) = g.wire_slice::<$t>() else {
+                return false;
+            };
+            if !$storage.is_unique() || $storage.len() != v.len() {
+                return false;
+            }
+            match $storage.ensure_owned().as_slice_mut() {
+                Some(s) => {
+                    s.copy_from_slice(v);
+                    true
+                }
+                None => false,
+            }
+        }};
+    }
+    match p.downcast_mut::<NdArrayTensor>() {
+        Some(NdArrayTensor::F32(s)) => write!(s, f32),
+        Some(NdArrayTensor::F64(s)) => write!(s, f64),
+        _ => false,
+    }
+}
+
 /// An NdArray tensor's values in row-major order, copied straight out of its array: what
 /// `float_into_data` gives, without its two slow steps for a gradient (one that other handles
 /// still share, as a synced gradient is, is read element by element through a dynamic-rank
@@ -508,7 +541,7 @@ pub fn take_trace<I: Backend>() -> Vec<TraceSpan> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ndarray_host, to_host};
+    use super::{ndarray_host, ndarray_write, to_host};
     use burn_backend::tensor::FloatTensor;
     use burn_backend::{Backend, TensorData};
     use burn_ndarray::{NdArray, NdArrayDevice};
@@ -565,5 +598,65 @@ mod tests {
     #[test]
     fn another_backends_tensor_is_left_to_burn() {
         assert!(ndarray_host(&1.0f32).is_none());
+    }
+
+    /// A reduced member is written over a tensor's own memory only where that memory is the
+    /// tensor's alone and row-major, and the member of its dtype: the tensor then reads as the
+    /// member; anywhere else nothing is written, and the tensor (and every handle to it) reads
+    /// as before.
+    #[test]
+    fn a_member_is_written_in_place_only_over_memory_nothing_else_shares() {
+        use crate::codegen::layout::BucketLayout;
+        use crate::graph::DType;
+        use crate::runtime::{Handed, HostBuffer};
+        let d = NdArrayDevice::Cpu;
+        // Tensors not row-major, and row-major.
+        let mut written = [0, 0];
+        for (what, p) in layouts::<NdArray>(&d) {
+            let before = burns::<NdArray>(p.clone());
+            let n = before.len();
+            let dtype = before.dtype();
+            // Member 1 of a bucket, behind a member of 3 elements (an offset, alignment padding).
+            let layout = BucketLayout::of_sizes(&[3, n as u64], dtype, dtype, None, 16);
+            let values: Vec<f64> = (0..layout.numel).map(|i| i as f64 * 0.25 - 7.0).collect();
+            let bucket = HostBuffer::from_f64(dtype, &values).unwrap();
+            let member = Handed::Member {
+                layout: &layout,
+                member: 1,
+                bucket: &bucket,
+            };
+            let want = crate::runtime::host::unpack_member(&layout, 1, &bucket).unwrap();
+            let row_major = match &p {
+                burn_ndarray::NdArrayTensor::F32(s) => s.view().is_standard_layout(),
+                burn_ndarray::NdArrayTensor::F64(s) => s.view().is_standard_layout(),
+                _ => false,
+            };
+            written[usize::from(row_major)] += 1;
+            // Shared: a second handle (a gradient some later op still reads).
+            let (mut shared, held) = (p.clone(), p.clone());
+            assert!(!ndarray_write(&mut shared, &member), "{what}: shared");
+            assert!(burns::<NdArray>(held).bits_eq(&before), "{what}: shared");
+            assert!(burns::<NdArray>(shared).bits_eq(&before), "{what}: shared");
+            // A member to cast back (an f32 gradient in a bf16 bucket).
+            let cast = BucketLayout::of_sizes(&[n as u64], dtype, DType::BF16, None, 0);
+            let bf16 = HostBuffer::zeros(DType::BF16, n).unwrap();
+            let to_cast = Handed::Member {
+                layout: &cast,
+                member: 0,
+                bucket: &bf16,
+            };
+            let mut alone = p;
+            assert!(!ndarray_write(&mut alone, &to_cast), "{what}: cast");
+            // Alone: written where row-major.
+            let wrote = ndarray_write(&mut alone, &member);
+            assert_eq!(wrote, row_major, "{what}");
+            let after = burns::<NdArray>(alone);
+            assert!(after.bits_eq(if wrote { &want } else { &before }), "{what}");
+        }
+        assert!(written[0] >= 2 && written[1] >= 4, "{written:?}");
+        assert!(!ndarray_write(
+            &mut 1.0f32,
+            &Handed::Grad(Default::default())
+        ));
     }
 }

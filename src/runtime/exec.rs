@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::buffer::HostBuffer;
 use super::comm::{CollectiveDesc, CommError, CommSpan, Communicator};
-use super::grad::{DeviceGrad, Grad, Packed};
+use super::grad::{DeviceGrad, Grad, Handed, Packed};
 use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::trace::SpanKind;
@@ -331,9 +331,11 @@ impl Execution {
     }
 
     /// Unpacks collective `c`, whose unpack step was deferred, handing each member's reduced
-    /// gradient to `hand` (its slot, the gradient) as soon as it exists: a bucket in host
-    /// memory one member at a time (one member's new buffer beside the bucket at a time), a
-    /// device bucket by its one unpack kernel, then its members in layout order.
+    /// gradient to `hand` (its slot, the gradient) as soon as it exists, in layout order: a
+    /// bucket in host memory member by member, each as a [`Handed::Member`] of the bucket, for
+    /// `hand` to copy where it goes (its time counts as the unpack's); a device bucket by its one
+    /// unpack kernel, then its members, each a [`Handed::Grad`]. An error of `hand` ends the
+    /// unpack with it.
     #[allow(clippy::too_many_arguments)]
     pub fn unpack(
         &mut self,
@@ -343,7 +345,7 @@ impl Execution {
         opts: ExecOptions,
         ws: &mut Workspace,
         c: u32,
-        hand: &mut dyn FnMut(u32, Grad),
+        hand: &mut dyn FnMut(u32, Handed<'_>) -> Result<(), KernelError>,
     ) -> Result<(), ExecError> {
         self.same_plan(plan)?;
         let Some(at) = self.deferred.iter().position(|d| *d == c) else {
@@ -362,14 +364,21 @@ impl Execution {
             && let Some(Packed::Host(buf)) = self.packed[c as usize].take()
         {
             let rank = self.rank;
-            let (start, mut took) = (Instant::now(), Duration::ZERO);
+            let start = Instant::now();
+            host::check_flat(&col.layout, buf.len(), buf.dtype())
+                .map_err(|source| ExecError::Kernel { rank, source })?;
+            let mut handed = Ok(());
             for (j, s) in col.slots.iter().enumerate() {
-                let t = Instant::now();
-                let g = host::unpack_member(&col.layout, j, &buf)
-                    .map_err(|source| ExecError::Kernel { rank, source })?;
-                took += t.elapsed();
                 grads[*s as usize] = Grad::default();
-                hand(*s, Grad::Host(g));
+                let member = Handed::Member {
+                    layout: &col.layout,
+                    member: j,
+                    bucket: &buf,
+                };
+                handed = hand(*s, member);
+                if handed.is_err() {
+                    break;
+                }
             }
             ws.buffers[c as usize] = buf;
             self.report.spans.push(Span {
@@ -377,13 +386,18 @@ impl Execution {
                 bytes: col.layout.bytes,
                 name: format!("unpack {}", bucket_name(col)),
                 start,
-                end: start + took,
+                end: Instant::now(),
             });
-            return Ok(());
+            return handed.map_err(|source| ExecError::Kernel { rank, source });
         }
         self.unpack_now(plan, c, comm, grads, opts, ws)?;
         for s in &col.slots {
-            hand(*s, std::mem::take(&mut grads[*s as usize]));
+            hand(*s, Handed::Grad(std::mem::take(&mut grads[*s as usize]))).map_err(|source| {
+                ExecError::Kernel {
+                    rank: self.rank,
+                    source,
+                }
+            })?;
         }
         Ok(())
     }

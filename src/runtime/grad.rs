@@ -284,6 +284,59 @@ impl Grad {
     }
 }
 
+/// A reduced gradient as [`Execution::unpack`](super::exec::Execution::unpack) hands it over: a
+/// gradient of its own, or a member still in its reduced host bucket, which the receiver copies
+/// where it goes (over the memory of the gradient it replaces, where it can: no buffer of its
+/// own, as DDP copies a bucket back into its gradients) or into a buffer of its own
+/// ([`Handed::into_grad`]).
+pub enum Handed<'a> {
+    /// A gradient of its own.
+    Grad(Grad),
+    /// Member `member` of a reduced host bucket laid out as `layout`.
+    Member {
+        /// The bucket's layout.
+        layout: &'a BucketLayout,
+        /// The member's index in it.
+        member: usize,
+        /// The reduced bucket.
+        bucket: &'a HostBuffer,
+    },
+}
+
+impl Handed<'_> {
+    /// The member's reduced elements, as a slice of its bucket, where the member is of the
+    /// bucket's own dtype `T` (nothing to cast back); `None` for a gradient of its own, or a
+    /// member of another dtype.
+    pub fn wire_slice<T: super::buffer::Element>(&self) -> Option<&[T]> {
+        let Handed::Member {
+            layout,
+            member,
+            bucket,
+        } = self
+        else {
+            return None;
+        };
+        let l = layout.members.get(*member)?;
+        (l.dtype == layout.wire_dtype && l.dtype == T::DTYPE.name())
+            .then(|| T::slice(bucket))
+            .flatten()?
+            .get(l.offset as usize..(l.offset + l.numel) as usize)
+    }
+
+    /// The gradient in a buffer of its own (a member is copied out of its bucket, cast back to
+    /// its dtype).
+    pub fn into_grad(self) -> Result<Grad, KernelError> {
+        match self {
+            Handed::Grad(g) => Ok(g),
+            Handed::Member {
+                layout,
+                member,
+                bucket,
+            } => super::host::unpack_member(layout, member, bucket).map(Grad::Host),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -43,5 +43,5 @@ pub use comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingRed
 pub use exec::{
     ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,
 };
-pub use grad::{CudaMemory, DeviceBucket, DeviceGrad, Grad, Packed, ReadyWait, Unpacked};
+pub use grad::{CudaMemory, DeviceBucket, DeviceGrad, Grad, Handed, Packed, ReadyWait, Unpacked};
 pub use inprocess::{InProcessComm, InProcessGroup};

@@ -315,6 +315,27 @@ impl<P: Clone + Send + 'static> CTensor<P> {
         self.drawn = false;
     }
 
+    /// Changes the computed value in place with `write` (which says whether it wrote), where
+    /// this handle is its only one: a ready value, or the last handle of a computed node (whose
+    /// value moves out of it). False, nothing written, while the value is pending or its node
+    /// shared. (`write` itself checks that the inner tensor's memory is not shared.)
+    pub(crate) fn write_in_place(&mut self, write: impl FnOnce(&mut P) -> bool) -> bool {
+        if let Repr::Lazy(n) = &mut self.repr {
+            match take_last(n) {
+                Some(v) => self.repr = Repr::Ready(v),
+                None => return false,
+            }
+        }
+        let Repr::Ready(p) = &mut self.repr else {
+            return false;
+        };
+        let wrote = write(p);
+        if wrote {
+            self.drawn = false;
+        }
+        wrote
+    }
+
     /// Whether the value is still to be computed.
     pub fn is_pending(&self) -> bool {
         match &self.repr {

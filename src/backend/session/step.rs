@@ -9,15 +9,15 @@ use burn_backend::distributed::{DistributedParams, TensorRef};
 use burn_backend::{Backend, TensorMetadata};
 
 use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted, param_name};
-use crate::backend::distributed::{from_host, graph_dtype, read_host};
+use crate::backend::distributed::{from_host, graph_dtype, ndarray_write, read_host};
 use crate::backend::hook_times::SyncTimes;
 use crate::backend::options::{SingleRank, UnusedParameters};
 use crate::backend::record::StepRecord;
 use crate::backend::{CTensor, Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::graph::TensorType;
-use crate::runtime::Grad;
 use crate::runtime::exec::{Execution, NoHooks, Workspace, execute_in};
+use crate::runtime::{Grad, Handed};
 
 impl<I: Backend> Session<I> {
     /// Takes in one gradient (Burn's `submit_gradient_sync`); returns how long computing its
@@ -336,13 +336,21 @@ impl<I: Backend> Session<I> {
         for c in live.exec.deferred().to_vec() {
             let t = Instant::now();
             let (source, submitted) = (&live.source, &st.submitted);
-            let mut hand = |s: u32, g: Grad| {
+            let mut hand = |s: u32, g: Handed<'_>| {
                 handed[s as usize] = true;
-                if let Some(i) = source[s as usize] {
-                    let w = Instant::now();
-                    self.write_back(rank, &submitted[i], g);
-                    writing += w.elapsed();
+                let Some(i) = source[s as usize] else {
+                    return Ok(());
+                };
+                // Over the memory of the gradient it replaces where nothing else shares it
+                // (the copy out of the bucket is the unpack); else into a new tensor.
+                if Self::write_in_place(&submitted[i], &g) {
+                    return Ok(());
                 }
+                let g = g.into_grad()?;
+                let w = Instant::now();
+                self.write_back(rank, &submitted[i], g);
+                writing += w.elapsed();
+                Ok(())
             };
             let unpacked = live.exec.unpack(
                 &live.plan,
@@ -366,6 +374,15 @@ impl<I: Backend> Session<I> {
         }
         self.end_live(rank, live.exec, live.held_to_sync, st, launched_early);
         unpacking.saturating_sub(writing)
+    }
+
+    /// Writes a reduced member of a host bucket over the memory of the gradient Burn holds for
+    /// `sub`, where nothing else shares that memory (an NdArray gradient: see
+    /// [`ndarray_write`]); false, nothing written, where it cannot.
+    fn write_in_place(sub: &Submitted<I>, g: &Handed<'_>) -> bool {
+        // SAFETY: as in `write_back`.
+        let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+        t.write_in_place(|p| ndarray_write(p, g))
     }
 
     /// Writes the reduced gradient `g` over the one Burn holds for `sub`.
