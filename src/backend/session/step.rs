@@ -318,10 +318,11 @@ impl<I: Backend> Session<I> {
 
     /// Hands back the gradients of a live execution that ran to its end with its unpacks
     /// deferred ([`Execution::defer_unpacks`]): each reduced gradient replaces the one Burn holds
-    /// the moment it is unpacked (a host bucket member by member, a device bucket after its one
-    /// unpack kernel), so the step holds the reduced copies of one gradient (one device bucket)
-    /// beside the gradients at a time rather than all of them: at most the gradients and the
-    /// buckets, what DDP holds. With `launched_early` the step counts as eager, or as held
+    /// the moment it is unpacked (a host bucket member by member, copied over the gradient's own
+    /// memory where nothing else shares it, else into a new tensor; a device bucket after its one
+    /// unpack kernel), so the step holds the reduced copies of at most one gradient (one device
+    /// bucket) beside the gradients at a time rather than all of them: at most the gradients and
+    /// the buckets, what DDP holds. With `launched_early` the step counts as eager, or as held
     /// when it was held to the sync point. Returns the time the unpacks took.
     fn hand_back_live(
         &self,
