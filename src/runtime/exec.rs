@@ -20,10 +20,12 @@ use crate::trace::SpanKind;
 mod check;
 mod in_process;
 mod launch;
+mod workspace;
 use check::{check_grads, check_plan, check_slot};
 pub use in_process::{run_in_process, run_in_process_grads};
 pub use launch::UserAllReduce;
 use launch::{InFlight, Pending, desc_of, launch_slots};
+pub use workspace::Workspace;
 
 /// Why a plan could not run.
 #[derive(Debug, thiserror::Error)]
@@ -155,58 +157,6 @@ pub struct CollectiveTiming {
     pub wait_start: Instant,
     /// See `wait_start`.
     pub wait_end: Instant,
-}
-
-/// Bucket buffers kept from one step to the next, so a steady-state step allocates nothing.
-#[derive(Default)]
-pub struct Workspace {
-    plan_hash: u64,
-    buffers: Vec<HostBuffer>,
-    /// Slot → (packed collective, member) where the member is copied into its bucket as it
-    /// arrives ([`host::copies_in`]).
-    member_of: Vec<Option<(u32, u32)>>,
-    /// The ranks agreed on this plan (see [`agree`](super::agree)).
-    agreed: bool,
-}
-
-impl Workspace {
-    /// A workspace for `plan` whose ranks already agreed on it ([`agree`](super::agree::agree)
-    /// ran), so [`Execution::new`] does not agree again.
-    pub fn agreed_on(plan: &Plan) -> Self {
-        let mut member_of = vec![None; plan.slots.len()];
-        for c in plan.collectives.iter().filter(|c| c.packed) {
-            for (j, s) in c.slots.iter().enumerate() {
-                if host::copies_in(&c.layout, j)
-                    && let Some(m) = member_of.get_mut(*s as usize)
-                {
-                    *m = Some((c.id, j as u32));
-                }
-            }
-        }
-        Workspace {
-            plan_hash: plan.graph_hash,
-            buffers: vec![HostBuffer::default(); plan.collectives.len()],
-            member_of,
-            agreed: true,
-        }
-    }
-
-    /// Bytes of the buckets it holds (what it keeps from one step to the next).
-    pub fn held_bytes(&self) -> u64 {
-        self.buffers
-            .iter()
-            .map(|b| b.len() as u64 * b.dtype().size())
-            .sum()
-    }
-
-    /// Readies this workspace for `plan`, on which the ranks already agreed (its buffers kept
-    /// when it was `plan`'s already), so [`Execution::new`] does not agree again.
-    pub fn agreed(&mut self, plan: &Plan) {
-        if self.plan_hash != plan.graph_hash || self.buffers.len() != plan.collectives.len() {
-            *self = Workspace::agreed_on(plan);
-        }
-        self.agreed = true;
-    }
 }
 
 /// Runs `plan` on this rank: `grads[i]` is the gradient of slot `i` and holds the reduced
