@@ -223,10 +223,10 @@ impl<I: Backend> DeviceGrad for OpsGrad<I> {
             .iter()
             .zip(&layout.members)
             .map(|(g, l)| {
-                let (start, end) = (l.offset as usize, (l.offset + l.numel) as usize);
+                let r = l.range();
                 let t = I::float_slice(
                     flat.clone(),
-                    &[Slice::new(start as isize, Some(end as isize), 1)],
+                    &[Slice::new(r.start as isize, Some(r.end as isize), 1)],
                 );
                 let t = match float_dtype(g.dtype) {
                     Some(own) if g.dtype != wire => I::float_cast(t, own),

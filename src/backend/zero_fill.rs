@@ -152,7 +152,7 @@ impl<I: Backend> Session<I> {
             let mut source = Vec::with_capacity(plan.slots.len());
             for s in &plan.slots {
                 match st.index.get(&s.param).copied() {
-                    Some(i) if !covered[i] && reduced[i].is_none() => {
+                    Some(i) if !covered[i] => {
                         grads.push(st.submitted[i].data.take().unwrap_or_default());
                         source.push(Some(i));
                     }

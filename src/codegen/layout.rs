@@ -25,6 +25,13 @@ pub struct MemberLayout {
     pub dtype: String,
 }
 
+impl MemberLayout {
+    /// Its elements' indices in the flat buffer.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset as usize..(self.offset + self.numel) as usize
+    }
+}
+
 /// One collective launch.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BucketLayout {

@@ -320,7 +320,7 @@ impl Handed<'_> {
         (l.dtype == layout.wire_dtype && l.dtype == T::DTYPE.name())
             .then(|| T::slice(bucket))
             .flatten()?
-            .get(l.offset as usize..(l.offset + l.numel) as usize)
+            .get(l.range())
     }
 
     /// The gradient in a buffer of its own (a member is copied out of its bucket, cast back to

@@ -256,8 +256,7 @@ pub fn unpack(
     }
     check_flat(layout, buffer.len(), buffer.dtype())?;
     for (i, m) in members.iter_mut().enumerate() {
-        let l = &layout.members[i];
-        let range = l.offset as usize..(l.offset + l.numel) as usize;
+        let range = layout.members[i].range();
         // The cast back to the same type is a copy.
         match (buffer, &mut **m) {
             (HostBuffer::F32(b), HostBuffer::F32(o)) => o.copy_from_slice(&b[range]),
@@ -291,7 +290,7 @@ pub fn unpack_member(
 ) -> Result<HostBuffer, KernelError> {
     check_flat(layout, buffer.len(), buffer.dtype())?;
     let l = member_at(layout, j)?;
-    let range = l.offset as usize..(l.offset + l.numel) as usize;
+    let range = l.range();
     if l.dtype == layout.wire_dtype {
         // The cast back to the same type is a copy.
         return Ok(match buffer {
@@ -401,10 +400,8 @@ pub fn scale_copied(
     check_flat(layout, out.len(), out.dtype())?;
     let Some(d) = scale_div else { return Ok(()) };
     for &j in copied {
-        let l = &layout.members[j];
-        let range = l.offset as usize..(l.offset + l.numel) as usize;
         with_host_buffer!(&mut *out, o => {
-            for x in &mut o[range] {
+            for x in &mut o[layout.members[j].range()] {
                 *x = x.scale_div(d);
             }
         });

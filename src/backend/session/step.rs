@@ -462,8 +462,7 @@ impl<I: Backend> Session<I> {
         let (reduced, live) = if self.options.unused == UnusedParameters::ZeroFill {
             self.reduce_zero_fill(rank, st)
         } else {
-            let (reduced, live) = self.reduce_following(rank, st);
-            (reduced, live.map(|l| (l, true)))
+            self.reduce_following(rank, st)
         };
         // Write back in place, through the pointers Burn gave us; only now, once every
         // collective of the step finished.
@@ -546,12 +545,13 @@ impl<I: Backend> Session<I> {
     /// as far as its gradients came in that plan's order, and reduces the
     /// rest with a plan of its own. Returns the reduced gradients by submission index and, when
     /// the step followed its plan to the end, that live execution, whose unpacks are left to the
-    /// hand-back ([`Session::hand_back_live`]; its gradients are not in the first).
+    /// hand-back ([`Session::hand_back_live`]; its gradients are not in the first), with whether
+    /// it launched during backward (it did).
     pub(in crate::backend) fn reduce_following(
         &self,
         rank: usize,
         st: &mut RankState<I>,
-    ) -> (Vec<Option<Grad>>, Option<Live>) {
+    ) -> (Vec<Option<Grad>>, Option<(Live, bool)>) {
         self.check_registered(rank, st);
         if st.submitted.is_empty() {
             return (Vec::new(), None);
@@ -573,7 +573,8 @@ impl<I: Backend> Session<I> {
                     st.planner.stale = st.planner.base.is_some();
                 }
                 self.finish_live(rank, &mut live, &mut st.workspace);
-                complete_live = Some(live);
+                // A step that followed its plan to the end launched during backward.
+                complete_live = Some((live, true));
             } else {
                 // Finish what was launched (every rank launched the same), give the rest back.
                 let done = match live.exec.drain(
@@ -606,7 +607,10 @@ impl<I: Backend> Session<I> {
         }
         // Whatever is not reduced yet: compile (cached) and run its own plan, in ready order.
         let mut pending = vec![false; st.submitted.len()];
-        for i in complete_live.iter().flat_map(|l| l.source.iter().flatten()) {
+        for i in complete_live
+            .iter()
+            .flat_map(|(l, _)| l.source.iter().flatten())
+        {
             pending[*i] = true;
         }
         let left: Vec<usize> = (0..st.submitted.len())
