@@ -16,6 +16,7 @@ use super::nets::{Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, RunModel};
 use super::synthetic_batch;
 use crate::backend::{HookTimes, LazyStats, hook_times, lazy_stats, mark_distributed};
 use crate::measure::median;
+use crate::runtime::comm::thread_cpu_us;
 
 /// The parts of one training step, in the order they run, as [`StepPhases`] times them.
 pub const PHASES: [&str; 5] = ["mark", "forward", "backward", "optimizer", "read"];
@@ -198,6 +199,12 @@ pub struct StepTable {
     pub times: Vec<Vec<f64>>,
     /// The same steps' phases.
     pub phases: Vec<Vec<StepPhases>>,
+    /// The CPU time the measuring thread (the training thread) used in each of the same steps,
+    /// ms; empty where the platform does not say. On a device backend this is the host's part
+    /// of a step: a step whose CPU time is close to its wall time is bound by the host (what
+    /// Burn, the lazy layer and the launches cost), one whose CPU time is far below it waits
+    /// for the device.
+    pub cpu: Vec<Vec<f64>>,
     /// What rank 0's lazy recorder did in each row's last timed step (all zero for a row whose
     /// backend is not `Collective`).
     pub lazy: Vec<LazyStats>,
@@ -213,6 +220,7 @@ impl StepTable {
     /// every row per round, in the rows' order).
     pub fn measure(title: &str, mut rows: Vec<StepRow>, warmup: usize, rounds: usize) -> Self {
         let mut phases = vec![Vec::with_capacity(rounds); rows.len()];
+        let mut cpu = vec![Vec::with_capacity(rounds); rows.len()];
         let mut lazy = vec![LazyStats::default(); rows.len()];
         let mut hooks = vec![HookTimes::default(); rows.len()];
         for round in 0..warmup + rounds {
@@ -221,18 +229,22 @@ impl StepTable {
             let rows = rows
                 .iter_mut()
                 .zip(&mut phases)
+                .zip(&mut cpu)
                 .zip(&mut lazy)
                 .zip(&mut hooks);
-            for (((row, p), l), h) in rows {
+            for ((((row, p), c), l), h) in rows {
                 let before = last.then(|| lazy_stats(0));
                 // The hooks' times are summed over the timed rounds only.
                 let hooks_before = (round >= warmup).then(|| hook_times(0));
+                let cpu_before = thread_cpu_us();
                 let step = row.run_step();
+                let cpu_used = cpu_before.zip(thread_cpu_us()).map(|(a, b)| (b - a) / 1e3);
                 if let Some(before) = before {
                     *l = lazy_stats(0).since(&before);
                 }
                 if let Some(hooks_before) = hooks_before {
                     p.push(step);
+                    c.extend(cpu_used);
                     h.add(&hook_times(0).since(&hooks_before));
                 }
             }
@@ -245,10 +257,19 @@ impl StepTable {
                 .map(|p| p.iter().map(StepPhases::total).collect())
                 .collect(),
             phases,
+            cpu,
             lazy,
             hooks,
             warmup,
         }
+    }
+
+    /// Each row's median CPU time of the training thread per step, ms (NaN where not measured).
+    pub fn cpu_medians(&self) -> Vec<f64> {
+        self.cpu
+            .iter()
+            .map(|c| median(c.clone()).unwrap_or(f64::NAN))
+            .collect()
     }
 
     /// Each row's median of each phase, ms (NaN for a row without timed steps).
@@ -274,13 +295,15 @@ impl StepTable {
 
 impl std::fmt::Display for StepTable {
     /// The title, then two lines per row: median, ratio to the first row's median, min and
-    /// max; then the median of each phase ([`PHASES`]), for a `Collective` row what its lazy
+    /// max; then the median of each phase ([`PHASES`]) and of the training thread's CPU time
+    /// (where measured), for a `Collective` row what its lazy
     /// recorder did in the last step (ops recorded, and what made the queue run), and for a
     /// marked row what its sync hooks spent per step (mean over the timed steps: gradients
     /// submitted, computing them, our own work on them, the sync point and its write-back).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let medians = self.medians();
         let phases = self.phase_medians();
+        let cpu = self.cpu_medians();
         let rounds = self.times.first().map_or(0, Vec::len);
         writeln!(
             f,
@@ -288,7 +311,8 @@ impl std::fmt::Display for StepTable {
             self.title, self.warmup
         )?;
         let rows = self.labels.iter().zip(&self.times).zip(&medians);
-        for (((((label, t), m), p), l), h) in rows.zip(&phases).zip(&self.lazy).zip(&self.hooks) {
+        let rows = rows.zip(&phases).zip(&cpu).zip(&self.lazy).zip(&self.hooks);
+        for ((((((label, t), m), p), c), l), h) in rows {
             let lo = t.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = t.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             writeln!(
@@ -299,6 +323,9 @@ impl std::fmt::Display for StepTable {
             write!(f, "    ms:")?;
             for (name, v) in PHASES.iter().zip(p.0) {
                 write!(f, " {name} {v:.3}")?;
+            }
+            if c.is_finite() {
+                write!(f, "; training thread's CPU {c:.3}")?;
             }
             if l.recorded > 0 {
                 write!(
@@ -433,6 +460,11 @@ mod tests {
         }
         assert!(text.contains(" 1.00x"), "{text}");
         assert!(!text.contains("sync hooks"), "no row is marked: {text}");
+        if cfg!(unix) {
+            assert!(table.cpu.iter().all(|c| c.len() == 3), "{text}");
+            assert!(table.cpu_medians().iter().all(|c| *c > 0.0), "{text}");
+            assert!(text.contains("training thread's CPU"), "{text}");
+        }
     }
 
     #[test]
@@ -457,6 +489,7 @@ mod tests {
             labels: vec!["a".into(), "b".into(), "c".into()],
             times: vec![vec![1.0, 1.0]; 3],
             phases: vec![vec![StepPhases([0.2; 5]); 2]; 3],
+            cpu: vec![vec![0.5, 0.75]; 3],
             lazy: vec![LazyStats::default(); 3],
             hooks: vec![HookTimes::default(), hooks, waited],
             warmup: 0,
@@ -464,6 +497,10 @@ mod tests {
         let text = table.to_string();
         let lines: Vec<&str> = text.lines().collect();
         assert!(!lines[2].contains("sync hooks"), "{text}");
+        assert!(
+            lines[2].ends_with("read 0.200; training thread's CPU 0.625"),
+            "{text}"
+        );
         assert!(
             lines[4].ends_with(
                 "; sync hooks per step: 4 gradients, forcing 1.500 ms, submitting 0.500, sync point 0.250 (write-back 0.050)"
