@@ -591,42 +591,48 @@ pub fn check_bucket_views<R: Runtime>(client: &ComputeClient<R>) {
             eprintln!("skipped {case}: the device does not run {wire}");
             continue;
         };
-        let out = members[0]
-            .unpack(&l, &members, &Packed::Device(flat), views)
-            .unwrap();
-        let viewable: Vec<bool> = l
-            .members
-            .iter()
-            .map(|m| views && wire == DType::F32 && (m.offset * 4) % device_align == 0)
-            .collect();
-        let want = viewable.iter().filter(|v| **v).count() as u32;
-        assert_eq!(out.views, want, "{case}: device alignment {device_align}");
-        if align_bytes >= device_align && views && wire == DType::F32 {
-            assert_eq!(out.views as usize, sizes.len(), "{case}");
-        }
-        assert_eq!(out.grads.len(), sizes.len(), "{case}");
-        for (i, ((g, v), m)) in out.grads.iter().zip(&values).zip(&l.members).enumerate() {
-            let cube = g
-                .as_any()
-                .downcast_ref::<CubeGrad<R>>()
-                .expect("a CubeGrad");
-            // A view is the bucket's buffer from the member's offset; a copy is a new buffer.
-            let start = cube.handle.offset_start.unwrap_or(0);
-            if viewable[i] {
-                assert_eq!(
-                    start,
-                    m.offset * 4,
-                    "{case}: member {i} is not at its offset"
-                );
-                assert!(cube.handle.size() >= l.bytes, "{case}: member {i}");
-            } else {
-                assert_eq!(start, 0, "{case}: member {i} is a copy");
+        // Reduced on the device, and reduced in host memory (a host communicator's result).
+        let on_host = flat.read().unwrap();
+        for reduced in [Packed::Device(flat), Packed::Host(on_host)] {
+            let case = match reduced {
+                Packed::Host(_) => format!("{case}, reduced in host memory"),
+                Packed::Device(_) => case.clone(),
+            };
+            let out = members[0].unpack(&l, &members, &reduced, views).unwrap();
+            let viewable: Vec<bool> = l
+                .members
+                .iter()
+                .map(|m| views && wire == DType::F32 && (m.offset * 4) % device_align == 0)
+                .collect();
+            let want = viewable.iter().filter(|v| **v).count() as u32;
+            assert_eq!(out.views, want, "{case}: device alignment {device_align}");
+            if align_bytes >= device_align && views && wire == DType::F32 {
+                assert_eq!(out.views as usize, sizes.len(), "{case}");
             }
-            let back = g.read().unwrap();
-            if wire == DType::F32 {
-                assert!(back.bits_eq(v), "{case}: member {i} holds other elements");
-            } else {
-                within_rounding(v, &back, 10);
+            assert_eq!(out.grads.len(), sizes.len(), "{case}");
+            for (i, ((g, v), m)) in out.grads.iter().zip(&values).zip(&l.members).enumerate() {
+                let cube = g
+                    .as_any()
+                    .downcast_ref::<CubeGrad<R>>()
+                    .expect("a CubeGrad");
+                // A view is the bucket's buffer from the member's offset; a copy is a new buffer.
+                let start = cube.handle.offset_start.unwrap_or(0);
+                if viewable[i] {
+                    assert_eq!(
+                        start,
+                        m.offset * 4,
+                        "{case}: member {i} is not at its offset"
+                    );
+                    assert!(cube.handle.size() >= l.bytes, "{case}: member {i}");
+                } else {
+                    assert_eq!(start, 0, "{case}: member {i} is a copy");
+                }
+                let back = g.read().unwrap();
+                if wire == DType::F32 {
+                    assert!(back.bits_eq(v), "{case}: member {i} holds other elements");
+                } else {
+                    within_rounding(v, &back, 10);
+                }
             }
         }
     }
