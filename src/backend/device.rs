@@ -9,7 +9,8 @@
 //! keeps the host path.
 //!
 //! A fused gradient is resolved to its `CubeTensor` through the fusion client, which runs the
-//! fused work queued before it (what any read of it would do) but copies nothing to the host.
+//! fused work queued before it (what any read of it would do) but copies nothing to the host; it
+//! is resolved when its bucket is packed, not when it is submitted ([`FusedGrad`]).
 
 use std::any::Any;
 use std::sync::OnceLock;
