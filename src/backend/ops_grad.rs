@@ -370,17 +370,9 @@ mod tests {
     fn pack_and_unpack_with_dispatch_wgpu_ops_match_the_host_kernels_bit_for_bit() {
         use burn_dispatch::{Dispatch, DispatchDevice};
         let device = DispatchDevice::Wgpu(burn_wgpu::WgpuDevice::DefaultDevice);
-        let probe = std::panic::catch_unwind(|| {
-            let d = device.clone();
-            Dispatch::supports_dtype(&d, burn_std::DType::F32)
-        });
-        match probe {
-            Ok(_) => {}
-            Err(_) if std::env::var_os("CF_REQUIRE_WGPU").is_none() => {
-                eprintln!("skipped: no wgpu adapter");
-                return;
-            }
-            Err(p) => std::panic::resume_unwind(p),
+        let d = device.clone();
+        if !crate::backend::wgpu_probe(move || Dispatch::supports_dtype(&d, burn_std::DType::F32)) {
+            return;
         }
         // No f64: Burn's wgpu fusion compiles none (a model's own f64 ops would not run there).
         let ran = matches_the_host_kernels::<Dispatch>(&device, false);
