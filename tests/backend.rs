@@ -211,6 +211,7 @@ fn train_data_parallel_with<M: Net>(
                 measured_plans: 0,
                 replans: 0,
                 host_bucket_bytes: stats.host_bucket_bytes,
+                host_bucket_allocations: stats.host_bucket_allocations,
             },
             "rank {r}"
         );

@@ -190,8 +190,10 @@ fn steps_that_sync_one_list_follow_the_previous_plan() {
         (STEPS as u64 - 1, 1),
         "{st:?}"
     );
-    // What the sync keeps between steps: its buckets, one copy of the gradients.
+    // What the sync keeps between steps: its buckets, one copy of the gradients, allocated in
+    // the first step.
     assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
+    assert_eq!(st.host_bucket_allocations, 3, "{st:?}");
 }
 
 /// Two and three lists in turn: the first `period` steps compile their plans, the next one
@@ -209,10 +211,14 @@ fn steps_that_alternate_between_lists_follow_the_plan_that_came_next_last_time()
             "period {period}: {st:?}"
         );
         assert_eq!(st.compiled, period as u64, "period {period}: {st:?}");
+        // Each step's plan takes the buckets of the plan before it (the lists differ in one
+        // layer of the same size): the first step's buckets are the only ones allocated (two
+        // a step, 18 in all, before the plans shared them).
         assert!(
             st.host_bucket_bytes <= GRADIENT_BYTES,
             "period {period}: {st:?}"
         );
+        assert_eq!(st.host_bucket_allocations, 2, "period {period}: {st:?}");
     }
 }
 

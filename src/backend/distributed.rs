@@ -191,6 +191,10 @@ pub struct SyncStats {
     /// follow (one copy of the gradients packed on the host, as DDP keeps its buckets; none
     /// for the buckets packed on a device, which go once unpacked).
     pub host_bucket_bytes: u64,
+    /// Host buckets this rank allocated so far. A step allocates none when this rank holds a
+    /// buffer of each of its buckets' dtype and length: from the previous step of its plan, or
+    /// from the plan it switched from (steps that alternate between gradient lists).
+    pub host_bucket_allocations: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -211,6 +215,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         measured_plans: st.planner.plans,
         replans: st.planner.replans,
         host_bucket_bytes: st.workspace.held_bytes() + st.leftover_workspace.held_bytes(),
+        host_bucket_allocations: st.workspace.allocations() + st.leftover_workspace.allocations(),
     }
 }
 

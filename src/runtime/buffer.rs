@@ -224,6 +224,17 @@ impl HostBuffer {
         with_host_buffer!(self, v => v.len())
     }
 
+    /// Elements it can hold without allocating.
+    pub fn capacity(&self) -> usize {
+        with_host_buffer!(self, v => v.capacity())
+    }
+
+    /// Makes it `len` elements long, within its capacity when that suffices: the elements it
+    /// keeps keep their values, new ones are zeros.
+    pub fn resize(&mut self, len: usize) {
+        with_host_buffer!(self, v => v.resize(len, Default::default()))
+    }
+
     /// Whether it holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

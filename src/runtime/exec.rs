@@ -244,8 +244,7 @@ impl Execution {
         opts: ExecOptions,
     ) -> Result<Self, ExecError> {
         check_plan(plan, comm.rank(), comm.world())?;
-        if ws.plan_hash != plan.graph_hash || ws.buffers.len() != plan.collectives.len() {
-            *ws = Workspace::agreed_on(plan);
+        if !ws.ready_for(plan) {
             ws.agreed = false;
         }
         if !ws.agreed {
@@ -556,8 +555,8 @@ impl Execution {
                     && self.flight[c as usize].is_none()
                 {
                     let layout = &plan.collectives[c as usize].layout;
-                    host::copy_member(layout, j as usize, b, &mut ws.buffers[c as usize])
-                        .map_err(kerr)?;
+                    let bucket = ws.bucket(c, layout).map_err(kerr)?;
+                    host::copy_member(layout, j as usize, b, bucket).map_err(kerr)?;
                     grads[s] = Grad::Host(HostBuffer::default());
                     self.copied[s] = true;
                 }
@@ -599,7 +598,7 @@ impl Execution {
                                 }),
                             })
                             .collect::<Result<_, _>>()?;
-                        let mut buf = std::mem::take(&mut ws.buffers[c.id as usize]);
+                        let mut buf = std::mem::take(ws.bucket(c.id, &c.layout).map_err(kerr)?);
                         host::pack_rest(&c.layout, &members, c.layout.scale_div, &mut buf)
                             .map_err(kerr)?;
                         Packed::Host(buf)
