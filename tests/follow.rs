@@ -79,10 +79,26 @@ fn init(d: &Dev) -> Net {
     net
 }
 
-/// Step `step` skips layer `1 + step % period` of the middle ones (none when `period` is 1):
-/// `period` gradient lists in turn.
-fn forward(net: &Net, x: Tensor<B, 2>, step: usize, period: usize) -> Tensor<B, 2> {
-    let skip = (period > 1).then_some(1 + step % period);
+/// Which layer of the middle ones a step skips: the gradient lists the steps sync.
+#[derive(Clone, Copy)]
+enum Lists {
+    /// Step `step` skips layer `1 + step % period` (none when `period` is 1): `period` lists in
+    /// turn.
+    InTurn(usize),
+    /// Step `step` skips layer 1, the other steps none: one step leaves the plan it follows.
+    OneStepSkips(usize),
+}
+
+impl Lists {
+    fn skipped(self, step: usize) -> Option<usize> {
+        match self {
+            Lists::InTurn(period) => (period > 1).then_some(1 + step % period),
+            Lists::OneStepSkips(at) => (step == at).then_some(1),
+        }
+    }
+}
+
+fn forward(net: &Net, x: Tensor<B, 2>, skip: Option<usize>) -> Tensor<B, 2> {
     net.iter()
         .enumerate()
         .filter(|(i, _)| Some(*i) != skip)
@@ -114,7 +130,7 @@ fn train(
     rows: (usize, usize),
     d: &Dev,
     distributed: bool,
-    period: usize,
+    lists: Lists,
     log: Log,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut sgd = SgdConfig::new().init::<B, Net>();
@@ -125,7 +141,8 @@ fn train(
             net = mark_distributed::<B, Net>(net).expect("marking the model");
         }
         let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, WIDTH, d);
-        let loss = MseLoss::new().forward(forward(&net, x, step, period), y, Reduction::Mean);
+        let loss =
+            MseLoss::new().forward(forward(&net, x, lists.skipped(step)), y, Reduction::Mean);
         let l = || loss.clone().inner().reshape([1]);
         match log {
             Log::Nothing => {}
@@ -157,11 +174,16 @@ fn train(
 /// they agree and end where one rank ends, and returns rank 0's sync statistics and the losses
 /// each rank logged.
 fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
+    trained(Lists::InTurn(period), log)
+}
+
+/// [`alternating`] with the steps' gradient lists as `lists` says.
+fn trained(lists: Lists, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = start_ranks();
     let start = init(&devices[0]);
     let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &start, |m, d, r| {
-        train(m, (r * ROWS, (r + 1) * ROWS), d, true, period, log)
+        train(m, (r * ROWS, (r + 1) * ROWS), d, true, lists, log)
     });
     let (ranks, logged): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ranks.into_iter().unzip();
     let stats = sync_stats::<NdArray>(0);
@@ -173,7 +195,7 @@ fn alternating(period: usize, log: Log) -> (SyncStats, Vec<Vec<f32>>) {
         (0, WORLD as usize * ROWS),
         &d,
         false,
-        period,
+        lists,
         Log::Nothing,
     );
     let initial = module_weights::<B, Net>(&init(&d));
@@ -194,6 +216,22 @@ fn steps_that_sync_one_list_follow_the_previous_plan() {
     // the first step.
     assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
     assert_eq!(st.host_bucket_allocations, 3, "{st:?}");
+}
+
+/// One step that skips a layer leaves the plan it follows where the skipped layer's gradients
+/// were due, and reduces the rest with a plan of their own at its sync point. Those buckets are
+/// kept while the following steps do the same, and let go at the first step that does not:
+/// after the last step the rank keeps one copy of the gradients, as with one list.
+#[test]
+fn a_step_that_leaves_its_plan_keeps_no_buckets_of_its_own_after_the_next_step() {
+    let (st, _) = trained(Lists::OneStepSkips(4), Log::Nothing);
+    // Steps 0 and 4 reduce at their sync point; so do step 5, which step 4's list did not
+    // predict, and step 6, predicted as step 4 (what came after the full list last time).
+    assert_eq!((st.eager_steps, st.flushed_steps), (5, 4), "{st:?}");
+    // Steps 5 and 6 reduced the same rest (608 bytes of buckets, kept from one to the other):
+    // let go at step 7, the first that needed none (1,760 bytes kept to the end before).
+    assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
+    assert_eq!(st.host_bucket_allocations, 5, "{st:?}");
 }
 
 /// Two and three lists in turn: the first `period` steps compile their plans, the next one

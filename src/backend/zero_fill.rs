@@ -146,6 +146,10 @@ impl<I: Backend> Session<I> {
                 }
             }
         }
+        if union.is_empty() || handed.is_none() {
+            // No rest reduced with a plan of its own: the buckets a step did so for go.
+            st.leftover_workspace.let_go();
+        }
         if !union.is_empty() {
             let (_, plan) = self.compile_segment(rank, &mut st.cache, &union);
             let mut grads: Vec<Grad> = Vec::with_capacity(plan.slots.len());

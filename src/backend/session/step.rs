@@ -645,6 +645,10 @@ impl<I: Backend> Session<I> {
             }
             st.flushed_steps += 1;
         }
+        if left.is_empty() || left.len() == st.submitted.len() {
+            // No rest reduced with a plan of its own: the buckets a step did so for go.
+            st.leftover_workspace.let_go();
+        }
         // The next step follows this step's order.
         if st.expected.is_none() || !left.is_empty() {
             let owned: Vec<(String, TensorType)> = st

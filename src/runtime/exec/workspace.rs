@@ -119,6 +119,18 @@ impl Workspace {
         false
     }
 
+    /// Lets go of every buffer it holds (its count of allocations stays): for the workspace of a
+    /// step that left the plan it followed, once a step did not need it, so a rank does not keep
+    /// the buckets of a one-off step to the end of training.
+    pub fn let_go(&mut self) {
+        if self.held_bytes() > 0 {
+            *self = Workspace {
+                allocations: self.allocations,
+                ..Workspace::default()
+            };
+        }
+    }
+
     /// Collective `c`'s bucket, made the layout's flat buffer (allocated, and counted, only
     /// when the workspace held none of its dtype and length).
     pub(super) fn bucket(
