@@ -18,7 +18,7 @@
 //! Each row's second line is where its step went (`train::overhead::PHASES`) and what the lazy
 //! recorder did.
 //!
-//! `B` is NdArray, Burn's default wgpu backend (`burn_wgpu::Wgpu`, its fusion layer on; Mesa's
+//! `B` is NdArray, Flex (Burn 0.21's CPU backend, `burn_flex::Flex`), Burn's default wgpu backend (`burn_wgpu::Wgpu`, its fusion layer on; Mesa's
 //! software Vulkan on a machine without a GPU: a noisy proxy for a GPU), skipped without an
 //! adapter, and with `--features cuda` on a machine with a GPU Burn's CUDA backend
 //! (`burn_cuda::Cuda`, fusion on), with GPU-sized models. Run with `cargo bench --bench step`
@@ -120,6 +120,15 @@ fn main() {
         burn_ndarray::NdArray,
         "NdArray",
         burn_ndarray::NdArrayDevice::Cpu,
+        alone: false,
+        gpu: false,
+        (rounds, only)
+    );
+    // Burn 0.21's CPU backend; `Autodiff<Flex>` is no autodiff backend either (as NdArray).
+    backend!(
+        burn_flex::Flex,
+        "burn_flex::Flex",
+        burn_flex::FlexDevice,
         alone: false,
         gpu: false,
         (rounds, only)

@@ -316,7 +316,7 @@ mod tests {
     use burn_wgpu::{Wgpu, WgpuDevice, WgpuRuntime};
 
     use super::*;
-    use crate::backend::distributed::{from_host, read_host};
+    use crate::backend::host_io::{from_host, read_host};
     use crate::runtime::host;
 
     /// A fused gradient is handed over unresolved (no wait for the fusion layer's thread at

@@ -12,7 +12,7 @@ use burn_backend::distributed::{
     TensorRef,
 };
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DeviceId, TensorData};
+use burn_backend::{Backend, DeviceId};
 use hashbrown::HashMap;
 
 use super::options::CollectiveOptions;
@@ -27,7 +27,6 @@ use super::{Collective, CollectiveDevice};
 use crate::codegen::plan::Plan;
 use crate::graph::{DType, Graph, ReduceOp};
 use crate::measure::{LinkFit, MeasuredStep};
-use crate::runtime::HostBuffer;
 use crate::runtime::cache::PlanCache;
 use crate::runtime::comm::CollectiveDesc;
 use crate::runtime::exec::Workspace;
@@ -47,104 +46,6 @@ pub(super) fn graph_dtype(d: burn_std::DType) -> Option<DType> {
         burn_std::DType::BF16 => DType::BF16,
         _ => return None,
     })
-}
-
-pub(super) fn to_host(data: &TensorData) -> Result<HostBuffer, String> {
-    let err = |e| format!("reading gradient data: {e:?}");
-    Ok(match data.dtype {
-        burn_std::DType::F32 => HostBuffer::F32(data.to_vec::<f32>().map_err(err)?),
-        burn_std::DType::F64 => HostBuffer::F64(data.to_vec::<f64>().map_err(err)?),
-        burn_std::DType::F16 => HostBuffer::F16(data.to_vec::<half::f16>().map_err(err)?),
-        burn_std::DType::BF16 => HostBuffer::BF16(data.to_vec::<half::bf16>().map_err(err)?),
-        d => return Err(format!("gradients of dtype {d:?} cannot be all-reduced")),
-    })
-}
-
-/// A float tensor of `I` read into host memory (on a device backend, after the work queued
-/// before it).
-pub(super) fn read_host<I: Backend>(p: I::FloatTensorPrimitive) -> Result<HostBuffer, String> {
-    if let Some(buf) = ndarray_host(&p) {
-        return Ok(buf);
-    }
-    let data = cubecl::future::block_on(I::float_into_data(p)).map_err(|e| e.to_string())?;
-    to_host(&data)
-}
-
-/// Writes a reduced member of a host bucket over an NdArray tensor's own memory, in row-major
-/// order, where nothing else shares that memory (Burn's gradient, whose old values nobody reads
-/// again) and the member is of the tensor's dtype and length: the copy back into the gradient
-/// that DDP makes, with no buffer of its own. False, nothing written, otherwise (another
-/// backend's tensor, storage that is borrowed or shared, a layout that is not row-major, a member
-/// to cast back).
-pub(super) fn ndarray_write(p: &mut dyn std::any::Any, g: &crate::runtime::Handed<'_>) -> bool {
-    use burn_ndarray::NdArrayTensor;
-    // A macro, not a function: the storage type is not nameable from here.
-    macro_rules! write {
-        ($storage:expr, $t:ty) => {{
-            let Some(v) = g.wire_slice::<$t>() else {
-                return false;
-            };
-            if !$storage.is_unique() || $storage.len() != v.len() {
-                return false;
-            }
-            match $storage.ensure_owned().as_slice_mut() {
-                Some(s) => {
-                    s.copy_from_slice(v);
-                    true
-                }
-                None => false,
-            }
-        }};
-    }
-    match p.downcast_mut::<NdArrayTensor>() {
-        Some(NdArrayTensor::F32(s)) => write!(s, f32),
-        Some(NdArrayTensor::F64(s)) => write!(s, f64),
-        _ => false,
-    }
-}
-
-/// An NdArray tensor's values in row-major order, copied straight out of its array: what
-/// `float_into_data` gives, without its two slow steps for a gradient (one that other handles
-/// still share, as a synced gradient is, is read element by element through a dynamic-rank
-/// iterator, then copied again out of the bytes). A row-major array is one `memcpy`; any other
-/// layout (a transposed weight gradient) is copied a last-axis lane at a time. `None` for
-/// another backend's tensor or a dtype that is not a float.
-fn ndarray_host(p: &dyn std::any::Any) -> Option<HostBuffer> {
-    use burn_ndarray::NdArrayTensor;
-    // A macro, not a function: the storage and view types are not nameable from here.
-    macro_rules! row_major {
-        ($storage:expr) => {{
-            let v = $storage.view();
-            match v.as_slice() {
-                // Row-major and contiguous (a 0-d array always is): one copy.
-                Some(s) => s.to_vec(),
-                None => {
-                    let mut out = Vec::with_capacity(v.len());
-                    for lane in v.rows() {
-                        match lane.as_slice() {
-                            Some(s) => out.extend_from_slice(s),
-                            None => out.extend(lane.iter().copied()),
-                        }
-                    }
-                    out
-                }
-            }
-        }};
-    }
-    Some(match p.downcast_ref::<NdArrayTensor>()? {
-        NdArrayTensor::F32(s) => HostBuffer::F32(row_major!(s)),
-        NdArrayTensor::F64(s) => HostBuffer::F64(row_major!(s)),
-        _ => return None,
-    })
-}
-
-pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
-    match buf {
-        HostBuffer::F32(v) => TensorData::new(v, shape),
-        HostBuffer::F64(v) => TensorData::new(v, shape),
-        HostBuffer::F16(v) => TensorData::new(v, shape),
-        HostBuffer::BF16(v) => TensorData::new(v, shape),
-    }
 }
 
 /// How the gradient sync of a rank ran so far (for tests and reports).
@@ -542,126 +443,4 @@ pub fn trace_span<I: Backend>(rank: usize, name: &str, start: Instant, end: Inst
 /// Takes the spans traced so far (times in microseconds since the server started).
 pub fn take_trace<I: Backend>() -> Vec<TraceSpan> {
     std::mem::take(&mut *lock(&session::<I>("take_trace").trace))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{ndarray_host, ndarray_write, to_host};
-    use burn_backend::tensor::FloatTensor;
-    use burn_backend::{Backend, TensorData};
-    use burn_ndarray::{NdArray, NdArrayDevice};
-
-    /// What Burn's own read gives, through `TensorData`.
-    fn burns<B: Backend>(p: FloatTensor<B>) -> crate::runtime::HostBuffer {
-        let data = cubecl::future::block_on(B::float_into_data(p)).unwrap();
-        to_host(&data).unwrap()
-    }
-
-    /// Tensors of `B` in many layouts: row-major, transposed, permuted, sliced, empty, a scalar.
-    fn layouts<B: Backend>(d: &B::Device) -> Vec<(&'static str, FloatTensor<B>)> {
-        let values: Vec<f32> = (0..2 * 3 * 4).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let base = || B::float_from_data(TensorData::new(values.clone(), [2, 3, 4]), d);
-        let f64s = TensorData::new(vec![1.0f64, -2.5, 3.0, 4.0, 5.0, 6.0], [2, 3]);
-        let cut = |a: isize, b: isize| burn_std::Slice::new(a, Some(b), 1);
-        let all = |n: isize| cut(0, n);
-        let scalar = TensorData::new(vec![-0.0f32], Vec::<usize>::new());
-        vec![
-            ("row-major", base()),
-            ("transposed", B::float_swap_dims(base(), 1, 2)),
-            ("permuted", B::float_permute(base(), &[2, 0, 1])),
-            (
-                "a slice",
-                B::float_slice(base(), &[all(2), all(3), cut(1, 3)]),
-            ),
-            (
-                "a slice of the first axis",
-                B::float_slice(base(), &[cut(1, 2), all(3), all(4)]),
-            ),
-            (
-                "empty",
-                B::float_slice(base(), &[all(2), cut(0, 0), all(4)]),
-            ),
-            ("a scalar", B::float_from_data(scalar, d)),
-            (
-                "f64, transposed",
-                B::float_swap_dims(B::float_from_data(f64s, d), 0, 1),
-            ),
-        ]
-    }
-
-    #[test]
-    fn the_ndarray_read_gives_burns_values_in_every_layout() {
-        for (what, p) in layouts::<NdArray>(&NdArrayDevice::Cpu) {
-            // A second handle, as a synced gradient has (Burn keeps its own).
-            let held = p.clone();
-            let fast = ndarray_host(&p).expect("an NdArray float tensor");
-            assert!(fast.bits_eq(&burns::<NdArray>(p)), "{what}");
-            drop(held);
-        }
-    }
-
-    #[test]
-    fn another_backends_tensor_is_left_to_burn() {
-        assert!(ndarray_host(&1.0f32).is_none());
-    }
-
-    /// A reduced member is written over a tensor's own memory only where that memory is the
-    /// tensor's alone and row-major, and the member of its dtype: the tensor then reads as the
-    /// member; anywhere else nothing is written, and the tensor (and every handle to it) reads
-    /// as before.
-    #[test]
-    fn a_member_is_written_in_place_only_over_memory_nothing_else_shares() {
-        use crate::codegen::layout::BucketLayout;
-        use crate::graph::DType;
-        use crate::runtime::{Handed, HostBuffer};
-        let d = NdArrayDevice::Cpu;
-        // Tensors not row-major, and row-major.
-        let mut written = [0, 0];
-        for (what, p) in layouts::<NdArray>(&d) {
-            let before = burns::<NdArray>(p.clone());
-            let n = before.len();
-            let dtype = before.dtype();
-            // Member 1 of a bucket, behind a member of 3 elements (an offset, alignment padding).
-            let layout = BucketLayout::of_sizes(&[3, n as u64], dtype, dtype, None, 16);
-            let values: Vec<f64> = (0..layout.numel).map(|i| i as f64 * 0.25 - 7.0).collect();
-            let bucket = HostBuffer::from_f64(dtype, &values).unwrap();
-            let member = Handed::Member {
-                layout: &layout,
-                member: 1,
-                bucket: &bucket,
-            };
-            let want = crate::runtime::host::unpack_member(&layout, 1, &bucket).unwrap();
-            let row_major = match &p {
-                burn_ndarray::NdArrayTensor::F32(s) => s.view().is_standard_layout(),
-                burn_ndarray::NdArrayTensor::F64(s) => s.view().is_standard_layout(),
-                _ => false,
-            };
-            written[usize::from(row_major)] += 1;
-            // Shared: a second handle (a gradient some later op still reads).
-            let (mut shared, held) = (p.clone(), p.clone());
-            assert!(!ndarray_write(&mut shared, &member), "{what}: shared");
-            assert!(burns::<NdArray>(held).bits_eq(&before), "{what}: shared");
-            assert!(burns::<NdArray>(shared).bits_eq(&before), "{what}: shared");
-            // A member to cast back (an f32 gradient in a bf16 bucket).
-            let cast = BucketLayout::of_sizes(&[n as u64], dtype, DType::BF16, None, 0);
-            let bf16 = HostBuffer::zeros(DType::BF16, n).unwrap();
-            let to_cast = Handed::Member {
-                layout: &cast,
-                member: 0,
-                bucket: &bf16,
-            };
-            let mut alone = p;
-            assert!(!ndarray_write(&mut alone, &to_cast), "{what}: cast");
-            // Alone: written where row-major.
-            let wrote = ndarray_write(&mut alone, &member);
-            assert_eq!(wrote, row_major, "{what}");
-            let after = burns::<NdArray>(alone);
-            assert!(after.bits_eq(if wrote { &want } else { &before }), "{what}");
-        }
-        assert!(written[0] >= 2 && written[1] >= 4, "{written:?}");
-        assert!(!ndarray_write(
-            &mut 1.0f32,
-            &Handed::Grad(Default::default())
-        ));
-    }
 }

@@ -27,6 +27,7 @@ mod distributed;
 mod follow;
 mod forward;
 mod hook_times;
+mod host_io;
 mod lazy;
 mod op_table;
 mod ops;

@@ -20,7 +20,8 @@ use std::any::Any;
 use burn_backend::{Backend, Scalar, TensorMetadata};
 use burn_std::{FloatDType, Shape, Slice};
 
-use super::distributed::{from_host, graph_dtype, read_host};
+use super::distributed::graph_dtype;
+use super::host_io::{from_host, read_host};
 use crate::codegen::layout::BucketLayout;
 use crate::graph::DType;
 use crate::runtime::HostBuffer;

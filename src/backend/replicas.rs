@@ -39,7 +39,8 @@ use std::ops::Range;
 use burn_backend::{Backend, TensorMetadata};
 
 use super::CTensor;
-use super::distributed::{from_host, graph_dtype, read_host};
+use super::distributed::graph_dtype;
+use super::host_io::{from_host, read_host};
 use super::params::Marked;
 use super::session::running;
 use crate::graph::{Fnv64, ReduceOp, TensorType};

@@ -44,7 +44,8 @@ use burn_backend::{Backend, DeviceId, TensorMetadata};
 use hashbrown::HashSet;
 use smallvec::SmallVec;
 
-use super::distributed::{from_host, graph_dtype, read_host};
+use super::distributed::graph_dtype;
+use super::host_io::{from_host, read_host};
 use super::lazy::Record;
 use super::session::{Session, lock};
 use super::{CTensor, Collective};

@@ -9,8 +9,9 @@ use burn_backend::distributed::{DistributedParams, TensorRef};
 use burn_backend::{Backend, TensorMetadata};
 
 use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted, param_name};
-use crate::backend::distributed::{from_host, graph_dtype, ndarray_write, read_host};
+use crate::backend::distributed::graph_dtype;
 use crate::backend::hook_times::SyncTimes;
+use crate::backend::host_io::{from_host, read_host, write_in_place};
 use crate::backend::options::{SingleRank, UnusedParameters};
 use crate::backend::record::StepRecord;
 use crate::backend::{CTensor, Collective, CollectiveDevice};
@@ -378,12 +379,12 @@ impl<I: Backend> Session<I> {
     }
 
     /// Writes a reduced member of a host bucket over the memory of the gradient Burn holds for
-    /// `sub`, where nothing else shares that memory (an NdArray gradient: see
-    /// [`ndarray_write`]); false, nothing written, where it cannot.
+    /// `sub`, where nothing else shares that memory (an NdArray or Flex gradient: see
+    /// [`write_in_place`]); false, nothing written, where it cannot.
     fn write_in_place(sub: &Submitted<I>, g: &Handed<'_>) -> bool {
         // SAFETY: as in `write_back`.
         let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
-        t.write_in_place(|p| ndarray_write(p, g))
+        t.write_in_place(|p| write_in_place(p, g))
     }
 
     /// Writes the reduced gradient `g` over the one Burn holds for `sub`.
