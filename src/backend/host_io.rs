@@ -232,15 +232,7 @@ mod tests {
     /// both give Burn's values, f16 and bf16 included.
     #[test]
     fn the_flex_read_gives_burns_values_in_every_layout() {
-        use burn_backend::ops::FloatTensorOps;
-        let mut tensors = layouts::<Flex>(&FlexDevice);
-        for dtype in [burn_std::FloatDType::F16, burn_std::FloatDType::BF16] {
-            let t = <Flex>::float_from_data(
-                TensorData::new(vec![1.5f32, -0.25, 3.0, 65504.0, -0.0, 7.0], [2, 3]),
-                &FlexDevice,
-            );
-            tensors.push(("a half type", <Flex>::float_cast(t, dtype)));
-        }
+        let tensors = flex_tensors();
         let mut direct = 0;
         for (what, p) in tensors {
             let held = p.clone();
@@ -250,6 +242,23 @@ mod tests {
             drop(held);
         }
         assert!(direct >= 5, "{direct} tensors read from their storage");
+    }
+
+    /// [`layouts`] of Flex, and a row-major tensor of each half type.
+    fn flex_tensors() -> Vec<(&'static str, burn_flex::FlexTensor)> {
+        use burn_backend::ops::FloatTensorOps;
+        let mut tensors = layouts::<Flex>(&FlexDevice);
+        for (what, dtype) in [
+            ("f16", burn_std::FloatDType::F16),
+            ("bf16", burn_std::FloatDType::BF16),
+        ] {
+            let t = <Flex>::float_from_data(
+                TensorData::new(vec![1.5f32, -0.25, 3.0, 65504.0, -0.0, 7.0], [2, 3]),
+                &FlexDevice,
+            );
+            tensors.push((what, <Flex>::float_cast(t, dtype)));
+        }
+        tensors
     }
 
     #[test]
@@ -262,7 +271,7 @@ mod tests {
     #[test]
     fn an_ndarray_member_is_written_in_place_only_over_memory_nothing_else_shares() {
         writes_in_place_only_over_memory_nothing_else_shares::<NdArray>(
-            &NdArrayDevice::Cpu,
+            layouts::<NdArray>(&NdArrayDevice::Cpu),
             |p| match p {
                 burn_ndarray::NdArrayTensor::F32(s) => s.view().is_standard_layout(),
                 burn_ndarray::NdArrayTensor::F64(s) => s.view().is_standard_layout(),
@@ -277,9 +286,9 @@ mod tests {
         // Flex's empty slice keeps its base's strides: not row-major to it.
         let row_major = |p: &burn_flex::FlexTensor| p.layout().contiguous_offsets().is_some();
         writes_in_place_only_over_memory_nothing_else_shares::<Flex>(
-            &FlexDevice,
+            flex_tensors(),
             row_major,
-            [5, 3],
+            [5, 5],
         );
     }
 
@@ -288,7 +297,7 @@ mod tests {
     /// reads as the member; anywhere else nothing is written, and the tensor (and every handle to
     /// it) reads as before.
     fn writes_in_place_only_over_memory_nothing_else_shares<B: Backend>(
-        d: &B::Device,
+        tensors: Vec<(&'static str, FloatTensor<B>)>,
         row_major: fn(&FloatTensor<B>) -> bool,
         at_least: [usize; 2],
     ) where
@@ -299,7 +308,7 @@ mod tests {
         use crate::runtime::{Handed, HostBuffer};
         // Tensors not row-major, and row-major.
         let mut written = [0, 0];
-        for (what, p) in layouts::<B>(d) {
+        for (what, p) in tensors {
             let before = burns::<B>(p.clone());
             let n = before.len();
             let dtype = before.dtype();
@@ -320,13 +329,18 @@ mod tests {
             assert!(!write_in_place(&mut shared, &member), "{what}: shared");
             assert!(burns::<B>(held).bits_eq(&before), "{what}: shared");
             assert!(burns::<B>(shared).bits_eq(&before), "{what}: shared");
-            // A member to cast back (an f32 gradient in a bf16 bucket).
-            let cast = BucketLayout::of_sizes(&[n as u64], dtype, DType::BF16, None, 0);
-            let bf16 = HostBuffer::zeros(DType::BF16, n).unwrap();
+            // A member to cast back (a gradient in a bucket of bf16, or of f16 for a bf16 one).
+            let wire = if dtype == DType::BF16 {
+                DType::F16
+            } else {
+                DType::BF16
+            };
+            let cast = BucketLayout::of_sizes(&[n as u64], dtype, wire, None, 0);
+            let narrow = HostBuffer::zeros(wire, n).unwrap();
             let to_cast = Handed::Member {
                 layout: &cast,
                 member: 0,
-                bucket: &bf16,
+                bucket: &narrow,
             };
             let mut alone = p;
             assert!(!write_in_place(&mut alone, &to_cast), "{what}: cast");
