@@ -13,8 +13,8 @@ use burn_backend::{Backend, TensorData};
 
 use crate::runtime::{Handed, HostBuffer};
 
-/// `data` as a host buffer: its bytes taken over where they are laid out as a `Vec` of its
-/// element would be (a unique tensor of a CPU backend, a fresh read from a device), else copied.
+/// `data` as a host buffer: its bytes taken over when their allocation is one a `Vec` of its
+/// element could own (its size and alignment), else copied.
 pub(super) fn to_host(data: TensorData) -> Result<HostBuffer, String> {
     let err = |e| format!("reading gradient data: {e:?}");
     Ok(match data.dtype {
