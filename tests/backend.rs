@@ -212,6 +212,7 @@ fn train_data_parallel_with<M: Net>(
                 replans: 0,
                 host_bucket_bytes: stats.host_bucket_bytes,
                 host_bucket_allocations: stats.host_bucket_allocations,
+                gradients_read_into_buckets: stats.gradients_read_into_buckets,
             },
             "rank {r}"
         );

@@ -89,6 +89,12 @@ macro_rules! fine_tuning_test {
             // Two lists, each compiled once; every step after each list's first follows a plan.
             assert_eq!((st.compiled, st.flushed_steps), (2, 2), "{st:?}");
             assert_eq!(st.eager_steps + st.held_steps, STEPS as u64 - 2, "{st:?}");
+            // Those steps (three of 4 gradients, three of 6, one bucket each) copied every
+            // gradient into its bucket from the CPU backend's own memory, and so did step
+            // `FROZEN_UNTIL` with the last layer's two, which arrive first, before it left the
+            // plan of the frozen steps (its bucket then given back and reduced at its sync
+            // point with the rest).
+            assert_eq!(st.gradients_read_into_buckets, 3 * 4 + 3 * 6 + 2, "{st:?}");
             let d = CollectiveDevice::new($device, 0);
             let one = train(init(&d), (0, 2 * ROWS), &d, false);
             let initial = module_weights::<B, Net>(&init(&d));

@@ -216,6 +216,13 @@ fn steps_that_sync_one_list_follow_the_previous_plan() {
     // the first step.
     assert_eq!(st.host_bucket_bytes, GRADIENT_BYTES, "{st:?}");
     assert_eq!(st.host_bucket_allocations, 3, "{st:?}");
+    // Each step that follows its plan copies every gradient (all row-major, all in packed
+    // buckets) into its bucket from NdArray's own memory, with no host copy of its own.
+    assert_eq!(
+        st.gradients_read_into_buckets,
+        (STEPS as u64 - 1) * 8,
+        "{st:?}"
+    );
 }
 
 /// One step that skips a layer leaves the plan it follows where the skipped layer's gradients

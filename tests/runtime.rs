@@ -767,8 +767,13 @@ fn execute_leaves_every_buffer_as_it_was_when_a_collective_fails() {
 
 /// Seven gradients (one with no elements) in buckets of at most 16 KiB under DDP.
 fn small_buckets() -> Plan {
+    buckets_of(&[])
+}
+
+/// [`small_buckets`] with the gradients `more` after the seven.
+fn buckets_of(more: &[common::G]) -> Plan {
     use collective_fusion::graph::parse::parse;
-    let text = common::chain(&[
+    let mut grads = vec![
         common::G("a", "f32[1500]", "mean", "g0"),
         common::G("b", "f32[700]", "mean", "g0"),
         common::G("c", "f32[0]", "mean", "g0"),
@@ -776,7 +781,9 @@ fn small_buckets() -> Plan {
         common::G("e", "f32[40,30]", "mean", "g0"),
         common::G("f", "f32[900]", "mean", "g0"),
         common::G("g", "f32[2500]", "mean", "g0"),
-    ]);
+    ];
+    grads.extend(more.iter().map(|g| common::G(g.0, g.1, g.2, g.3)));
+    let text = common::chain(&grads);
     let mut g = parse(&text).unwrap();
     compile(&mut g, &config(bucket(Ddp, 16 * 1024, 16 * 1024), true)).unwrap();
     lower(&g).unwrap()
@@ -977,6 +984,106 @@ fn a_drained_execution_gives_back_the_gradients_of_buckets_it_never_launched() {
     );
 }
 
+/// Gradients copied into their buckets ahead of their steps (`Execution::copy_in`, the
+/// backend's read of a CPU backend's gradient where it lies) reduce to the same bits as
+/// gradients handed over whole; a gradient whose collective is its own (no bucket) is left to
+/// the caller, and one of the wrong dtype or length is an error naming its parameter.
+#[test]
+fn gradients_copied_in_ahead_of_their_steps_reduce_to_the_same_bits() {
+    use collective_fusion::codegen::plan::Step;
+    use collective_fusion::runtime::exec::{Execution, Workspace};
+    use collective_fusion::runtime::{Grad, HostSlice};
+    // A gradient over the 16 KiB cap, in a collective of its own.
+    let plan = buckets_of(&[common::G("h", "f32[5000]", "mean", "g0")]);
+    let alone: Vec<u32> = plan
+        .collectives
+        .iter()
+        .filter(|c| !c.packed)
+        .flat_map(|c| c.slots.clone())
+        .collect();
+    assert!(!alone.is_empty(), "a gradient with a collective of its own");
+    let ins = inputs(&plan, 5);
+    let eager = run_in_process(&plan, ins.clone(), ExecOptions::default()).unwrap();
+    let opts = ExecOptions::default();
+    let comms = InProcessGroup::ranks(WORLD as usize, opts.timeout);
+    let order: Vec<u32> = plan
+        .compute
+        .iter()
+        .filter_map(|s| match s {
+            Step::Gradient { slot } => Some(*slot),
+            _ => None,
+        })
+        .collect();
+    let copied_in: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(ins)
+            .map(|(comm, given)| {
+                let (plan, order, alone) = (&plan, &order, &alone);
+                s.spawn(move || {
+                    let mut grads: Vec<Grad> = (0..given.len()).map(|_| Grad::default()).collect();
+                    let mut ready = vec![false; given.len()];
+                    let mut ws = Workspace::default();
+                    let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
+                    for &slot in order {
+                        let g = &given[slot as usize];
+                        if let HostBuffer::F32(v) = g
+                            && v.len() > 1
+                        {
+                            let short = HostSlice::F32(&v[1..]);
+                            let err = ex.copy_in(plan, slot, short, &mut ws).unwrap_err();
+                            let param = &plan.slots[slot as usize].param;
+                            assert!(err.to_string().contains(param.as_str()), "{err}");
+                            let f64s = vec![0.0f64; v.len()];
+                            let err = ex.copy_in(plan, slot, HostSlice::F64(&f64s), &mut ws);
+                            assert!(err.is_err(), "an f64 gradient for an f32 slot");
+                        }
+                        let took = ex.copy_in(plan, slot, g.as_host_slice(), &mut ws).unwrap();
+                        assert_eq!(took, !alone.contains(&slot), "slot {slot}");
+                        if !took {
+                            grads[slot as usize] = Grad::Host(g.clone());
+                        }
+                        ready[slot as usize] = true;
+                        ex.run(
+                            plan,
+                            comm,
+                            &mut grads,
+                            &ready,
+                            &mut NoHooks,
+                            opts,
+                            &mut ws,
+                            false,
+                        )
+                        .unwrap();
+                    }
+                    ex.run(
+                        plan,
+                        comm,
+                        &mut grads,
+                        &ready,
+                        &mut NoHooks,
+                        opts,
+                        &mut ws,
+                        true,
+                    )
+                    .unwrap();
+                    ex.finish().unwrap();
+                    grads
+                        .into_iter()
+                        .map(|g| g.into_host().unwrap())
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (got, (want, _))) in copied_in.iter().zip(&eager).enumerate() {
+        for (slot, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(a.bits_eq(b), "rank {r}, {}", plan.slots[slot].param);
+        }
+    }
+}
+
 /// A bucket filled as its members arrive (copied in, the rest packed, the copied ones scaled
 /// at the launch) is the bucket `pack` makes, bit for bit, for a mean over 3 ranks in every
 /// float dtype; a member of another dtype than the wire's (a bf16 bucket of f32 gradients) is
@@ -1004,7 +1111,7 @@ fn a_bucket_filled_as_its_members_arrive_is_packs_bucket() {
         let mut flat = HostBuffer::default();
         for j in [2, 0] {
             assert!(host::copies_in(&layout, j));
-            host::copy_member(&layout, j, &members[j], &mut flat).unwrap();
+            host::copy_member(&layout, j, members[j].as_host_slice(), &mut flat).unwrap();
             let back = host::unpack_member(&layout, j, &flat).unwrap();
             assert!(back.bits_eq(&members[j]), "{dtype}: member {j} read back");
         }

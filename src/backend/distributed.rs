@@ -96,6 +96,12 @@ pub struct SyncStats {
     /// buffer of each of its buckets' dtype and length: from the previous step of its plan, or
     /// from the plan it switched from (steps that alternate between gradient lists).
     pub host_bucket_allocations: u64,
+    /// Gradients copied into their host bucket straight from the memory of Burn's CPU backend
+    /// that computed them (NdArray, Flex; row-major gradients of their bucket's dtype, in a step
+    /// that follows a plan) as they were submitted: one copy each, where any other gradient
+    /// reduced on the host is read into a host buffer first. All steps; a copy made before its
+    /// step left the plan it followed counts too.
+    pub gradients_read_into_buckets: u64,
 }
 
 /// The sync statistics of `rank` of the running communication server for `Collective<I>`.
@@ -117,6 +123,7 @@ pub fn sync_stats<I: Backend>(rank: usize) -> SyncStats {
         replans: st.planner.replans,
         host_bucket_bytes: st.workspace.held_bytes() + st.leftover_workspace.held_bytes(),
         host_bucket_allocations: st.workspace.allocations() + st.leftover_workspace.allocations(),
+        gradients_read_into_buckets: st.read_into_buckets,
     }
 }
 
@@ -287,6 +294,7 @@ impl<I: Backend> Collective<I> {
                         accumulated: HashMap::new(),
                         zero_filled: 0,
                         last_zero_filled: Vec::new(),
+                        read_into_buckets: 0,
                         step_local: None,
                         local_steps: 0,
                         eager_steps: 0,

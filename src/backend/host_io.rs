@@ -11,7 +11,7 @@ use std::any::Any;
 
 use burn_backend::{Backend, TensorData};
 
-use crate::runtime::{Handed, HostBuffer};
+use crate::runtime::{Handed, HostBuffer, HostSlice};
 
 /// `data` as a host buffer: its bytes taken over when their allocation is one a `Vec` of its
 /// element could own (its size and alignment), else copied.
@@ -29,32 +29,41 @@ pub(super) fn to_host(data: TensorData) -> Result<HostBuffer, String> {
 /// A float tensor of `I` read into host memory (on a device backend, after the work queued
 /// before it).
 pub(super) fn read_host<I: Backend>(p: I::FloatTensorPrimitive) -> Result<HostBuffer, String> {
-    if let Some(buf) = ndarray_host(&p).or_else(|| flex_host(&p)) {
+    if let Some(buf) = with_host_slice(&p, |s| s.to_buffer()).or_else(|| ndarray_host(&p)) {
         return Ok(buf);
     }
     let data = cubecl::future::block_on(I::float_into_data(p)).map_err(|e| e.to_string())?;
     to_host(data)
 }
 
+/// Calls `f` with the values of a tensor of Burn's CPU backends (NdArray, Flex) where they lie,
+/// when they lie in row-major order, contiguous: what `float_into_data` gives, with no copy (it
+/// copies a tensor that other handles share, as a synced gradient is, and the caller copies
+/// again out of its bytes). `None`, `f` not called, for another backend's tensor, another layout
+/// (a transposed weight gradient) or a dtype that is not a float.
+pub(super) fn with_host_slice<R>(p: &dyn Any, f: impl FnOnce(HostSlice<'_>) -> R) -> Option<R> {
+    use burn_ndarray::NdArrayTensor;
+    if let Some(t) = p.downcast_ref::<NdArrayTensor>() {
+        return match t {
+            NdArrayTensor::F32(s) => s.view().as_slice().map(|v| f(HostSlice::F32(v))),
+            NdArrayTensor::F64(s) => s.view().as_slice().map(|v| f(HostSlice::F64(v))),
+            _ => None,
+        };
+    }
+    let t = p.downcast_ref::<burn_flex::FlexTensor>()?;
+    match t.dtype() {
+        burn_std::DType::F32 => t.as_slice::<f32>().map(|v| f(HostSlice::F32(v))),
+        burn_std::DType::F64 => t.as_slice::<f64>().map(|v| f(HostSlice::F64(v))),
+        burn_std::DType::F16 => t.as_slice::<half::f16>().map(|v| f(HostSlice::F16(v))),
+        burn_std::DType::BF16 => t.as_slice::<half::bf16>().map(|v| f(HostSlice::BF16(v))),
+        _ => None,
+    }
+}
+
 /// Writes a reduced member of a host bucket over the memory of a tensor of a CPU backend (see
 /// [`ndarray_write`], [`flex_write`]); false, nothing written, where it cannot.
 pub(super) fn write_in_place(p: &mut dyn Any, g: &Handed<'_>) -> bool {
     ndarray_write(p, g) || flex_write(p, g)
-}
-
-/// A Flex tensor's values, copied straight out of its storage when its layout is row-major
-/// (what `float_into_data` gives, without its copy of a tensor other handles share, as a synced
-/// gradient is, and the second copy out of its bytes). `None` for another backend's tensor, a
-/// dtype that is not a float, or another layout (Burn's read makes it row-major).
-fn flex_host(p: &dyn Any) -> Option<HostBuffer> {
-    let t = p.downcast_ref::<burn_flex::FlexTensor>()?;
-    Some(match t.dtype() {
-        burn_std::DType::F32 => HostBuffer::F32(t.as_slice::<f32>()?.to_vec()),
-        burn_std::DType::F64 => HostBuffer::F64(t.as_slice::<f64>()?.to_vec()),
-        burn_std::DType::F16 => HostBuffer::F16(t.as_slice::<half::f16>()?.to_vec()),
-        burn_std::DType::BF16 => HostBuffer::BF16(t.as_slice::<half::bf16>()?.to_vec()),
-        _ => return None,
-    })
 }
 
 /// Writes a reduced member over a Flex tensor's own storage, where its layout is row-major,
@@ -173,7 +182,7 @@ pub(super) fn from_host(buf: HostBuffer, shape: burn_std::Shape) -> TensorData {
 
 #[cfg(test)]
 mod tests {
-    use super::{flex_host, ndarray_host, read_host, to_host, write_in_place};
+    use super::{ndarray_host, read_host, to_host, with_host_slice, write_in_place};
     use burn_backend::tensor::FloatTensor;
     use burn_backend::{Backend, TensorData};
     use burn_flex::{Flex, FlexDevice};
@@ -219,13 +228,25 @@ mod tests {
 
     #[test]
     fn the_ndarray_read_gives_burns_values_in_every_layout() {
+        let mut direct = 0;
         for (what, p) in layouts::<NdArray>(&NdArrayDevice::Cpu) {
             // A second handle, as a synced gradient has (Burn keeps its own).
             let held = p.clone();
             let fast = ndarray_host(&p).expect("an NdArray float tensor");
-            assert!(fast.bits_eq(&burns::<NdArray>(p)), "{what}");
+            let burns = burns::<NdArray>(p.clone());
+            assert!(fast.bits_eq(&burns), "{what}");
+            // Where the values lie in row-major order they are also read where they lie.
+            if let Some(there) = with_host_slice(&p, |s| s.to_buffer()) {
+                assert!(there.bits_eq(&burns), "{what}, in its own memory");
+                direct += 1;
+            }
+            assert!(
+                read_host::<NdArray>(p).expect("reads").bits_eq(&burns),
+                "{what}"
+            );
             drop(held);
         }
+        assert!(direct >= 4, "{direct} tensors read in their own memory");
     }
 
     /// Flex's row-major tensors are read from their storage, the others through Burn's read;
@@ -236,7 +257,7 @@ mod tests {
         let mut direct = 0;
         for (what, p) in tensors {
             let held = p.clone();
-            direct += usize::from(flex_host(&p).is_some());
+            direct += usize::from(with_host_slice(&p, |_| ()).is_some());
             let read = read_host::<Flex>(p.clone()).expect("reads");
             assert!(read.bits_eq(&burns::<Flex>(p)), "{what}");
             drop(held);
@@ -264,8 +285,15 @@ mod tests {
     #[test]
     fn another_backends_tensor_is_left_to_burn() {
         assert!(ndarray_host(&1.0f32).is_none());
-        assert!(flex_host(&1.0f32).is_none());
-        assert!(flex_host(&layouts::<NdArray>(&NdArrayDevice::Cpu)[0].1).is_none());
+        assert!(with_host_slice(&1.0f32, |_| ()).is_none());
+        // An integer tensor of either backend is no gradient.
+        let ints = TensorData::new(vec![1i64, 2, 3], [3]);
+        use burn_backend::ops::IntTensorOps;
+        let n =
+            <NdArray as IntTensorOps<NdArray>>::int_from_data(ints.clone(), &NdArrayDevice::Cpu);
+        assert!(with_host_slice(&n, |_| ()).is_none());
+        let f = <Flex as IntTensorOps<Flex>>::int_from_data(ints, &FlexDevice);
+        assert!(with_host_slice(&f, |_| ()).is_none());
     }
 
     #[test]

@@ -111,6 +111,8 @@ pub(super) struct RankState<I: Backend> {
     /// Zero-filled gradients (all steps), and the names zero-filled in the last step.
     pub(super) zero_filled: u64,
     pub(super) last_zero_filled: Vec<String>,
+    /// Gradients copied into their host bucket from the inner backend's own memory (all steps).
+    pub(super) read_into_buckets: u64,
     /// Whether this step leaves its gradients as they are ([`SingleRank::Skip`]); decided at
     /// its first gradient.
     pub(super) step_local: Option<bool>,

@@ -134,6 +134,57 @@ impl Default for HostBuffer {
     }
 }
 
+/// Host values of one float dtype, borrowed where they lie (a gradient of a CPU backend read in
+/// its own memory, or a [`HostBuffer`]'s elements).
+#[derive(Clone, Copy, Debug)]
+pub enum HostSlice<'a> {
+    /// 32-bit floats.
+    F32(&'a [f32]),
+    /// 64-bit floats.
+    F64(&'a [f64]),
+    /// IEEE half.
+    F16(&'a [f16]),
+    /// bfloat16.
+    BF16(&'a [bf16]),
+}
+
+impl HostSlice<'_> {
+    /// Its dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostSlice::F32(_) => DType::F32,
+            HostSlice::F64(_) => DType::F64,
+            HostSlice::F16(_) => DType::F16,
+            HostSlice::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            HostSlice::F32(v) => v.len(),
+            HostSlice::F64(v) => v.len(),
+            HostSlice::F16(v) => v.len(),
+            HostSlice::BF16(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A copy of its elements.
+    pub fn to_buffer(&self) -> HostBuffer {
+        match *self {
+            HostSlice::F32(v) => HostBuffer::F32(v.to_vec()),
+            HostSlice::F64(v) => HostBuffer::F64(v.to_vec()),
+            HostSlice::F16(v) => HostBuffer::F16(v.to_vec()),
+            HostSlice::BF16(v) => HostBuffer::BF16(v.to_vec()),
+        }
+    }
+}
+
 /// Calls `$body` with `$v` bound to the typed vector inside a [`HostBuffer`].
 #[macro_export]
 #[doc(hidden)]
@@ -207,6 +258,16 @@ impl HostBuffer {
             DType::I32 | DType::I64 | DType::Bool => return false,
         }
         true
+    }
+
+    /// Its elements, borrowed.
+    pub fn as_host_slice(&self) -> HostSlice<'_> {
+        match self {
+            HostBuffer::F32(v) => HostSlice::F32(v),
+            HostBuffer::F64(v) => HostSlice::F64(v),
+            HostBuffer::F16(v) => HostSlice::F16(v),
+            HostBuffer::BF16(v) => HostSlice::BF16(v),
+        }
     }
 
     /// Its dtype.

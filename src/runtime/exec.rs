@@ -17,11 +17,12 @@ use super::host::{self, KernelError};
 use crate::codegen::plan::{Event, Plan, PlanCollective, Step};
 use crate::trace::SpanKind;
 
+mod arrive;
 mod check;
 mod in_process;
 mod launch;
 mod workspace;
-use check::{check_grads, check_plan, check_slot};
+use check::{check_grads, check_plan};
 pub use in_process::{run_in_process, run_in_process_grads};
 pub use launch::UserAllReduce;
 use launch::{InFlight, Pending, desc_of, launch_slots};
@@ -543,24 +544,7 @@ impl Execution {
                 hooks.compute(name, *flops);
                 span(report, SpanKind::Compute, 0, name.clone());
             }
-            Step::Gradient { slot } => {
-                let s = *slot as usize;
-                hooks.gradient(*slot, &plan.slots[s].param, &mut grads[s]);
-                check_slot(&plan.slots[s], rank, &grads[s])?;
-                // A host gradient goes into its bucket now, as DDP's hook copies a gradient into
-                // its bucket: only one copy of it is held from here on, not two.
-                if let Some(&Some((c, j))) = ws.member_of.get(s)
-                    && let Grad::Host(b) = &grads[s]
-                    && self.packed[c as usize].is_none()
-                    && self.flight[c as usize].is_none()
-                {
-                    let layout = &plan.collectives[c as usize].layout;
-                    let bucket = ws.bucket(c, layout).map_err(kerr)?;
-                    host::copy_member(layout, j as usize, b, bucket).map_err(kerr)?;
-                    grads[s] = Grad::Host(HostBuffer::default());
-                    self.copied[s] = true;
-                }
-            }
+            Step::Gradient { slot } => self.arrive(plan, *slot as usize, grads, hooks, ws)?,
             Step::Pack { collective } => {
                 let c = &plan.collectives[*collective as usize];
                 let on_device: Option<Vec<&dyn DeviceGrad>> = c

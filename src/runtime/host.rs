@@ -2,7 +2,7 @@
 //! reference the CubeCL kernels are checked against). Same arithmetic as the CubeCL kernels:
 //! scale in the member dtype, then cast to the wire dtype with round to nearest even.
 
-use super::buffer::{Element, HostBuffer};
+use super::buffer::{Element, HostBuffer, HostSlice};
 use crate::codegen::layout::BucketLayout;
 use crate::with_host_buffer;
 
@@ -335,20 +335,21 @@ pub fn ensure_flat(layout: &BucketLayout, out: &mut HostBuffer) -> Result<(), Ke
 }
 
 /// Copies member `j` into its place in the layout's flat buffer `out` unscaled (the padding
-/// after it zeroed). The member must be one [`copies_in`] allows.
+/// after it zeroed), from wherever its values lie (a gradient's own memory, a host copy of it).
+/// The member must be one [`copies_in`] allows.
 pub fn copy_member(
     layout: &BucketLayout,
     j: usize,
-    member: &HostBuffer,
+    member: HostSlice<'_>,
     out: &mut HostBuffer,
 ) -> Result<(), KernelError> {
-    check_one(layout, j, member)?;
+    check_member(layout, j, member.len(), member.dtype())?;
     ensure_flat(layout, out)?;
     match (member, out) {
-        (HostBuffer::F32(m), HostBuffer::F32(o)) => copy_same(layout, j, m, o),
-        (HostBuffer::F64(m), HostBuffer::F64(o)) => copy_same(layout, j, m, o),
-        (HostBuffer::F16(m), HostBuffer::F16(o)) => copy_same(layout, j, m, o),
-        (HostBuffer::BF16(m), HostBuffer::BF16(o)) => copy_same(layout, j, m, o),
+        (HostSlice::F32(m), HostBuffer::F32(o)) => copy_same(layout, j, m, o),
+        (HostSlice::F64(m), HostBuffer::F64(o)) => copy_same(layout, j, m, o),
+        (HostSlice::F16(m), HostBuffer::F16(o)) => copy_same(layout, j, m, o),
+        (HostSlice::BF16(m), HostBuffer::BF16(o)) => copy_same(layout, j, m, o),
         (m, _) => {
             return Err(KernelError::Dtype {
                 bucket: label(layout),

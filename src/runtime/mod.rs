@@ -38,7 +38,7 @@ pub mod synthetic;
 pub mod tcp;
 pub mod transport;
 
-pub use buffer::{Element, HostBuffer};
+pub use buffer::{Element, HostBuffer, HostSlice};
 pub use comm::{CollectiveDesc, CommError, Communicator, DeviceLaunch, PendingReduce};
 pub use exec::{
     ExecError, ExecOptions, ExecReport, Workspace, execute, execute_in, run_in_process,

@@ -11,7 +11,7 @@ use burn_backend::{Backend, TensorMetadata};
 use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted, param_name};
 use crate::backend::distributed::graph_dtype;
 use crate::backend::hook_times::SyncTimes;
-use crate::backend::host_io::{from_host, read_host, write_in_place};
+use crate::backend::host_io::{from_host, read_host, with_host_slice, write_in_place};
 use crate::backend::options::{SingleRank, UnusedParameters};
 use crate::backend::record::StepRecord;
 use crate::backend::{CTensor, Collective, CollectiveDevice};
@@ -73,10 +73,10 @@ impl<I: Backend> Session<I> {
             return std::time::Duration::ZERO;
         }
         st.index.insert(name.clone(), i);
-        let on_device = self.options.device_buckets
-            && !self.options.check_finite
-            && !st.no_sync
-            && !st.accumulated.contains_key(&name);
+        // A gradient reduced as it is (not checked, not accumulated under no_sync).
+        let plain =
+            !self.options.check_finite && !st.no_sync && !st.accumulated.contains_key(&name);
+        let on_device = self.options.device_buckets && plain;
         // Not locked while the gradient is computed: the ops that produce it may wait for a
         // user all-reduce, whose launch may release this step's held buckets.
         drop(guard);
@@ -97,29 +97,27 @@ impl<I: Backend> Session<I> {
         let forcing = Instant::now();
         let inner = t.inner_hoisted("gradient sync", hoist);
         let forced = forcing.elapsed();
-        let grad = match on_device
+        // A CPU backend's gradient whose values lie in row-major order stays where it is until
+        // the step's plan says where it goes: its bucket, copied into straight from there.
+        let (grad, mut in_place) = match on_device
             .then(|| crate::backend::device::device_grad::<I>(&inner))
             .flatten()
         {
-            Some(g) => Grad::Device(g),
-            None => {
-                let buf = match read_host::<I>(inner) {
-                    Ok(h) => h,
-                    Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
-                };
-                if self.options.check_finite
-                    && let Some((at, v)) = buf.first_non_finite()
-                {
-                    self.fail(
-                        rank,
-                        format!("the gradient of {name} ({ty}) has {v} at element {at}"),
-                    );
-                }
-                Grad::Host(buf)
+            Some(g) => (Grad::Device(g), None),
+            None if plain && with_host_slice(&inner, |_| ()).is_some() => {
+                (Grad::default(), Some(inner))
             }
+            None => (
+                Grad::Host(self.read_gradient(rank, &name, &ty, inner)),
+                None,
+            ),
         };
         let mut guard = self.state(rank, "submit_gradient_sync");
         let st = &mut *guard;
+        let grad = match in_place.take_if(|_| st.no_sync || st.accumulated.contains_key(&name)) {
+            Some(inner) => Grad::Host(self.read_gradient(rank, &name, &ty, inner)),
+            None => grad,
+        };
         let grad = match grad {
             Grad::Host(mut buf) => {
                 if st.no_sync {
@@ -192,6 +190,22 @@ impl<I: Backend> Session<I> {
             let next = live.exec.next_gradient(&live.plan, &live.ready);
             match next.map(|s| (s, &live.plan.slots[s as usize])) {
                 Some((slot, s)) if s.param == name && s.ty == ty => {
+                    let copied = in_place.as_ref().and_then(|t| {
+                        with_host_slice(t, |v| {
+                            live.exec.copy_in(&live.plan, slot, v, &mut st.workspace)
+                        })
+                    });
+                    match copied {
+                        Some(Ok(true)) => {
+                            in_place = None;
+                            st.read_into_buckets += 1;
+                        }
+                        Some(Err(e)) => self.fail(rank, e.to_string()),
+                        Some(Ok(false)) | None => {}
+                    }
+                    if let Some(inner) = in_place.take() {
+                        data = Some(Grad::Host(self.read_gradient(rank, &name, &ty, inner)));
+                    }
                     live.grads[slot as usize] = data.take().unwrap_or_default();
                     live.ready[slot as usize] = true;
                     live.source[slot as usize] = Some(i);
@@ -206,6 +220,9 @@ impl<I: Backend> Session<I> {
                 _ => live.diverged = true,
             }
         }
+        if let Some(inner) = in_place {
+            data = Some(Grad::Host(self.read_gradient(rank, &name, &ty, inner)));
+        }
         st.submitted.push(Submitted {
             tref,
             name,
@@ -214,6 +231,30 @@ impl<I: Backend> Session<I> {
             seq,
         });
         forced
+    }
+
+    /// Reads the gradient of `name` into host memory, checked for values that are not finite
+    /// when the options ask; an error fails the step.
+    fn read_gradient(
+        &self,
+        rank: usize,
+        name: &str,
+        ty: &TensorType,
+        inner: I::FloatTensorPrimitive,
+    ) -> crate::runtime::HostBuffer {
+        let buf = match read_host::<I>(inner) {
+            Ok(h) => h,
+            Err(e) => self.fail(rank, format!("reading the gradient of {name}: {e}")),
+        };
+        if self.options.check_finite
+            && let Some((at, v)) = buf.first_non_finite()
+        {
+            self.fail(
+                rank,
+                format!("the gradient of {name} ({ty}) has {v} at element {at}"),
+            );
+        }
+        buf
     }
 
     /// Runs a live execution as far as its gradients allow (`to_end`: to the end, waiting for

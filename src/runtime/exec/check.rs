@@ -86,12 +86,22 @@ pub(super) fn check_slot(
     rank: usize,
     g: &Grad,
 ) -> Result<(), ExecError> {
-    if g.dtype() != s.ty.dtype || g.len() as u64 != s.ty.numel() {
+    check_slot_values(s, rank, g.dtype(), g.len())
+}
+
+/// Checks a gradient of `dtype` and `len` elements against its slot.
+pub(super) fn check_slot_values(
+    s: &crate::codegen::plan::Slot,
+    rank: usize,
+    dtype: crate::graph::DType,
+    len: usize,
+) -> Result<(), ExecError> {
+    if dtype != s.ty.dtype || len as u64 != s.ty.numel() {
         return Err(ExecError::Gradient {
             rank,
             param: s.param.clone(),
             expected: s.ty.to_string(),
-            got: format!("{}[{}]", g.dtype(), g.len()),
+            got: format!("{dtype}[{len}]"),
         });
     }
     Ok(())
