@@ -789,6 +789,35 @@ fn buckets_of(more: &[common::G]) -> Plan {
     lower(&g).unwrap()
 }
 
+/// Runs `per_rank` on every rank of a group of `WORLD` (its communicator and its gradients, seeded
+/// from `seed`), each in a thread of its own, and checks that every rank ends with the bits of
+/// the plain in-process run of `plan` on the same gradients.
+fn each_rank_ends_as_the_plain_run(
+    plan: &Plan,
+    seed: u64,
+    per_rank: impl Fn(&dyn Communicator, Vec<HostBuffer>) -> Vec<HostBuffer> + Sync,
+) {
+    let ins = inputs(plan, seed);
+    let eager = run_in_process(plan, ins.clone(), ExecOptions::default()).unwrap();
+    let comms = InProcessGroup::ranks(WORLD as usize, ExecOptions::default().timeout);
+    let got: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(ins)
+            .map(|(comm, g)| {
+                let per_rank = &per_rank;
+                s.spawn(move || per_rank(comm, g))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (got, (want, _))) in got.iter().zip(&eager).enumerate() {
+        for (slot, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(a.bits_eq(b), "rank {r}, {}", plan.slots[slot].param);
+        }
+    }
+}
+
 /// An execution whose unpacks are deferred ([`Execution::defer_unpacks`], the backend's
 /// hand-back) lets each host bucket's member copies go once the bucket is launched, leaves every
 /// packed collective's unpack to the caller, refuses to finish before they are done or to
@@ -805,79 +834,61 @@ fn deferred_unpacks_let_the_member_copies_go_and_give_the_same_bits() {
         .map(|c| c.id)
         .collect();
     assert!(packed.len() > 1, "several buckets: {:?}", plan.collectives);
-    let ins = inputs(&plan, 11);
-    let eager = run_in_process(&plan, ins.clone(), ExecOptions::default()).unwrap();
     let opts = ExecOptions::default();
-    let comms = InProcessGroup::ranks(WORLD as usize, opts.timeout);
-    let deferred: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .zip(ins)
-            .map(|(comm, g)| {
-                let (plan, packed) = (&plan, &packed);
-                s.spawn(move || {
-                    let mut grads: Vec<Grad> = g.into_iter().map(Grad::Host).collect();
-                    let mut ws = Workspace::default();
-                    let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
-                    ex.defer_unpacks();
-                    let ready = vec![true; plan.slots.len()];
-                    let run =
-                        |ex: &mut Execution, grads: &mut [Grad], ws: &mut Workspace, block| {
-                            ex.run(plan, comm, grads, &ready, &mut NoHooks, opts, ws, block)
-                                .unwrap()
-                        };
-                    // To the first wait: every bucket launched so far has let its members go.
-                    run(&mut ex, &mut grads, &mut ws, false);
-                    let first = plan.collectives[packed[0] as usize].slots.clone();
-                    for slot in &first {
-                        let Grad::Host(b) = &grads[*slot as usize] else {
-                            panic!("a host gradient")
-                        };
-                        assert!(b.is_empty(), "slot {slot} kept its copy past the launch");
-                    }
-                    run(&mut ex, &mut grads, &mut ws, true);
-                    assert!(ex.is_done());
-                    assert_eq!(ex.deferred(), &packed[..], "every packed unpack deferred");
-                    // Each bucket's members handed over one by one, in layout order.
-                    let mut out: Vec<Option<Grad>> = (0..grads.len()).map(|_| None).collect();
-                    for c in packed.iter().rev() {
-                        let mut order = Vec::new();
-                        ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c, &mut |s, g| {
-                            order.push(s);
-                            out[s as usize] = Some(g.into_grad()?);
-                            Ok(())
-                        })
-                        .unwrap();
-                        assert_eq!(order, plan.collectives[*c as usize].slots);
-                    }
-                    let again = ex.unpack(
-                        plan,
-                        comm,
-                        &mut grads,
-                        opts,
-                        &mut ws,
-                        packed[0],
-                        &mut |_, _| Ok(()),
-                    );
-                    let err = again.expect_err("a second unpack").to_string();
-                    assert!(err.contains(&format!("collective #{}", packed[0])), "{err}");
-                    ex.finish().unwrap();
-                    // Gradients with an all-reduce of their own are in their slots.
-                    grads
-                        .into_iter()
-                        .zip(out)
-                        .map(|(g, o)| o.unwrap_or(g).into_host().unwrap())
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (r, (got, (want, _))) in deferred.iter().zip(&eager).enumerate() {
-        for (slot, (a, b)) in got.iter().zip(want).enumerate() {
-            assert!(a.bits_eq(b), "rank {r}, {}", plan.slots[slot].param);
+    each_rank_ends_as_the_plain_run(&plan, 11, |comm, g| {
+        let (plan, packed) = (&plan, &packed);
+        let mut grads: Vec<Grad> = g.into_iter().map(Grad::Host).collect();
+        let mut ws = Workspace::default();
+        let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
+        ex.defer_unpacks();
+        let ready = vec![true; plan.slots.len()];
+        let run = |ex: &mut Execution, grads: &mut [Grad], ws: &mut Workspace, block| {
+            ex.run(plan, comm, grads, &ready, &mut NoHooks, opts, ws, block)
+                .unwrap()
+        };
+        // To the first wait: every bucket launched so far has let its members go.
+        run(&mut ex, &mut grads, &mut ws, false);
+        let first = plan.collectives[packed[0] as usize].slots.clone();
+        for slot in &first {
+            let Grad::Host(b) = &grads[*slot as usize] else {
+                panic!("a host gradient")
+            };
+            assert!(b.is_empty(), "slot {slot} kept its copy past the launch");
         }
-    }
+        run(&mut ex, &mut grads, &mut ws, true);
+        assert!(ex.is_done());
+        assert_eq!(ex.deferred(), &packed[..], "every packed unpack deferred");
+        // Each bucket's members handed over one by one, in layout order.
+        let mut out: Vec<Option<Grad>> = (0..grads.len()).map(|_| None).collect();
+        for c in packed.iter().rev() {
+            let mut order = Vec::new();
+            ex.unpack(plan, comm, &mut grads, opts, &mut ws, *c, &mut |s, g| {
+                order.push(s);
+                out[s as usize] = Some(g.into_grad()?);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(order, plan.collectives[*c as usize].slots);
+        }
+        let again = ex.unpack(
+            plan,
+            comm,
+            &mut grads,
+            opts,
+            &mut ws,
+            packed[0],
+            &mut |_, _| Ok(()),
+        );
+        let err = again.expect_err("a second unpack").to_string();
+        assert!(err.contains(&format!("collective #{}", packed[0])), "{err}");
+        ex.finish().unwrap();
+        // Gradients with an all-reduce of their own are in their slots.
+        grads
+            .into_iter()
+            .zip(out)
+            .map(|(g, o)| o.unwrap_or(g).into_host().unwrap())
+            .collect::<Vec<_>>()
+    });
 }
 
 /// An execution that defers its unpacks does not finish before the caller did them.
@@ -1002,10 +1013,7 @@ fn gradients_copied_in_ahead_of_their_steps_reduce_to_the_same_bits() {
         .flat_map(|c| c.slots.clone())
         .collect();
     assert!(!alone.is_empty(), "a gradient with a collective of its own");
-    let ins = inputs(&plan, 5);
-    let eager = run_in_process(&plan, ins.clone(), ExecOptions::default()).unwrap();
     let opts = ExecOptions::default();
-    let comms = InProcessGroup::ranks(WORLD as usize, opts.timeout);
     let order: Vec<u32> = plan
         .compute
         .iter()
@@ -1014,74 +1022,45 @@ fn gradients_copied_in_ahead_of_their_steps_reduce_to_the_same_bits() {
             _ => None,
         })
         .collect();
-    let copied_in: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .zip(ins)
-            .map(|(comm, given)| {
-                let (plan, order, alone) = (&plan, &order, &alone);
-                s.spawn(move || {
-                    let mut grads: Vec<Grad> = (0..given.len()).map(|_| Grad::default()).collect();
-                    let mut ready = vec![false; given.len()];
-                    let mut ws = Workspace::default();
-                    let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
-                    for &slot in order {
-                        let g = &given[slot as usize];
-                        if let HostBuffer::F32(v) = g
-                            && v.len() > 1
-                        {
-                            let short = HostSlice::F32(&v[1..]);
-                            let err = ex.copy_in(plan, slot, short, &mut ws).unwrap_err();
-                            let param = &plan.slots[slot as usize].param;
-                            assert!(err.to_string().contains(param.as_str()), "{err}");
-                            let f64s = vec![0.0f64; v.len()];
-                            let err = ex.copy_in(plan, slot, HostSlice::F64(&f64s), &mut ws);
-                            assert!(err.is_err(), "an f64 gradient for an f32 slot");
-                        }
-                        let took = ex.copy_in(plan, slot, g.as_host_slice(), &mut ws).unwrap();
-                        assert_eq!(took, !alone.contains(&slot), "slot {slot}");
-                        if !took {
-                            grads[slot as usize] = Grad::Host(g.clone());
-                        }
-                        ready[slot as usize] = true;
-                        ex.run(
-                            plan,
-                            comm,
-                            &mut grads,
-                            &ready,
-                            &mut NoHooks,
-                            opts,
-                            &mut ws,
-                            false,
-                        )
-                        .unwrap();
-                    }
-                    ex.run(
-                        plan,
-                        comm,
-                        &mut grads,
-                        &ready,
-                        &mut NoHooks,
-                        opts,
-                        &mut ws,
-                        true,
-                    )
-                    .unwrap();
-                    ex.finish().unwrap();
-                    grads
-                        .into_iter()
-                        .map(|g| g.into_host().unwrap())
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (r, (got, (want, _))) in copied_in.iter().zip(&eager).enumerate() {
-        for (slot, (a, b)) in got.iter().zip(want).enumerate() {
-            assert!(a.bits_eq(b), "rank {r}, {}", plan.slots[slot].param);
+    each_rank_ends_as_the_plain_run(&plan, 5, |comm, given| {
+        let (plan, order, alone) = (&plan, &order, &alone);
+        let mut grads: Vec<Grad> = (0..given.len()).map(|_| Grad::default()).collect();
+        let mut ready = vec![false; given.len()];
+        let mut ws = Workspace::default();
+        let mut ex = Execution::new(plan, comm, &mut ws, opts).unwrap();
+        let run =
+            |ex: &mut Execution, grads: &mut [Grad], ready: &[bool], ws: &mut Workspace, block| {
+                ex.run(plan, comm, grads, ready, &mut NoHooks, opts, ws, block)
+                    .unwrap()
+            };
+        for &slot in order {
+            let g = &given[slot as usize];
+            if let HostBuffer::F32(v) = g
+                && v.len() > 1
+            {
+                let short = HostSlice::F32(&v[1..]);
+                let err = ex.copy_in(plan, slot, short, &mut ws).unwrap_err();
+                let param = &plan.slots[slot as usize].param;
+                assert!(err.to_string().contains(param.as_str()), "{err}");
+                let f64s = vec![0.0f64; v.len()];
+                let err = ex.copy_in(plan, slot, HostSlice::F64(&f64s), &mut ws);
+                assert!(err.is_err(), "an f64 gradient for an f32 slot");
+            }
+            let took = ex.copy_in(plan, slot, g.as_host_slice(), &mut ws).unwrap();
+            assert_eq!(took, !alone.contains(&slot), "slot {slot}");
+            if !took {
+                grads[slot as usize] = Grad::Host(g.clone());
+            }
+            ready[slot as usize] = true;
+            run(&mut ex, &mut grads, &ready, &mut ws, false);
         }
-    }
+        run(&mut ex, &mut grads, &ready, &mut ws, true);
+        ex.finish().unwrap();
+        grads
+            .into_iter()
+            .map(|g| g.into_host().unwrap())
+            .collect::<Vec<_>>()
+    });
 }
 
 /// A bucket filled as its members arrive (copied in, the rest packed, the copied ones scaled
