@@ -98,7 +98,9 @@ impl<I: Backend> Session<I> {
         let inner = t.inner_hoisted("gradient sync", hoist);
         let forced = forcing.elapsed();
         // A CPU backend's gradient whose values lie in row-major order stays where it is until
-        // the step's plan says where it goes: its bucket, copied into straight from there.
+        // the step's plan says where it goes: its bucket, copied into straight from there. (Where
+        // it goes nowhere else, it is read under the lock below: a read of memory that waits for
+        // nothing, unlike a device read, which may wait for queued work.)
         let (grad, mut in_place) = match on_device
             .then(|| crate::backend::device::device_grad::<I>(&inner))
             .flatten()
