@@ -2,9 +2,9 @@
 //! [`HostBuffer`], and a reduced member of a host bucket written back over a gradient.
 //!
 //! The tensors of Burn's CPU backends, NdArray and Flex (`burn_flex::Flex`, Burn 0.21's own), are
-//! read straight from their memory, one copy, and a reduced member is written over a gradient's
-//! own memory where nothing else shares it (DDP's copy back into the gradients, no buffer of its
-//! own). Any other backend's tensor goes through Burn's `TensorData`, whose bytes are taken over
+//! read straight from their memory, one copy, or lent where they lie ([`with_host_slice`], for a
+//! copy straight into a bucket), and a reduced member is written over a gradient's own memory
+//! where nothing else shares it (DDP's copy back into the gradients, no buffer of its own). Any other backend's tensor goes through Burn's `TensorData`, whose bytes are taken over
 //! where they can be.
 
 use std::any::Any;
