@@ -789,6 +789,18 @@ fn buckets_of(more: &[common::G]) -> Plan {
     lower(&g).unwrap()
 }
 
+/// The slots of `plan` in the order its compute stream takes their gradients.
+fn gradient_order(plan: &Plan) -> Vec<u32> {
+    use collective_fusion::codegen::plan::Step;
+    plan.compute
+        .iter()
+        .filter_map(|s| match s {
+            Step::Gradient { slot } => Some(*slot),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Runs `per_rank` on every rank of a group of `WORLD` (its communicator and its gradients, seeded
 /// from `seed`), each in a thread of its own, and checks that every rank ends with the bits of
 /// the plain in-process run of `plan` on the same gradients.
@@ -941,15 +953,7 @@ fn a_drained_execution_gives_back_the_gradients_of_buckets_it_never_launched() {
     let mut ws = Workspace::default();
     let mut ex = Execution::new(&plan, &comms[0], &mut ws, opts).unwrap();
     // Every gradient but the plan's last: the last bucket is never complete.
-    let last = plan
-        .compute
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            collective_fusion::codegen::plan::Step::Gradient { slot } => Some(*slot),
-            _ => None,
-        })
-        .unwrap();
+    let last = *gradient_order(&plan).last().unwrap();
     let mut ready = vec![true; plan.slots.len()];
     ready[last as usize] = false;
     ex.run(
@@ -1001,7 +1005,6 @@ fn a_drained_execution_gives_back_the_gradients_of_buckets_it_never_launched() {
 /// the caller, and one of the wrong dtype or length is an error naming its parameter.
 #[test]
 fn gradients_copied_in_ahead_of_their_steps_reduce_to_the_same_bits() {
-    use collective_fusion::codegen::plan::Step;
     use collective_fusion::runtime::exec::{Execution, Workspace};
     use collective_fusion::runtime::{Grad, HostSlice};
     // A gradient over the 16 KiB cap, in a collective of its own.
@@ -1014,14 +1017,7 @@ fn gradients_copied_in_ahead_of_their_steps_reduce_to_the_same_bits() {
         .collect();
     assert!(!alone.is_empty(), "a gradient with a collective of its own");
     let opts = ExecOptions::default();
-    let order: Vec<u32> = plan
-        .compute
-        .iter()
-        .filter_map(|s| match s {
-            Step::Gradient { slot } => Some(*slot),
-            _ => None,
-        })
-        .collect();
+    let order = gradient_order(&plan);
     each_rank_ends_as_the_plain_run(&plan, 5, |comm, given| {
         let (plan, order, alone) = (&plan, &order, &alone);
         let mut grads: Vec<Grad> = (0..given.len()).map(|_| Grad::default()).collect();
