@@ -13,7 +13,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, InitialWeights, ReplicaError, mark_distributed,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, InitialWeights, ReplicaError,
+    mark_distributed, sync_buffers,
 };
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
@@ -525,5 +526,194 @@ fn a_checkpoint_of_model_and_optimizer_resumes_bit_for_bit() {
     for (r, w) in resumed.into_iter().enumerate() {
         let w = w.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         assert_eq!(bits(&w), bits(&straight[0]), "rank {r}: resumed");
+    }
+}
+
+/// A BatchNorm's input on `rank` at step `k`: each rank's its own (scaled by the rank).
+fn norm_input(rank: usize, k: usize, d: &Dev) -> burn_core::tensor::Tensor<B, 3> {
+    let (x, _) = synthetic_batch::<B>(rank * 10 + k, (0, 4), 3 * 5, 1, d);
+    x.reshape([4, 3, 5]) * (rank as f32 + 1.0)
+}
+
+/// The bits of a BatchNorm's running mean and variance as it holds them (Burn keeps a thread's
+/// latest update aside until its next forward pass: this is the value a module walk sees).
+fn running_bits<Bk: burn_backend::Backend>(bn: &burn_nn::BatchNorm<Bk>) -> Vec<u32> {
+    let mut v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
+    v.extend(bn.running_var.value().into_data().to_vec::<f32>().unwrap());
+    bits(&v)
+}
+
+/// Its latest running statistics (the update kept aside folded in).
+fn latest_bits(bn: &burn_nn::BatchNorm<B>) -> Vec<u32> {
+    use burn_core::module::AutodiffModule;
+    running_bits(&bn.valid())
+}
+
+/// `steps` training steps of a BatchNorm on every rank, each on a thread of its own: marked
+/// once, then each step `sync_buffers(how)`, a forward pass on the rank's own input, and an SGD
+/// step on its scale and shift. Per rank: the latest statistics before each sync if `latest`
+/// (reading them folds the update kept aside in, which `sync_buffers` must do itself: a test
+/// of that reads nothing before), the statistics right after it, and the trained parameters at
+/// the end.
+#[allow(clippy::type_complexity)]
+fn train_norms(
+    world: usize,
+    steps: usize,
+    how: BufferSync,
+    latest: bool,
+) -> Vec<(Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u32>)> {
+    use burn_nn::{BatchNorm, BatchNormConfig};
+    let _devices = start(
+        world as u32,
+        InitialWeights::Broadcast,
+        Duration::from_secs(20),
+    );
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                s.spawn(move || {
+                    let d = device(r as u32);
+                    let mut bn =
+                        mark_distributed::<B, BatchNorm<B>>(BatchNormConfig::new(3).init::<B>(&d))
+                            .expect("marking");
+                    let (mut before, mut after) = (Vec::new(), Vec::new());
+                    for k in 0..steps {
+                        if latest {
+                            before.push(latest_bits(&bn));
+                        }
+                        bn = sync_buffers::<B, _>(bn, how)
+                            .unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
+                        after.push(running_bits(&bn));
+                        let y = bn.forward(norm_input(r, k, &d));
+                        let loss = (y - 0.5).powf_scalar(2.0).mean();
+                        let grads = GradientsParams::from_grads(loss.backward(), &bn);
+                        bn = SgdConfig::new()
+                            .init::<B, BatchNorm<B>>()
+                            .step(0.1, bn, grads);
+                    }
+                    let trained = bits(
+                        &[
+                            bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
+                            bn.beta.val().into_data().to_vec::<f32>().unwrap(),
+                        ]
+                        .concat(),
+                    );
+                    (before, after, trained)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    Inner::close_communication_server(&device(0));
+    out
+}
+
+/// PyTorch DDP's `broadcast_buffers=True`: `sync_buffers` before each forward pass gives every
+/// rank rank 0's running statistics, bit for bit, and they are the latest ones: rank 0's match
+/// a lone BatchNorm's fed rank 0's inputs, step for step (Burn keeps the latest update aside;
+/// sending the value a walk sees would send one step behind, and the next forward pass would put
+/// the rank's own update back). Trained parameters stay alike through the gradient sync.
+#[test]
+fn sync_buffers_gives_every_rank_rank_zero_latest_running_statistics() {
+    use burn_nn::BatchNormConfig;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let steps = 4;
+    // A rank's statistics alone, before any server runs.
+    let lone = |rank: usize| -> Vec<Vec<u32>> {
+        let d = device(0);
+        let bn = BatchNormConfig::new(3).init::<B>(&d);
+        (0..steps)
+            .map(|k| {
+                let latest = latest_bits(&bn);
+                let _ = bn.forward(norm_input(rank, k, &d));
+                latest
+            })
+            .collect()
+    };
+    let reference = lone(0);
+    assert_ne!(reference[1], reference[0], "a forward pass updates them");
+    assert_ne!(
+        lone(1)[1],
+        reference[1],
+        "each rank's own statistics differ"
+    );
+    let out = train_norms(3, steps, BufferSync::Broadcast, false);
+    for (r, (_, after, trained)) in out.iter().enumerate() {
+        for k in 0..steps {
+            assert_eq!(
+                after[k], reference[k],
+                "rank {r}, step {k}: rank 0's latest"
+            );
+        }
+        assert_eq!(trained, &out[0].2, "rank {r}: trained parameters");
+    }
+}
+
+/// `BufferSync::Mean` gives every rank the mean of the ranks' latest statistics, the same bits
+/// on every rank.
+#[test]
+fn sync_buffers_mean_gives_every_rank_the_ranks_mean() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (world, steps) = (3, 3);
+    let out = train_norms(world, steps, BufferSync::Mean, true);
+    for k in 1..steps {
+        let want: Vec<f32> = (0..out[0].0[k].len())
+            .map(|i| {
+                let sum: f32 = out.iter().map(|o| f32::from_bits(o.0[k][i])).sum();
+                sum / world as f32
+            })
+            .collect();
+        assert_ne!(
+            out[0].0[k], out[1].0[k],
+            "step {k}: the ranks' own statistics differ"
+        );
+        for (r, o) in out.iter().enumerate() {
+            assert_eq!(o.1[k], out[0].1[k], "rank {r}, step {k}: the same bits");
+            for (got, want) in o.1[k].iter().zip(&want) {
+                let got = f32::from_bits(*got);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "rank {r}, step {k}: {got} against {want}"
+                );
+            }
+        }
+    }
+}
+
+/// Ranks whose modules hold different buffers fail together, naming the first that differs.
+#[test]
+fn ranks_whose_buffers_differ_fail_naming_the_buffer() {
+    use burn_nn::{BatchNorm, BatchNormConfig};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
+    let out: Vec<Result<BatchNorm<B>, ReplicaError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                s.spawn(move || {
+                    let bn = BatchNormConfig::new(3 + r).init::<B>(&device(r as u32));
+                    sync_buffers::<B, _>(bn, BufferSync::Broadcast)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    Inner::close_communication_server(&devices[0]);
+    for (r, o) in out.into_iter().enumerate() {
+        match o {
+            Err(ReplicaError::ModelsDiffer {
+                index,
+                mine,
+                theirs,
+                ..
+            }) => {
+                assert_eq!(index, 0, "rank {r}");
+                let mine = mine.unwrap();
+                assert!(mine.starts_with("running_mean"), "rank {r}: {mine}");
+                assert!(mine.contains(&format!("{}", 3 + r)), "rank {r}: {mine}");
+                assert!(theirs.unwrap().starts_with("running_mean"), "rank {r}");
+            }
+            Err(e) => panic!("rank {r}: {e}"),
+            Ok(_) => panic!("rank {r}: buffers of different shapes synced"),
+        }
     }
 }

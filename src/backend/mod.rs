@@ -59,8 +59,8 @@ pub use distributed::{
 pub use hook_times::{HookTimes, hook_times};
 pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
-pub use params::{mark_distributed, mark_distributed_as};
-pub use replicas::{InitialWeights, ReplicaError};
+pub use params::{mark_distributed, mark_distributed_as, sync_buffers};
+pub use replicas::{BufferSync, InitialWeights, ReplicaError};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]

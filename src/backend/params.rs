@@ -22,11 +22,11 @@ use std::sync::{Mutex, OnceLock, RwLock};
 use burn_backend::TensorPrimitive;
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
-use burn_core::module::{ModuleMapper, Param};
+use burn_core::module::{AutodiffModule, ModuleMapper, Param};
 use burn_core::tensor::Tensor;
 use burn_core::tensor::backend::AutodiffBackend;
 
-use super::replicas::ReplicaError;
+use super::replicas::{BufferSync, ReplicaError, Replicate};
 
 /// Parameter id → stable name. Ids are unique within a process, names are not: ranks that are
 /// threads of one process and build their own models have parameters of the same names. Read
@@ -79,7 +79,8 @@ pub(crate) struct Marked {
 
 /// What a backend does with a marked model's parameters: a new value for each parameter that
 /// takes one (in walk order), `None` for each that keeps its own.
-pub(crate) type ReplicaHook = fn(&[Marked]) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError>;
+pub(crate) type ReplicaHook =
+    fn(&[Marked], Replicate) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError>;
 
 fn hooks() -> std::sync::MutexGuard<'static, HashMap<TypeId, ReplicaHook>> {
     static HOOKS: OnceLock<Mutex<HashMap<TypeId, ReplicaHook>>> = OnceLock::new();
@@ -132,97 +133,150 @@ where
     B: AutodiffBackend,
     M: burn_core::module::Module<B>,
 {
-    struct Sharder {
-        /// The module path walked into, its non-empty names joined by `.`.
-        path: String,
-        /// `path`'s length before each module entered, innermost last.
-        entered: Vec<usize>,
-        position: usize,
-        marked: Vec<Marked>,
-    }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Sharder {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.entered.push(self.path.len());
-            if !name.is_empty() {
-                if !self.path.is_empty() {
-                    self.path.push('.');
-                }
-                self.path.push_str(name);
-            }
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            if let Some(len) = self.entered.pop() {
-                self.path.truncate(len);
-            }
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let initialized_now = !param.is_initialized();
-            let (id, tensor, mapper) = param.consume();
-            let pid = DistributedParamId::from(id.val());
-            let name = if self.path.is_empty() {
-                format!("p{}", self.position)
-            } else {
-                self.path.clone()
-            };
-            self.position += 1;
-            self.marked.push(Marked {
-                name,
-                id: id.val(),
-                value: Box::new(tensor.clone().inner().into_primitive().tensor()),
-                requires_grad: tensor.is_require_grad(),
-                initialized_now,
-            });
-            let tensor = tensor.set_distributed(pid);
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    /// Puts the values the hook returned in place, in the same walk order.
-    struct Replace {
-        values: std::vec::IntoIter<Option<Box<dyn Any>>>,
-    }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Replace {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some(Some(value)) = self.values.next() else {
-                return param;
-            };
-            let Ok(value) = value.downcast::<FloatTensor<B::InnerBackend>>() else {
-                return param;
-            };
-            let (id, tensor, mapper) = param.consume();
-            let grad = tensor.is_require_grad();
-            let mut tensor =
-                Tensor::<B, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(*value)));
-            if grad {
-                tensor = tensor.require_grad();
-            }
-            let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
+    walk::<B, M>(prefix, module, Replicate::Marking)
+}
+
+/// Makes the ranks' buffers of `module` alike: its floats that take no gradient (BatchNorm's
+/// running statistics), which each rank otherwise updates from its own batches. Every rank calls
+/// it at the same point (it is a collective, like [`mark_distributed`]); afterwards every rank's
+/// buffers are rank 0's ([`BufferSync::Broadcast`], what PyTorch DDP's default
+/// `broadcast_buffers=True` does before each forward pass) or the mean of the ranks'
+/// ([`BufferSync::Mean`], e.g. before an evaluation or a checkpoint), bit for bit alike.
+/// Trained parameters are left as they are. A frozen parameter (one whose tensor does not
+/// require a gradient) is a buffer to Burn's module walk too, and is sent with them: call this
+/// on the part of a model that holds the statistics where a large part is frozen.
+///
+/// Burn keeps a running statistic's latest update aside until the next forward pass reads it;
+/// the update is folded in first, so what is sent is the latest value and what the next forward
+/// pass starts from is the one received. Without a communication server, or with one rank, the
+/// module comes back as it was.
+///
+/// # Errors
+/// [`ReplicaError::ModelsDiffer`] when the ranks' buffer lists differ (names, dtypes, shapes),
+/// [`ReplicaError::BufferComm`] when the exchange fails (a rank that does not call it within the
+/// timeout); every rank gets the error.
+pub fn sync_buffers<B, M>(module: M, how: BufferSync) -> Result<M, ReplicaError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    // `valid` folds each `RunningState`'s pending update into its value (its map of updates is
+    // shared with `module`'s, and drained).
+    drop(module.valid());
+    walk::<B, M>("", module, Replicate::Buffers(how))
+}
+
+/// Walks `module`'s floats under `prefix` and gives each the value the backend's replication
+/// hook returns for `what` (marking the floats as data-parallel when `what` is a marking).
+fn walk<B, M>(prefix: &str, module: M, what: Replicate) -> Result<M, ReplicaError>
+where
+    B: AutodiffBackend,
+    M: burn_core::module::Module<B>,
+{
     let mut sharder = Sharder {
         path: prefix.to_string(),
         entered: Vec::new(),
         position: 0,
         marked: Vec::new(),
+        mark: matches!(what, Replicate::Marking),
     };
     let module = module.map(&mut sharder);
-    assign(
-        sharder
-            .marked
-            .iter()
-            .map(|m| (DistributedParamId::from(m.id), m.name.as_str())),
-    );
+    if sharder.mark {
+        assign(
+            sharder
+                .marked
+                .iter()
+                .map(|m| (DistributedParamId::from(m.id), m.name.as_str())),
+        );
+    }
     let hook = hooks().get(&TypeId::of::<B::InnerBackend>()).copied();
     let Some(hook) = hook else {
         return Ok(module);
     };
-    let values = hook(&sharder.marked)?;
+    let values = hook(&sharder.marked, what)?;
     if values.iter().all(Option::is_none) {
         return Ok(module);
     }
     Ok(module.map(&mut Replace {
         values: values.into_iter(),
     }))
+}
+
+/// Collects a module's floats with their module paths, marking each as data-parallel if `mark`.
+struct Sharder {
+    /// The module path walked into, its non-empty names joined by `.`.
+    path: String,
+    /// `path`'s length before each module entered, innermost last.
+    entered: Vec<usize>,
+    position: usize,
+    marked: Vec<Marked>,
+    mark: bool,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Sharder {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.entered.push(self.path.len());
+        if !name.is_empty() {
+            if !self.path.is_empty() {
+                self.path.push('.');
+            }
+            self.path.push_str(name);
+        }
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        if let Some(len) = self.entered.pop() {
+            self.path.truncate(len);
+        }
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let initialized_now = !param.is_initialized();
+        let (id, tensor, mapper) = param.consume();
+        let pid = DistributedParamId::from(id.val());
+        let name = if self.path.is_empty() {
+            format!("p{}", self.position)
+        } else {
+            self.path.clone()
+        };
+        self.position += 1;
+        self.marked.push(Marked {
+            name,
+            id: id.val(),
+            value: Box::new(tensor.clone().inner().into_primitive().tensor()),
+            requires_grad: tensor.is_require_grad(),
+            initialized_now,
+        });
+        let tensor = if self.mark {
+            tensor.set_distributed(pid)
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// Puts the values the hook returned in place, in the same walk order.
+struct Replace {
+    values: std::vec::IntoIter<Option<Box<dyn Any>>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Replace {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(Some(value)) = self.values.next() else {
+            return param;
+        };
+        let Ok(value) = value.downcast::<FloatTensor<B::InnerBackend>>() else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let grad = tensor.is_require_grad();
+        let mut tensor =
+            Tensor::<B, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(*value)));
+        if grad {
+            tensor = tensor.require_grad();
+        }
+        let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
+        Param::from_mapped_value(id, tensor, mapper)
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! Replicas that start alike: what [`mark_distributed`](super::mark_distributed) does when a
-//! communication server is running for `Collective<I>`.
+//! Replicas that start alike: what [`mark_distributed`](super::mark_distributed) and
+//! [`sync_buffers`](super::sync_buffers) do when a communication server is running for
+//! `Collective<I>`.
 //!
 //! Under a launcher every process builds its own model, from its own random initialization
 //! unless the user seeded them alike. Data-parallel training is only right if every replica
@@ -30,6 +31,14 @@
 //! on since: [`CTensor::is_drawn`]). Running statistics (no gradient) drawn from dropped-out
 //! activations stay each rank's own. Values cross in host memory (a one-time cost per model;
 //! the device path is the gradients').
+//!
+//! `sync_buffers` makes a module's floats that take no gradient (its buffers: BatchNorm's
+//! running statistics) alike, each time it is called: the ranks compare their buffer lists as a
+//! marking compares parameter lists, then every rank takes rank 0's values
+//! ([`BufferSync::Broadcast`], as the same bucketed sum) or the mean of every rank's
+//! ([`BufferSync::Mean`], one mean all-reduce per bucket, the same bits on every rank).
+//! Requires what a marking requires. Guarantees: afterwards every rank's buffers are bit for bit
+//! alike; trained parameters are left as they are.
 
 use std::any::Any;
 use std::collections::HashSet;
@@ -45,7 +54,7 @@ use super::params::Marked;
 use super::session::running;
 use crate::graph::{Fnv64, ReduceOp, TensorType};
 use crate::runtime::HostBuffer;
-use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes};
+use crate::runtime::agree::{BUFFER_SYNC, WEIGHT_BROADCAST, all_gather_bytes};
 use crate::runtime::comm::{CollectiveDesc, CommError, Communicator, wait_bound};
 
 /// What marking a model does about the ranks' parameter values.
@@ -60,10 +69,23 @@ pub enum InitialWeights {
     Verify,
 }
 
-/// Why marking a model for data-parallel training failed.
+/// How [`sync_buffers`](super::sync_buffers) makes the ranks' buffers (a module's floats that
+/// take no gradient: BatchNorm's running statistics) alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BufferSync {
+    /// Every rank takes rank 0's values, bit for bit (PyTorch DDP's `broadcast_buffers=True`).
+    #[default]
+    Broadcast,
+    /// Every rank takes the mean of the ranks' values, the same bits on every rank (statistics
+    /// of every rank's data, as before an evaluation).
+    Mean,
+}
+
+/// Why marking a model for data-parallel training, or making its buffers alike, failed.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum ReplicaError {
-    /// The ranks' models have different parameters (names, dtypes, shapes or number).
+    /// The ranks' models have different parameters (names, dtypes, shapes or number), or at
+    /// `sync_buffers` different buffers.
     #[error(
         "rank {rank}: the ranks' models differ at parameter {index}: rank {rank} has {}, rank {other_rank} has {} ({mine_count} parameters on rank {rank}, {theirs_count} on rank {other_rank})",
         mine.as_deref().unwrap_or("nothing"),
@@ -72,7 +94,8 @@ pub enum ReplicaError {
     ModelsDiffer {
         /// The rank reporting.
         rank: usize,
-        /// Position of the first differing parameter in walk order.
+        /// Position of the first differing parameter in walk order (among the floats without a
+        /// gradient at `sync_buffers`).
         index: usize,
         /// This rank's parameter there (`name dtype[shape]`; none: its list is shorter).
         mine: Option<String>,
@@ -98,10 +121,12 @@ pub enum ReplicaError {
         other_rank: usize,
     },
     /// A parameter cannot be replicated (a dtype that is not a float, a tensor of another rank).
-    #[error("rank {rank}: mark_distributed: {why}")]
+    #[error("rank {rank}: {call}: {why}")]
     Unsupported {
         /// The rank reporting.
         rank: usize,
+        /// The call that failed (`mark_distributed`, `sync_buffers`).
+        call: &'static str,
         /// What is wrong, naming the parameter.
         why: String,
     },
@@ -109,6 +134,10 @@ pub enum ReplicaError {
     /// aborted group).
     #[error("{0} (while replicating the initial weights at mark_distributed)")]
     Comm(#[from] CommError),
+    /// The exchange of [`sync_buffers`](super::sync_buffers) failed (a rank that never called
+    /// it within the timeout, an aborted group).
+    #[error("{0} (while making the ranks' buffers alike at sync_buffers)")]
+    BufferComm(Box<CommError>),
 }
 
 /// What a rank remembers of its markings.
@@ -133,11 +162,32 @@ impl<P> Entry<'_, P> {
     }
 }
 
+/// What a walk over a module's floats asks of the ranks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Replicate {
+    /// [`mark_distributed`](super::mark_distributed): the parameter lists compared, new
+    /// parameters made rank 0's (or verified).
+    Marking,
+    /// [`sync_buffers`](super::sync_buffers): the floats without a gradient made alike.
+    Buffers(BufferSync),
+}
+
+impl Replicate {
+    fn call(self) -> &'static str {
+        match self {
+            Replicate::Marking => "mark_distributed",
+            Replicate::Buffers(_) => "sync_buffers",
+        }
+    }
+}
+
 /// Replicates the parameters `params` (values of `Collective<I>`'s float primitive, in walk
-/// order) across the running server's ranks: `Some` new value for each parameter this rank
-/// takes from rank 0, `None` where it keeps its own (no server, one rank, rank 0, nothing new).
+/// order) across the running server's ranks as `what` asks: `Some` new value for each parameter
+/// this rank takes, `None` where it keeps its own (no server, one rank, rank 0, nothing new, a
+/// trained parameter at a buffer sync).
 pub(super) fn replicate<I: Backend>(
     params: &[Marked],
+    what: Replicate,
 ) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
     let keep = || params.iter().map(|_| None).collect::<Vec<_>>();
     let Some(session) = running::<I>() else {
@@ -146,21 +196,105 @@ pub(super) fn replicate<I: Backend>(
     let Some(first) = params.first() else {
         return Ok(keep());
     };
-    fn tensor<P: 'static>(m: &Marked) -> Option<&CTensor<P>> {
-        m.value.downcast_ref::<CTensor<P>>()
-    }
-    let tensor = tensor::<I::FloatTensorPrimitive>;
-    let rank = tensor(first).map_or(0, |t| t.rank as usize);
+    let rank = tensor::<I::FloatTensorPrimitive>(first).map_or(0, |t| t.rank as usize);
     super::rank_threads::works_for(&session, rank);
     if session.world <= 1 {
         return Ok(keep());
     }
     // The user's all-reduces issued before go first, on every rank alike.
     session.flush_user(rank, None);
-    let unsupported = |why: String| ReplicaError::Unsupported { rank, why };
-    let mut entries = Vec::with_capacity(params.len());
-    for m in params {
-        let t = tensor(m).ok_or_else(|| {
+    let call = what.call();
+    // The floats this call makes alike, with their positions in `params`.
+    let (at, picked): (Vec<usize>, Vec<&Marked>) = params
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| matches!(what, Replicate::Marking) || !m.requires_grad)
+        .unzip();
+    let entries = entries::<I>(&picked, rank, first, call)?;
+    let listing: String = entries.iter().map(|e| e.line() + "\n").collect();
+    let fingerprint = {
+        let mut h = Fnv64::default();
+        h.write(listing.as_bytes());
+        h.finish()
+    };
+    if matches!(what, Replicate::Marking)
+        && !new_to_replicas(&session, rank, params, &entries, fingerprint)
+    {
+        return Ok(keep());
+    }
+    let comm = session.comm(rank);
+    let timeout = session.options.timeout;
+    let cap = session.options.config.bucket.cap_bytes;
+    let result = (|| {
+        let all = all_gather_bytes(comm, &fingerprint.to_le_bytes(), timeout)?;
+        let prints: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+        if prints.iter().any(|p| *p != prints[0]) {
+            return Err(models_differ(comm, rank, &listing, &prints, timeout));
+        }
+        let exchange = |combine, first_id| {
+            exchange::<I>(comm, &entries, cap, timeout, first_id, combine, call)
+        };
+        match what {
+            Replicate::Marking => match session.options.initial_weights {
+                InitialWeights::Broadcast => exchange(BufferSync::Broadcast, WEIGHT_BROADCAST),
+                InitialWeights::Verify => verify::<I>(comm, &entries, timeout, call)
+                    .map(|()| entries.iter().map(|_| None).collect()),
+            },
+            Replicate::Buffers(how) => exchange(how, BUFFER_SYNC),
+        }
+    })()
+    .map(|mut values| {
+        // Values this rank keeps are now agreed on: marked so, so that marking them again
+        // (before every backward pass) sees nothing new.
+        for (v, e) in values.iter_mut().zip(&entries) {
+            if v.is_none() && e.tensor.is_drawn() {
+                *v = Some(Box::new(e.tensor.agreed()));
+            }
+        }
+        // Back to one value (or none) per parameter of `params`.
+        let mut out = keep();
+        for (i, v) in at.iter().zip(values) {
+            out[*i] = v;
+        }
+        out
+    });
+    match (&result, what) {
+        (Ok(_), Replicate::Marking) => {
+            let mut st = session.state(rank, "mark_distributed");
+            st.replicas.synced.extend(params.iter().map(|m| m.id));
+            st.replicas.agreed = Some(fingerprint);
+        }
+        (Ok(_), Replicate::Buffers(_)) => {}
+        // Every rank saw the same lists or hashes and fails alike; a failed exchange fails the
+        // group, so that no rank waits for this one.
+        (Err(ReplicaError::Comm(e)), _) => comm.abort(&e.to_string()),
+        (Err(_), _) => {}
+    }
+    match (result, what) {
+        (Err(ReplicaError::Comm(e)), Replicate::Buffers(_)) => {
+            Err(ReplicaError::BufferComm(Box::new(e)))
+        }
+        (result, _) => result,
+    }
+}
+
+/// The value of a marked float, if it is one of `Collective<I>`'s.
+fn tensor<P: 'static>(m: &Marked) -> Option<&CTensor<P>> {
+    m.value.downcast_ref::<CTensor<P>>()
+}
+
+/// The floats `picked` as this rank holds them: each a float tensor of the server's backend on
+/// `rank`, the rank of the walk's `first` float.
+fn entries<'a, I: Backend>(
+    picked: &[&'a Marked],
+    rank: usize,
+    first: &Marked,
+    call: &'static str,
+) -> Result<Vec<Entry<'a, I::FloatTensorPrimitive>>, ReplicaError> {
+    let unsupported = |why: String| ReplicaError::Unsupported { rank, call, why };
+    let mut entries = Vec::with_capacity(picked.len());
+    for m in picked {
+        let t = tensor::<I::FloatTensorPrimitive>(m).ok_or_else(|| {
             unsupported(format!(
                 "{} is not a tensor of this communication server's backend",
                 m.name
@@ -186,68 +320,28 @@ pub(super) fn replicate<I: Backend>(
             tensor: t,
         });
     }
-    let listing: String = entries.iter().map(|e| e.line() + "\n").collect();
-    let fingerprint = {
-        let mut h = Fnv64::default();
-        h.write(listing.as_bytes());
-        h.finish()
-    };
-    // Parameters replicated before whose values were drawn again since (a lazily initialized
-    // model forked again, a layer initialized again): the ids are the same, the values are each
-    // rank's own. Running statistics (no gradient) may differ by design and are left out.
+    Ok(entries)
+}
+
+/// Whether a marking has anything to replicate: a parameter list the ranks have not agreed on,
+/// a parameter not replicated before, or one whose values were drawn again since (a lazily
+/// initialized model forked again, a layer initialized again: the ids are the same, the values
+/// each rank's own). Running statistics (no gradient) may differ by design and are left out.
+fn new_to_replicas<I: Backend>(
+    session: &super::session::Session<I>,
+    rank: usize,
+    params: &[Marked],
+    entries: &[Entry<'_, I::FloatTensorPrimitive>],
+    fingerprint: u64,
+) -> bool {
     let drawn_again = params
         .iter()
-        .zip(&entries)
+        .zip(entries)
         .any(|(m, e)| m.initialized_now || (m.requires_grad && e.tensor.is_drawn()));
-    let new = {
-        let st = session.state(rank, "mark_distributed");
-        st.replicas.agreed != Some(fingerprint)
-            || drawn_again
-            || params.iter().any(|m| !st.replicas.synced.contains(&m.id))
-    };
-    if !new {
-        return Ok(keep());
-    }
-    let comm = session.comm(rank);
-    let timeout = session.options.timeout;
-    let result = (|| {
-        let all = all_gather_bytes(comm, &fingerprint.to_le_bytes(), timeout)?;
-        let prints: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-        if prints.iter().any(|p| *p != prints[0]) {
-            return Err(models_differ(comm, rank, &listing, &prints, timeout));
-        }
-        match session.options.initial_weights {
-            InitialWeights::Broadcast => broadcast::<I>(
-                comm,
-                &entries,
-                session.options.config.bucket.cap_bytes,
-                timeout,
-            ),
-            InitialWeights::Verify => verify::<I>(comm, &entries, timeout).map(|()| keep()),
-        }
-    })()
-    .map(|mut values| {
-        // Values this rank keeps are now agreed on: marked so, so that marking them again
-        // (before every backward pass) sees nothing new.
-        for (v, e) in values.iter_mut().zip(&entries) {
-            if v.is_none() && e.tensor.is_drawn() {
-                *v = Some(Box::new(e.tensor.agreed()));
-            }
-        }
-        values
-    });
-    match &result {
-        Ok(_) => {
-            let mut st = session.state(rank, "mark_distributed");
-            st.replicas.synced.extend(params.iter().map(|m| m.id));
-            st.replicas.agreed = Some(fingerprint);
-        }
-        // Every rank saw the same lists or hashes and fails alike; a failed exchange fails the
-        // group, so that no rank waits for this one.
-        Err(ReplicaError::Comm(e)) => comm.abort(&e.to_string()),
-        Err(_) => {}
-    }
-    result
+    let st = session.state(rank, "mark_distributed");
+    st.replicas.agreed != Some(fingerprint)
+        || drawn_again
+        || params.iter().any(|m| !st.replicas.synced.contains(&m.id))
 }
 
 /// The error of ranks whose parameter lists differ: gathers every rank's listing and names the
@@ -287,12 +381,12 @@ fn models_differ(
 fn read<I: Backend>(
     rank: usize,
     e: &Entry<'_, I::FloatTensorPrimitive>,
+    call: &'static str,
 ) -> Result<HostBuffer, ReplicaError> {
-    read_host::<I>(e.tensor.inner_for("mark_distributed")).map_err(|err| {
-        ReplicaError::Unsupported {
-            rank,
-            why: format!("reading {}: {err}", e.name),
-        }
+    read_host::<I>(e.tensor.inner_for(call)).map_err(|err| ReplicaError::Unsupported {
+        rank,
+        call,
+        why: format!("reading {}: {err}", e.name),
     })
 }
 
@@ -318,37 +412,48 @@ fn buckets<P>(entries: &[Entry<'_, P>], cap: u64) -> Vec<Range<usize>> {
     out
 }
 
-/// Rank 0's values to every rank: one sum all-reduce per bucket, rank 0 contributing its values
-/// and the others negative zeros.
-fn broadcast<I: Backend>(
+/// The ranks' values of `entries` made alike, as `how` says: one all-reduce per bucket, launch
+/// indices from `first_id`. [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its
+/// values and the others negative zeros, which every rank but rank 0 takes. [`BufferSync::Mean`]:
+/// a mean of every rank's values, which every rank takes (the same bits everywhere).
+fn exchange<I: Backend>(
     comm: &dyn Communicator,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],
     cap: u64,
     timeout: std::time::Duration,
+    first_id: u32,
+    how: BufferSync,
+    call: &'static str,
 ) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
     let rank = comm.rank();
+    let (op, contributes, takes) = match how {
+        BufferSync::Broadcast => (ReduceOp::Sum, rank == 0, rank != 0),
+        BufferSync::Mean => (ReduceOp::Mean, true, true),
+    };
+    let unsupported = |e: &Entry<'_, _>, ty: String| ReplicaError::Unsupported {
+        rank,
+        call,
+        why: format!("{} cannot be exchanged ({ty})", e.name),
+    };
     let mut pending = Vec::new();
     for (k, range) in buckets(entries, cap.max(1)).into_iter().enumerate() {
         let members = &entries[range.clone()];
         let dtype = members[0].ty.dtype;
         let count: u64 = members.iter().map(|e| e.ty.numel()).sum();
-        let buffer = if rank == 0 {
+        let buffer = if contributes {
             let mut bytes = Vec::new();
             for e in members {
-                bytes.extend_from_slice(read::<I>(rank, e)?.as_bytes());
+                bytes.extend_from_slice(read::<I>(rank, e, call)?.as_bytes());
             }
             HostBuffer::from_le_bytes(dtype, &bytes)
         } else {
             HostBuffer::neg_zeros(dtype, count as usize)
         };
-        let buffer = buffer.ok_or_else(|| ReplicaError::Unsupported {
-            rank,
-            why: format!("{} cannot be broadcast ({dtype})", members[0].name),
-        })?;
+        let buffer = buffer.ok_or_else(|| unsupported(&members[0], dtype.to_string()))?;
         let what = CollectiveDesc {
-            collective: WEIGHT_BROADCAST + k as u32,
+            collective: first_id + k as u32,
             bucket: Some(k as u32),
-            op: ReduceOp::Sum,
+            op,
             dtype,
             count,
             params: members.iter().map(|e| e.name.to_string()).collect(),
@@ -358,7 +463,7 @@ fn broadcast<I: Backend>(
     let mut out: Vec<Option<Box<dyn Any>>> = entries.iter().map(|_| None).collect();
     for (range, p) in pending {
         let (reduced, _) = p.wait(wait_bound(timeout))?;
-        if rank == 0 {
+        if !takes {
             continue;
         }
         let bytes = reduced.as_bytes();
@@ -366,13 +471,8 @@ fn broadcast<I: Backend>(
         for i in range {
             let e = &entries[i];
             let len = e.ty.bytes() as usize;
-            let member =
-                HostBuffer::from_le_bytes(e.ty.dtype, &bytes[at..at + len]).ok_or_else(|| {
-                    ReplicaError::Unsupported {
-                        rank,
-                        why: format!("{} cannot be broadcast ({})", e.name, e.ty),
-                    }
-                })?;
+            let member = HostBuffer::from_le_bytes(e.ty.dtype, &bytes[at..at + len])
+                .ok_or_else(|| unsupported(e, e.ty.to_string()))?;
             at += len;
             let device = e.tensor.device(|p| I::float_device(p));
             let value = I::float_from_data(from_host(member, e.tensor.shape()), &device);
@@ -387,12 +487,13 @@ fn verify<I: Backend>(
     comm: &dyn Communicator,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],
     timeout: std::time::Duration,
+    call: &'static str,
 ) -> Result<(), ReplicaError> {
     let rank = comm.rank();
     let mut mine = Vec::with_capacity(entries.len() * 8);
     for e in entries {
         let mut h = Fnv64::default();
-        h.write(read::<I>(rank, e)?.as_bytes());
+        h.write(read::<I>(rank, e, call)?.as_bytes());
         mine.extend_from_slice(&h.finish().to_le_bytes());
     }
     let all = all_gather_bytes(comm, &mine, timeout)?;
