@@ -148,8 +148,11 @@ where
 ///
 /// Burn keeps a running statistic's latest update aside until the next forward pass reads it;
 /// the update is folded in first, so what is sent is the latest value and what the next forward
-/// pass starts from is the one received. Without a communication server, or with one rank, the
-/// module comes back as it was.
+/// pass starts from is the one received. (Burn's `fork` moves a statistic's value to the new
+/// device but not an update kept aside: fork a model to its rank before its first forward pass;
+/// a statistic left on another rank's device is refused with [`ReplicaError::Unsupported`]
+/// naming it.) Without a communication server, or with one rank, the module comes back as it
+/// was.
 ///
 /// # Errors
 /// [`ReplicaError::ModelsDiffer`] when the ranks' buffer lists differ (names, dtypes, shapes),
@@ -160,8 +163,10 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    // `valid` folds each `RunningState`'s pending update into its value (its map of updates is
-    // shared with `module`'s, and drained).
+    // Burn's `RunningState` keeps a thread's latest update aside until that thread's next read;
+    // `valid` folds every pending update into the value a walk sees (the map of updates is
+    // shared with `module`'s, and drained), so that the values sent are the latest and the next
+    // forward pass starts from the ones received, not from the rank's own update kept aside.
     drop(module.valid());
     walk::<B, M>("", module, Replicate::Buffers(how))
 }
