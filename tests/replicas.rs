@@ -554,13 +554,15 @@ fn latest_bits(bn: &burn_nn::BatchNorm<B>) -> Vec<u32> {
 /// step on its scale and shift. Per rank: the latest statistics before each sync if `latest`
 /// (reading them folds the update kept aside in, which `sync_buffers` must do itself: a test
 /// of that reads nothing before), the statistics right after it, and the trained parameters at
-/// the end.
+/// the end. Each rank builds its own BatchNorm, or with `template` forks one built on rank 0's
+/// device (Burn's `fork` shares a running statistic between the copies).
 #[allow(clippy::type_complexity)]
 fn train_norms(
     world: usize,
     steps: usize,
     how: BufferSync,
     latest: bool,
+    template: bool,
 ) -> Vec<(Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u32>)> {
     use burn_nn::{BatchNorm, BatchNormConfig};
     let _devices = start(
@@ -568,14 +570,18 @@ fn train_norms(
         InitialWeights::Broadcast,
         Duration::from_secs(20),
     );
+    let template = template.then(|| BatchNormConfig::new(3).init::<B>(&device(0)));
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
+                let d = device(r as u32);
+                let bn = match &template {
+                    Some(t) => t.clone().fork(&d),
+                    None => BatchNormConfig::new(3).init::<B>(&d),
+                };
                 s.spawn(move || {
-                    let d = device(r as u32);
-                    let mut bn =
-                        mark_distributed::<B, BatchNorm<B>>(BatchNormConfig::new(3).init::<B>(&d))
-                            .expect("marking");
+                    let mut bn = mark_distributed::<B, BatchNorm<B>>(bn)
+                        .unwrap_or_else(|e| panic!("rank {r}: marking: {e}"));
                     let (mut before, mut after) = (Vec::new(), Vec::new());
                     for k in 0..steps {
                         if latest {
@@ -637,7 +643,7 @@ fn sync_buffers_gives_every_rank_rank_zero_latest_running_statistics() {
         reference[1],
         "each rank's own statistics differ"
     );
-    let out = train_norms(3, steps, BufferSync::Broadcast, false);
+    let out = train_norms(3, steps, BufferSync::Broadcast, false, false);
     for (r, (_, after, trained)) in out.iter().enumerate() {
         for k in 0..steps {
             assert_eq!(
@@ -655,7 +661,7 @@ fn sync_buffers_gives_every_rank_rank_zero_latest_running_statistics() {
 fn sync_buffers_mean_gives_every_rank_the_ranks_mean() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (world, steps) = (3, 3);
-    let out = train_norms(world, steps, BufferSync::Mean, true);
+    let out = train_norms(world, steps, BufferSync::Mean, true, false);
     for k in 1..steps {
         let want: Vec<f32> = (0..out[0].0[k].len())
             .map(|i| {
@@ -677,6 +683,30 @@ fn sync_buffers_mean_gives_every_rank_the_ranks_mean() {
                 );
             }
         }
+    }
+}
+
+/// The README's way: one model built on rank 0's device and forked to every rank. Burn's `fork`
+/// gives each copy its own parameters but shares a running statistic between the copies (one
+/// object, on the device of the copy forked last), so a rank's BatchNorm holds its statistics on
+/// another rank's device: marking and `sync_buffers` take them (marking refused it as a model
+/// marked on two ranks), and the ranks train and hold alike statistics, either way.
+#[test]
+fn a_template_forked_to_every_rank_marks_and_syncs_its_shared_statistics() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for how in [BufferSync::Broadcast, BufferSync::Mean] {
+        let steps = 3;
+        let out = train_norms(3, steps, how, false, true);
+        for (r, (_, after, trained)) in out.iter().enumerate() {
+            for (k, (mine, rank0)) in after.iter().zip(&out[0].1).enumerate() {
+                assert_eq!(mine, rank0, "{how:?}, rank {r}, step {k}");
+            }
+            assert_eq!(trained, &out[0].2, "{how:?}, rank {r}: trained parameters");
+        }
+        assert_ne!(
+            out[0].1[2], out[0].1[0],
+            "{how:?}: the statistics were updated"
+        );
     }
 }
 

@@ -148,11 +148,11 @@ where
 ///
 /// Burn keeps a running statistic's latest update aside until the next forward pass reads it;
 /// the update is folded in first, so what is sent is the latest value and what the next forward
-/// pass starts from is the one received. (Burn's `fork` moves a statistic's value to the new
-/// device but not an update kept aside: fork a model to its rank before its first forward pass;
-/// a statistic left on another rank's device is refused with [`ReplicaError::Unsupported`]
-/// naming it.) Without a communication server, or with one rank, the module comes back as it
-/// was.
+/// pass starts from is the one received. A statistic on another rank's device is taken as it is:
+/// Burn's `fork` shares a running statistic between the copies of a model (one object, on the
+/// device of the copy forked last), so the ranks of one process that fork one model hold one set
+/// of statistics. Without a communication server, or with one rank, the module comes back as
+/// it was.
 ///
 /// # Errors
 /// [`ReplicaError::ModelsDiffer`] when the ranks' buffer lists differ (names, dtypes, shapes),

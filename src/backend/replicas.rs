@@ -193,10 +193,18 @@ pub(super) fn replicate<I: Backend>(
     let Some(session) = running::<I>() else {
         return Ok(keep());
     };
-    let Some(first) = params.first() else {
+    // The rank is its first trained parameter's: Burn's `fork` gives each copy of a model its
+    // own parameters, but shares a running statistic's state between the copies (one object,
+    // moved to whichever rank's device forked last).
+    let Some(first) = params
+        .iter()
+        .find(|m| m.requires_grad)
+        .or_else(|| params.first())
+    else {
         return Ok(keep());
     };
-    let rank = tensor::<I::FloatTensorPrimitive>(first).map_or(0, |t| t.rank as usize);
+    let first_tensor = tensor::<I::FloatTensorPrimitive>(first);
+    let rank = first_tensor.map_or(0, |t| t.rank as usize);
     super::rank_threads::works_for(&session, rank);
     if session.world <= 1 {
         return Ok(keep());
@@ -231,8 +239,14 @@ pub(super) fn replicate<I: Backend>(
         if prints.iter().any(|p| *p != prints[0]) {
             return Err(models_differ(comm, rank, &listing, &prints, timeout));
         }
+        // What this rank takes lands on its own device (a shared statistic may be on another's).
+        let device = match first_tensor {
+            Some(t) => t.device(|p| I::float_device(p)),
+            None => return Ok(entries.iter().map(|_| None).collect()),
+        };
         let exchange = |combine, first_id| {
-            exchange::<I>(comm, &entries, cap, timeout, first_id, combine, call)
+            let ids = (first_id, call);
+            exchange::<I>(comm, &entries, &device, cap, timeout, ids, combine)
         };
         match what {
             Replicate::Marking => match session.options.initial_weights {
@@ -283,8 +297,8 @@ fn tensor<P: 'static>(m: &Marked) -> Option<&CTensor<P>> {
     m.value.downcast_ref::<CTensor<P>>()
 }
 
-/// The floats `picked` as this rank holds them: each a float tensor of the server's backend on
-/// `rank`, the rank of the walk's `first` float.
+/// The floats `picked` as this rank holds them: each a float tensor of the server's backend, a
+/// trained one on `rank`, the rank of the walk's `first` trained parameter.
 fn entries<'a, I: Backend>(
     picked: &[&'a Marked],
     rank: usize,
@@ -300,9 +314,11 @@ fn entries<'a, I: Backend>(
                 m.name
             ))
         })?;
-        if t.rank as usize != rank {
+        // A float without a gradient on another rank is a running statistic that Burn's `fork`
+        // shares between the copies of a model: one object, alike by construction.
+        if t.rank as usize != rank && m.requires_grad {
             return Err(unsupported(format!(
-                "{} is on rank {}, the model's first parameter ({}) on rank {rank}: a model is marked on one rank",
+                "{} is on rank {}, the model's first trained parameter ({}) on rank {rank}: a model is marked on one rank",
                 m.name, t.rank, first.name
             )));
         }
@@ -413,17 +429,17 @@ fn buckets<P>(entries: &[Entry<'_, P>], cap: u64) -> Vec<Range<usize>> {
 }
 
 /// The ranks' values of `entries` made alike, as `how` says: one all-reduce per bucket, launch
-/// indices from `first_id`. [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its
+/// indices from `first_id`; what this rank takes is made on `device`. [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its
 /// values and the others negative zeros, which every rank but rank 0 takes. [`BufferSync::Mean`]:
 /// a mean of every rank's values, which every rank takes (the same bits everywhere).
 fn exchange<I: Backend>(
     comm: &dyn Communicator,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],
+    device: &I::Device,
     cap: u64,
     timeout: std::time::Duration,
-    first_id: u32,
+    (first_id, call): (u32, &'static str),
     how: BufferSync,
-    call: &'static str,
 ) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
     let rank = comm.rank();
     let (op, contributes, takes) = match how {
@@ -474,8 +490,7 @@ fn exchange<I: Backend>(
             let member = HostBuffer::from_le_bytes(e.ty.dtype, &bytes[at..at + len])
                 .ok_or_else(|| unsupported(e, e.ty.to_string()))?;
             at += len;
-            let device = e.tensor.device(|p| I::float_device(p));
-            let value = I::float_from_data(from_host(member, e.tensor.shape()), &device);
+            let value = I::float_from_data(from_host(member, e.tensor.shape()), device);
             out[i] = Some(Box::new(CTensor::new(value, rank as u32)));
         }
     }
