@@ -747,3 +747,27 @@ fn ranks_whose_buffers_differ_fail_naming_the_buffer() {
         }
     }
 }
+
+/// A rank that never calls `sync_buffers` is a timeout on the one that does, as a typed error
+/// saying where it waited, not a hang.
+#[test]
+fn a_rank_that_never_syncs_its_buffers_is_a_timeout_naming_the_call() {
+    use burn_nn::BatchNormConfig;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(1));
+    let bn = BatchNormConfig::new(3).init::<B>(&devices[0]);
+    let started = std::time::Instant::now();
+    let out = std::thread::spawn(move || sync_buffers::<B, _>(bn, BufferSync::Mean).err())
+        .join()
+        .unwrap();
+    Inner::close_communication_server(&devices[0]);
+    match out {
+        Some(ReplicaError::BufferComm(e)) => {
+            let text = ReplicaError::BufferComm(e).to_string();
+            assert!(text.contains("sync_buffers"), "{text}");
+            assert!(text.contains("ranks [1] never arrived"), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+}

@@ -34,6 +34,18 @@ const BARRIER: u32 = AGREE_LEN + 6;
 /// [`gather_counts`]'s and [`share_from_root`]'s ([`Purpose::Agreement`]).
 pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=BARRIER;
 
+/// What the exchange of agreement-range launch index `collective` is, for messages.
+pub fn agreement_exchange(collective: u32) -> &'static str {
+    match collective {
+        AGREE_LEN | AGREE_SEQ => "the plan agreement exchange",
+        GATHER_LEN | GATHER_BYTES => "an all-gather of the ranks' lists",
+        GATHER_COUNTS => "the ranks' exchange of queue lengths",
+        SHARE_ROOT => "rank 0's share of a value",
+        BARRIER => "a barrier",
+        _ => "an agreement exchange",
+    }
+}
+
 /// Whether `d` is one of the agreement's (or [`all_gather_bytes`]'s, [`gather_counts`]'s or
 /// [`share_from_root`]'s) own all-reduces.
 pub fn is_agreement(d: &CollectiveDesc) -> bool {

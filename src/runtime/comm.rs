@@ -84,8 +84,10 @@ impl fmt::Display for CollectiveDesc {
             Purpose::Agreement => {
                 return write!(
                     f,
-                    "the plan agreement exchange ({}×{})",
-                    self.dtype, self.count
+                    "{} ({}×{})",
+                    super::agree::agreement_exchange(self.collective),
+                    self.dtype,
+                    self.count
                 );
             }
             Purpose::WeightBroadcast => {
