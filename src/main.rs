@@ -45,6 +45,8 @@ enum RunModelArg {
     Mlp,
     /// Two 3×3 convolutions and a linear layer on 28×28 inputs.
     Convnet,
+    /// A small residual convnet with BatchNorm (residual blocks of 8 channels).
+    Resnet,
     /// Transformer-style blocks of width 64 (many small tensors: 16 per block).
     Blocks,
 }

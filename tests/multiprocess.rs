@@ -31,11 +31,17 @@ fn digest(out: &Output) -> String {
 /// Runs `world` processes of `run --transport tcp`, rank `r` with `extra(r)` appended to
 /// [`ARGS`], each bounded by [`PROCESS_LIMIT`].
 fn over_tcp(world: usize, extra: impl Fn(usize) -> Vec<String>) -> Vec<Output> {
+    over_tcp_with(&ARGS, world, extra)
+}
+
+/// [`over_tcp`] with `base` in place of [`ARGS`].
+fn over_tcp_with(base: &[&str], world: usize, extra: impl Fn(usize) -> Vec<String>) -> Vec<Output> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|r| {
-            let args: Vec<String> = ARGS
-                .into_iter()
+            let args: Vec<String> = base
+                .iter()
+                .copied()
                 .chain(["--transport", "tcp"])
                 .map(String::from)
                 .chain(extra(r))
@@ -99,6 +105,25 @@ fn processes_that_initialize_their_own_models_train_from_rank_zero_weights() {
             err.contains(&format!("error: rank {r}: the initial weights differ across ranks: 0.weight f32[784,1024] on rank 1")),
             "rank {r}: {err}"
         );
+    }
+}
+
+/// Processes that each build their own residual convnet (its own seed), whose BatchNorms each
+/// update from their own batches, end alike, running statistics included: before each step
+/// every rank takes rank 0's statistics (`--buffers broadcast`, the default) or the ranks' mean.
+#[test]
+fn processes_training_a_resnet_end_with_alike_running_statistics() {
+    const RESNET: [&str; 9] = [
+        "run", "--model", "resnet", "--blocks", "1", "--steps", "2", "--batch", "1",
+    ];
+    for buffers in ["broadcast", "mean"] {
+        let outs = over_tcp_with(&RESNET, 2, |r| {
+            ["--seed", &(5 + r).to_string(), "--buffers", buffers]
+                .map(String::from)
+                .to_vec()
+        });
+        let expected = digest(&outs[0]);
+        assert_eq!(digest(&outs[1]), expected, "--buffers {buffers}");
     }
 }
 

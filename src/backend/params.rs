@@ -151,8 +151,9 @@ where
 /// pass starts from is the one received. A statistic on another rank's device is taken as it is:
 /// Burn's `fork` shares a running statistic between the copies of a model (one object, on the
 /// device of the copy forked last), so the ranks of one process that fork one model hold one set
-/// of statistics. Without a communication server, or with one rank, the module comes back as
-/// it was.
+/// of statistics. Without a communication server, with one rank, or for a module without
+/// buffers, the module comes back as it was and nothing is communicated (a training loop may
+/// call it whatever the model).
 ///
 /// # Errors
 /// [`ReplicaError::ModelsDiffer`] when the ranks' buffer lists differ (names, dtypes, shapes),

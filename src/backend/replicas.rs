@@ -209,8 +209,6 @@ pub(super) fn replicate<I: Backend>(
     if session.world <= 1 {
         return Ok(keep());
     }
-    // The user's all-reduces issued before go first, on every rank alike.
-    session.flush_user(rank, None);
     let call = what.call();
     // The floats this call makes alike, with their positions in `params`.
     let (at, picked): (Vec<usize>, Vec<&Marked>) = params
@@ -218,6 +216,13 @@ pub(super) fn replicate<I: Backend>(
         .enumerate()
         .filter(|(_, m)| matches!(what, Replicate::Marking) || !m.requires_grad)
         .unzip();
+    // A module without buffers communicates nothing at a buffer sync (a rank whose module has
+    // some waits for the others, and times out naming the call).
+    if picked.is_empty() {
+        return Ok(keep());
+    }
+    // The user's all-reduces issued before go first, on every rank alike.
+    session.flush_user(rank, None);
     let entries = entries::<I>(&picked, rank, first, call)?;
     let listing: String = entries.iter().map(|e| e.line() + "\n").collect();
     let fingerprint = {

@@ -63,7 +63,8 @@ pub(crate) struct RunArgs {
     /// Width of every hidden layer of the MLP (default 1024).
     #[arg(long)]
     width: Option<usize>,
-    /// Transformer-style blocks of `--model blocks` (default 12).
+    /// Transformer-style blocks of `--model blocks` (default 12), residual blocks of `--model
+    /// resnet` (default 2).
     #[arg(long)]
     blocks: Option<usize>,
     /// Train the same steps under each bucketing policy (per-param, ddp, cost; same seed) and
@@ -80,10 +81,23 @@ pub(crate) struct RunArgs {
     /// they already are rank 0's.
     #[arg(long, value_enum, default_value = "broadcast")]
     initial_weights: InitialWeightsArg,
+    /// How the ranks' buffers (BatchNorm's running statistics, `--model resnet`) are made
+    /// alike before each step: rank 0's (PyTorch DDP's `broadcast_buffers=True`) or the ranks'
+    /// mean. A model without buffers communicates nothing.
+    #[arg(long, value_enum, default_value = "broadcast")]
+    buffers: BuffersArg,
     /// Read every gradient into host memory as it arrives and pack there, even on a device
     /// backend (`CollectiveOptions::device_buckets` off), to compare with the device pack.
     #[arg(long)]
     host_pack: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BuffersArg {
+    /// Every rank takes rank 0's buffers.
+    Broadcast,
+    /// Every rank takes the mean of the ranks' buffers.
+    Mean,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -95,7 +109,7 @@ enum InitialWeightsArg {
 }
 
 pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use collective_fusion::backend::{CollectiveOptions, InitialWeights, Transport};
+    use collective_fusion::backend::{BufferSync, CollectiveOptions, InitialWeights, Transport};
     use collective_fusion::train::{DispatchOn, RunBackend, RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
@@ -121,6 +135,9 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             width: a.width.unwrap_or(1024),
         },
         (RunModelArg::Convnet, None, None) => RunModel::ConvNet,
+        (RunModelArg::Resnet, None, blocks) => RunModel::ResNet {
+            blocks: blocks.unwrap_or(2),
+        },
         (RunModelArg::Blocks, None, blocks) => RunModel::Blocks {
             blocks: blocks.unwrap_or(12),
         },
@@ -128,7 +145,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Err("--hidden-layers is an option of --model mlp".into());
         }
         (_, _, Some(_)) => {
-            return Err("--blocks is an option of --model blocks".into());
+            return Err("--blocks is an option of --model blocks and --model resnet".into());
         }
     };
     if a.blocks == Some(0) {
@@ -180,6 +197,10 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             probe_link: true,
             device_buckets: !a.host_pack,
             ..CollectiveOptions::default()
+        },
+        buffers: match a.buffers {
+            BuffersArg::Broadcast => BufferSync::Broadcast,
+            BuffersArg::Mean => BufferSync::Mean,
         },
     };
     let tty = std::io::stderr().is_terminal();

@@ -20,9 +20,9 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, Transport, lazy_stats,
-    mark_distributed, measured_link, measured_step, recorded_step_graph, sync_stats, take_trace,
-    trace_span,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, Transport,
+    lazy_stats, mark_distributed, measured_link, measured_step, recorded_step_graph, sync_buffers,
+    sync_stats, take_trace, trace_span,
 };
 use crate::config::CompileConfig;
 use crate::graph::print::print;
@@ -37,7 +37,7 @@ mod nets;
 pub mod overhead;
 
 pub use compare::{PolicyComparison, PolicyRun, StepGap, compare_policies};
-pub use nets::{Block, Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, RunModel};
+pub use nets::{Block, Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, ResBlock, ResNet, RunModel};
 
 /// The autodiff backend the ranks train on, over inner backend `I`.
 type B<I> = Autodiff<Collective<I>>;
@@ -102,6 +102,9 @@ pub struct RunOptions {
     pub seed: u64,
     /// How the gradient sync compiles and runs.
     pub collective: CollectiveOptions,
+    /// How the ranks' buffers (BatchNorm's running statistics) are made alike before each
+    /// step's forward pass ([`sync_buffers`]; a model without buffers communicates nothing).
+    pub buffers: BufferSync,
 }
 
 /// One step, as rank 0 saw it.
@@ -319,6 +322,8 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                     let mut measured: Vec<MeasuredStep> = Vec::new();
                     for step in 0..opts.steps {
                         let t0 = Instant::now();
+                        model = sync_buffers::<B<I>, M>(model, opts.buffers)
+                            .map_err(|e| e.to_string())?;
                         let (x, y) =
                             batch::<I>(step, rank * opts.batch, (rank + 1) * opts.batch, d);
                         let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
@@ -415,6 +420,7 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         match opts.model {
             RunModel::Mlp { .. } => run_model::<I, Mlp<B<I>>>(opts, device, progress),
             RunModel::ConvNet => run_model::<I, ConvNet<B<I>>>(opts, device, progress),
+            RunModel::ResNet { .. } => run_model::<I, ResNet<B<I>>>(opts, device, progress),
             RunModel::Blocks { .. } => run_model::<I, Blocks<B<I>>>(opts, device, progress),
         }
     }

@@ -5,7 +5,9 @@ use burn_backend::AutodiffBackend;
 use burn_core::module::AutodiffModule;
 use burn_core::tensor::Tensor;
 use burn_nn::conv::{Conv2d, Conv2dConfig};
-use burn_nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn_nn::{
+    BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, PaddingConfig2d,
+};
 
 /// Which model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +21,14 @@ pub enum RunModel {
     },
     /// Two 3×3 convolutions (1 → 16 → 32 channels) on 28×28 inputs, then a linear layer to 10.
     ConvNet,
+    /// A small residual convnet with BatchNorm, whose running statistics are buffers: a 3×3
+    /// stem to 8 channels, `blocks` residual blocks (3×3 conv, BatchNorm, ReLU, 3×3 conv,
+    /// BatchNorm, plus the block's input, ReLU) on 28×28 inputs, the mean over the image, and a
+    /// linear layer to 10.
+    ResNet {
+        /// Residual blocks (2 by default).
+        blocks: usize,
+    },
     /// Many small tensors: each input row as 16 tokens of 49 features, embedded to width 64,
     /// `blocks` transformer-style blocks (pre-norm single-head self-attention with q/k/v/o
     /// projections, then a 64 → 256 → 64 GELU MLP, both residual; 16 parameter tensors of at
@@ -35,6 +45,7 @@ impl RunModel {
         match self {
             RunModel::Mlp { .. } => "mlp",
             RunModel::ConvNet => "convnet",
+            RunModel::ResNet { .. } => "resnet",
             RunModel::Blocks { .. } => "blocks",
         }
     }
@@ -108,6 +119,49 @@ impl<Bk: AutodiffBackend> Net<Bk> for ConvNet<Bk> {
         let h = burn_core::tensor::activation::relu(self.0.forward(h));
         let h = burn_core::tensor::activation::relu(self.1.forward(h));
         self.2.forward(h.reshape([n, 32 * INPUTS]))
+    }
+}
+
+/// Channels of [`RunModel::ResNet`].
+const RES_CHANNELS: usize = 8;
+
+/// A residual block of [`RunModel::ResNet`]: conv, norm, conv, norm.
+pub type ResBlock<Bk> = (Conv2d<Bk>, BatchNorm<Bk>, Conv2d<Bk>, BatchNorm<Bk>);
+
+/// [`RunModel::ResNet`]: the stem (conv, norm), the residual blocks, the head.
+pub type ResNet<Bk> = (Conv2d<Bk>, BatchNorm<Bk>, Vec<ResBlock<Bk>>, Linear<Bk>);
+
+impl<Bk: AutodiffBackend> Net<Bk> for ResNet<Bk> {
+    fn init(d: &Bk::Device, model: RunModel) -> Self {
+        let blocks = match model {
+            RunModel::ResNet { blocks } => blocks,
+            _ => 2,
+        };
+        let conv = |from: usize| {
+            Conv2dConfig::new([from, RES_CHANNELS], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d)
+        };
+        let norm = || BatchNormConfig::new(RES_CHANNELS).init(d);
+        (
+            conv(1),
+            norm(),
+            (0..blocks)
+                .map(|_| (conv(RES_CHANNELS), norm(), conv(RES_CHANNELS), norm()))
+                .collect(),
+            LinearConfig::new(RES_CHANNELS, OUTPUTS).init(d),
+        )
+    }
+    fn forward(&self, x: Tensor<Bk, 2>) -> Tensor<Bk, 2> {
+        use burn_core::tensor::activation::relu;
+        let n = x.dims()[0];
+        let mut h = relu(self.1.forward(self.0.forward(x.reshape([n, 1, 28, 28]))));
+        for (conv1, norm1, conv2, norm2) in &self.2 {
+            let inner = relu(norm1.forward(conv1.forward(h.clone())));
+            h = relu(h + norm2.forward(conv2.forward(inner)));
+        }
+        let pooled: Tensor<Bk, 2> = h.mean_dim(3).mean_dim(2).reshape([n, RES_CHANNELS]);
+        self.3.forward(pooled)
     }
 }
 

@@ -12,7 +12,7 @@ use burn_core::tensor::Tensor;
 use burn_nn::loss::{MseLoss, Reduction};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
-use super::nets::{Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, RunModel};
+use super::nets::{Blocks, ConvNet, INPUTS, Mlp, Net, OUTPUTS, ResNet, RunModel};
 use super::synthetic_batch;
 use crate::backend::{HookTimes, LazyStats, hook_times, lazy_stats, mark_distributed};
 use crate::measure::median;
@@ -126,6 +126,9 @@ impl StepRow {
         match model {
             RunModel::Mlp { .. } => Self::new::<Bk, Mlp<Bk>>(label, device, model, batch, marking),
             RunModel::ConvNet => Self::new::<Bk, ConvNet<Bk>>(label, device, model, batch, marking),
+            RunModel::ResNet { .. } => {
+                Self::new::<Bk, ResNet<Bk>>(label, device, model, batch, marking)
+            }
             RunModel::Blocks { .. } => {
                 Self::new::<Bk, Blocks<Bk>>(label, device, model, batch, marking)
             }
