@@ -22,7 +22,7 @@ use std::sync::{Mutex, OnceLock, RwLock};
 use burn_backend::TensorPrimitive;
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
-use burn_core::module::{AutodiffModule, ModuleMapper, Param};
+use burn_core::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn_core::tensor::Tensor;
 use burn_core::tensor::backend::AutodiffBackend;
 
@@ -164,12 +164,30 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
+    // A model without buffers (a training loop may call this whatever the model) costs one
+    // look at its floats.
+    if !has_buffers::<B, M>(&module) {
+        return Ok(module);
+    }
     // Burn's `RunningState` keeps a thread's latest update aside until that thread's next read;
     // `valid` folds every pending update into the value a walk sees (the map of updates is
     // shared with `module`'s, and drained), so that the values sent are the latest and the next
     // forward pass starts from the ones received, not from the rank's own update kept aside.
     drop(module.valid());
     walk::<B, M>("", module, Replicate::Buffers(how))
+}
+
+/// Whether `module` holds a float that takes no gradient.
+fn has_buffers<B: AutodiffBackend, M: burn_core::module::Module<B>>(module: &M) -> bool {
+    struct Look(bool);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Look {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 |= !param.val().is_require_grad();
+        }
+    }
+    let mut look = Look(false);
+    module.visit(&mut look);
+    look.0
 }
 
 /// Walks `module`'s floats under `prefix` and gives each the value the backend's replication
