@@ -111,6 +111,8 @@ fn processes_that_initialize_their_own_models_train_from_rank_zero_weights() {
 /// Processes that each build their own residual convnet (its own seed), whose BatchNorms each
 /// update from their own batches, end alike, running statistics included: before each step
 /// every rank takes rank 0's statistics (`--buffers broadcast`, the default) or the ranks' mean.
+/// They end as the same run with its ranks threads of one process does (each rank a copy of the
+/// model with statistics of its own).
 #[test]
 fn processes_training_a_resnet_end_with_alike_running_statistics() {
     const RESNET: [&str; 9] = [
@@ -122,8 +124,18 @@ fn processes_training_a_resnet_end_with_alike_running_statistics() {
                 .map(String::from)
                 .to_vec()
         });
-        let expected = digest(&outs[0]);
-        assert_eq!(digest(&outs[1]), expected, "--buffers {buffers}");
+        let threads = output_bounded(Command::new(BIN).args(RESNET).args([
+            "--world",
+            "2",
+            "--seed",
+            "5",
+            "--buffers",
+            buffers,
+        ]));
+        let expected = digest(&threads);
+        for (r, o) in outs.iter().enumerate() {
+            assert_eq!(digest(o), expected, "--buffers {buffers}, rank {r}");
+        }
     }
 }
 

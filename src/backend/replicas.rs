@@ -434,9 +434,10 @@ fn buckets<P>(entries: &[Entry<'_, P>], cap: u64) -> Vec<Range<usize>> {
 }
 
 /// The ranks' values of `entries` made alike, as `how` says: one all-reduce per bucket, launch
-/// indices from `first_id`; what this rank takes is made on `device`. [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its
-/// values and the others negative zeros, which every rank but rank 0 takes. [`BufferSync::Mean`]:
-/// a mean of every rank's values, which every rank takes (the same bits everywhere).
+/// indices from `first_id`; what this rank takes is made on `device`.
+/// [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its values and the others
+/// negative zeros, which every rank but rank 0 takes. [`BufferSync::Mean`]: a mean of every
+/// rank's values, which every rank takes (the same bits everywhere).
 fn exchange<I: Backend>(
     comm: &dyn Communicator,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],

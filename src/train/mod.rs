@@ -310,7 +310,10 @@ fn run_model<I: Backend, M: Net<B<I>>>(
         let handles: Vec<_> = devices
             .iter()
             .map(|d| {
-                let model = init.clone().fork(d);
+                // A copy of its own for each rank: `fork` alone would share each BatchNorm's
+                // running statistics between the ranks (one `RunningState`), where ranks that are
+                // processes hold their own; `from_inner` makes new ones.
+                let model = M::from_inner(init.valid()).fork(d);
                 s.spawn(move || {
                     let rank = d.rank as usize;
                     // Marking is collective: the ranks check that their models agree and take
