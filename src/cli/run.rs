@@ -377,11 +377,11 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         writeln!(out, "trace: {} ({} spans)", p.display(), report.trace.len())?;
     }
     if let Some(p) = &a.svg {
-        // The last step: from rank 0's last forward to the end.
+        // The last step: from the start of rank 0's last one (its buffer sync) to the end.
         let from = report
             .trace
             .iter()
-            .filter(|s| s.rank == 0 && s.name == "forward")
+            .filter(|s| s.rank == 0 && s.name == "buffers")
             .map(|s| s.start_us)
             .fold(0.0, f64::max);
         let to = report

@@ -327,6 +327,7 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                         let t0 = Instant::now();
                         model = sync_buffers::<B<I>, M>(model, opts.buffers)
                             .map_err(|e| e.to_string())?;
+                        let buffers_done = Instant::now();
                         let (x, y) =
                             batch::<I>(step, rank * opts.batch, (rank + 1) * opts.batch, d);
                         let loss = MseLoss::new().forward(model.forward(x), y, Reduction::Mean);
@@ -337,7 +338,8 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                         let grads = GradientsParams::from_grads(grads, &model);
                         model = optim.step(0.01, model, grads);
                         let t3 = Instant::now();
-                        trace_span::<I>(rank, "forward", t0, t1);
+                        trace_span::<I>(rank, "buffers", t0, buffers_done);
+                        trace_span::<I>(rank, "forward", buffers_done, t1);
                         trace_span::<I>(rank, "backward", t1, t2);
                         trace_span::<I>(rank, "optimizer", t2, t3);
                         records.push(StepRecord {
