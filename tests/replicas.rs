@@ -771,3 +771,35 @@ fn a_rank_that_never_syncs_its_buffers_is_a_timeout_naming_the_call() {
     }
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// A module of buffers alone, shared between the ranks' copies (a `RunningState` forked to each
+/// rank lives on the device of the copy forked last): the rank is the one the thread works for,
+/// not the device's, so each rank talks on its own communicator.
+#[test]
+fn shared_buffers_alone_sync_on_the_rank_the_thread_works_for() {
+    use burn_core::module::RunningState;
+    use burn_core::tensor::Tensor;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
+    let stats = RunningState::new(Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0], &devices[0]));
+    let out: Vec<Result<Vec<f32>, ReplicaError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u32)
+            .map(|r| {
+                let mine = stats.clone().fork(&devices[r as usize]);
+                let model = model(&WIDTHS, 3, r);
+                s.spawn(move || {
+                    // The thread works for rank `r` from its marking on.
+                    let _ = mark_distributed::<B, Mlp>(model)?;
+                    let mine = sync_buffers::<B, _>(mine, BufferSync::Broadcast)?;
+                    Ok(mine.value().into_data().to_vec::<f32>().unwrap())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    Inner::close_communication_server(&devices[0]);
+    for (r, o) in out.into_iter().enumerate() {
+        let v = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(v, [1.0, 2.0, 3.0], "rank {r}");
+    }
+}

@@ -133,6 +133,22 @@ pub(super) fn works_for<S: RankServer + 'static>(server: &Arc<S>, rank: usize) {
     });
 }
 
+/// The rank of `server` the calling thread works for, where it works for exactly one.
+pub(super) fn thread_rank<S: RankServer + 'static>(server: &Arc<S>) -> Option<usize> {
+    WORKS_FOR
+        .try_with(|w| {
+            let w = w.0.try_borrow().ok()?;
+            let mut ranks = w
+                .iter()
+                .filter(|e| std::ptr::addr_eq(e.server.as_ptr(), Arc::as_ptr(server)))
+                .map(|e| e.rank);
+            let rank = ranks.next()?;
+            ranks.next().is_none().then_some(rank)
+        })
+        .ok()
+        .flatten()
+}
+
 /// Installs the process's panic hook (once), in front of the hook in place.
 fn install_hook() {
     static ONCE: Once = Once::new();

@@ -196,15 +196,17 @@ pub(super) fn replicate<I: Backend>(
     // The rank is its first trained parameter's: Burn's `fork` gives each copy of a model its
     // own parameters, but shares a running statistic's state between the copies (one object,
     // moved to whichever rank's device forked last).
-    let Some(first) = params
-        .iter()
-        .find(|m| m.requires_grad)
-        .or_else(|| params.first())
-    else {
+    let trained = params.iter().find(|m| m.requires_grad);
+    let Some(first) = trained.or_else(|| params.first()) else {
         return Ok(keep());
     };
     let first_tensor = tensor::<I::FloatTensorPrimitive>(first);
-    let rank = first_tensor.map_or(0, |t| t.rank as usize);
+    // Buffers alone may be shared with another rank's copy: the rank this thread works for, if
+    // one, says more.
+    let rank = match (trained, super::rank_threads::thread_rank(&session)) {
+        (None, Some(rank)) => rank,
+        _ => first_tensor.map_or(0, |t| t.rank as usize),
+    };
     super::rank_threads::works_for(&session, rank);
     if session.world <= 1 {
         return Ok(keep());
