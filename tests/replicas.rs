@@ -98,19 +98,26 @@ fn step(m: Mlp, rank: usize) -> Mlp {
     SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
 }
 
+/// `f(r, inputs[r])` for each rank `r`, each on a thread of its own, results in rank order.
+fn on_threads<In: Send, T: Send>(inputs: Vec<In>, f: impl Fn(usize, In) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = inputs
+            .into_iter()
+            .enumerate()
+            .map(|(r, x)| s.spawn(move || f(r, x)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Marks each rank's model on a thread of its own, then runs `then` there.
 fn on_every_rank<T: Send>(
     models: Vec<Mlp>,
     then: impl Fn(usize, Mlp) -> T + Sync,
 ) -> Vec<Result<T, ReplicaError>> {
-    std::thread::scope(|s| {
-        let then = &then;
-        let hs: Vec<_> = models
-            .into_iter()
-            .enumerate()
-            .map(|(r, m)| s.spawn(move || mark_distributed::<B, Mlp>(m).map(|m| then(r, m))))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_threads(models, |r, m| {
+        mark_distributed::<B, Mlp>(m).map(|m| then(r, m))
     })
 }
 
@@ -274,33 +281,25 @@ fn a_sum_with_negative_zeros_is_a_bit_exact_broadcast() {
         f32::NAN,
     ];
     let comms = InProcessGroup::ranks(3, Duration::from_secs(5));
-    let out: Vec<HostBuffer> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let buf = if c.rank() == 0 {
-                        HostBuffer::F32(special.to_vec())
-                    } else {
-                        HostBuffer::neg_zeros(DType::F32, special.len()).unwrap()
-                    };
-                    let what = CollectiveDesc {
-                        collective: 0,
-                        bucket: None,
-                        op: ReduceOp::Sum,
-                        dtype: DType::F32,
-                        count: special.len() as u64,
-                        params: Vec::new(),
-                    };
-                    c.all_reduce(buf, what)
-                        .unwrap()
-                        .wait(Duration::from_secs(10))
-                        .unwrap()
-                        .0
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out: Vec<HostBuffer> = on_threads(comms.iter().collect(), |_, c| {
+        let buf = if c.rank() == 0 {
+            HostBuffer::F32(special.to_vec())
+        } else {
+            HostBuffer::neg_zeros(DType::F32, special.len()).unwrap()
+        };
+        let what = CollectiveDesc {
+            collective: 0,
+            bucket: None,
+            op: ReduceOp::Sum,
+            dtype: DType::F32,
+            count: special.len() as u64,
+            params: Vec::new(),
+        };
+        c.all_reduce(buf, what)
+            .unwrap()
+            .wait(Duration::from_secs(10))
+            .unwrap()
+            .0
     });
     for (r, b) in out.iter().enumerate() {
         let HostBuffer::F32(v) = b else {
@@ -356,12 +355,8 @@ fn running_statistics_start_as_rank_zero_statistics() {
         InitialWeights::Broadcast,
         Duration::from_secs(20),
     );
-    let marked: Vec<Vec<u32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = norms
-            .into_iter()
-            .map(|m| s.spawn(move || stats(&mark_distributed::<B, BatchNorm<B>>(m).unwrap())))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let marked: Vec<Vec<u32>> = on_threads(norms, |_, m| {
+        stats(&mark_distributed::<B, BatchNorm<B>>(m).unwrap())
     });
     Inner::close_communication_server(&devices[0]);
     for (r, m) in marked.iter().enumerate() {
@@ -571,44 +566,42 @@ fn train_norms(
         Duration::from_secs(20),
     );
     let template = template.then(|| BatchNormConfig::new(3).init::<B>(&device(0)));
-    let out = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|r| {
-                let d = device(r as u32);
-                let bn = match &template {
-                    Some(t) => t.clone().fork(&d),
-                    None => BatchNormConfig::new(3).init::<B>(&d),
-                };
-                s.spawn(move || {
-                    let mut bn = mark_distributed::<B, BatchNorm<B>>(bn)
-                        .unwrap_or_else(|e| panic!("rank {r}: marking: {e}"));
-                    let (mut before, mut after) = (Vec::new(), Vec::new());
-                    for k in 0..steps {
-                        if latest {
-                            before.push(latest_bits(&bn));
-                        }
-                        bn = sync_buffers::<B, _>(bn, how)
-                            .unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
-                        after.push(running_bits(&bn));
-                        let y = bn.forward(norm_input(r, k, &d));
-                        let loss = (y - 0.5).powf_scalar(2.0).mean();
-                        let grads = GradientsParams::from_grads(loss.backward(), &bn);
-                        bn = SgdConfig::new()
-                            .init::<B, BatchNorm<B>>()
-                            .step(0.1, bn, grads);
-                    }
-                    let trained = bits(
-                        &[
-                            bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
-                            bn.beta.val().into_data().to_vec::<f32>().unwrap(),
-                        ]
-                        .concat(),
-                    );
-                    (before, after, trained)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let norms: Vec<BatchNorm<B>> = (0..world)
+        .map(|r| {
+            let d = device(r as u32);
+            match &template {
+                Some(t) => t.clone().fork(&d),
+                None => BatchNormConfig::new(3).init::<B>(&d),
+            }
+        })
+        .collect();
+    let out = on_threads(norms, |r, bn| {
+        let d = device(r as u32);
+        let mut bn = mark_distributed::<B, BatchNorm<B>>(bn)
+            .unwrap_or_else(|e| panic!("rank {r}: marking: {e}"));
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for k in 0..steps {
+            if latest {
+                before.push(latest_bits(&bn));
+            }
+            bn =
+                sync_buffers::<B, _>(bn, how).unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
+            after.push(running_bits(&bn));
+            let y = bn.forward(norm_input(r, k, &d));
+            let loss = (y - 0.5).powf_scalar(2.0).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &bn);
+            bn = SgdConfig::new()
+                .init::<B, BatchNorm<B>>()
+                .step(0.1, bn, grads);
+        }
+        let trained = bits(
+            &[
+                bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
+                bn.beta.val().into_data().to_vec::<f32>().unwrap(),
+            ]
+            .concat(),
+        );
+        (before, after, trained)
     });
     Inner::close_communication_server(&device(0));
     out
@@ -716,16 +709,9 @@ fn ranks_whose_buffers_differ_fail_naming_the_buffer() {
     use burn_nn::{BatchNorm, BatchNormConfig};
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
-    let out: Vec<Result<BatchNorm<B>, ReplicaError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2usize)
-            .map(|r| {
-                s.spawn(move || {
-                    let bn = BatchNormConfig::new(3 + r).init::<B>(&device(r as u32));
-                    sync_buffers::<B, _>(bn, BufferSync::Broadcast)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out: Vec<Result<BatchNorm<B>, ReplicaError>> = on_threads(vec![(); 2], |r, ()| {
+        let bn = BatchNormConfig::new(3 + r).init::<B>(&device(r as u32));
+        sync_buffers::<B, _>(bn, BufferSync::Broadcast)
     });
     Inner::close_communication_server(&devices[0]);
     for (r, o) in out.into_iter().enumerate() {
@@ -782,20 +768,19 @@ fn shared_buffers_alone_sync_on_the_rank_the_thread_works_for() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
     let stats = RunningState::new(Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0], &devices[0]));
-    let out: Vec<Result<Vec<f32>, ReplicaError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2u32)
-            .map(|r| {
-                let mine = stats.clone().fork(&devices[r as usize]);
-                let model = model(&WIDTHS, 3, r);
-                s.spawn(move || {
-                    // The thread works for rank `r` from its marking on.
-                    let _ = mark_distributed::<B, Mlp>(model)?;
-                    let mine = sync_buffers::<B, _>(mine, BufferSync::Broadcast)?;
-                    Ok(mine.value().into_data().to_vec::<f32>().unwrap())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let inputs: Vec<_> = (0..2u32)
+        .map(|r| {
+            (
+                stats.clone().fork(&devices[r as usize]),
+                model(&WIDTHS, 3, r),
+            )
+        })
+        .collect();
+    let out: Vec<Result<Vec<f32>, ReplicaError>> = on_threads(inputs, |_, (mine, model)| {
+        // The thread works for its rank from its marking on.
+        let _ = mark_distributed::<B, Mlp>(model)?;
+        let mine = sync_buffers::<B, _>(mine, BufferSync::Broadcast)?;
+        Ok(mine.value().into_data().to_vec::<f32>().unwrap())
     });
     Inner::close_communication_server(&devices[0]);
     for (r, o) in out.into_iter().enumerate() {

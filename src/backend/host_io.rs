@@ -4,8 +4,9 @@
 //! The tensors of Burn's CPU backends, NdArray and Flex (`burn_flex::Flex`, Burn 0.21's own), are
 //! read straight from their memory, one copy, or lent where they lie ([`with_host_slice`], for a
 //! copy straight into a bucket), and a reduced member is written over a gradient's own memory
-//! where nothing else shares it (DDP's copy back into the gradients, no buffer of its own). Any other backend's tensor goes through Burn's `TensorData`, whose bytes are taken over
-//! where they can be.
+//! where nothing else shares it (DDP's copy back into the gradients, no buffer of its own). Any
+//! other backend's tensor goes through Burn's `TensorData`, whose bytes are taken over where
+//! they can be.
 
 use std::any::Any;
 

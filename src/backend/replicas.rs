@@ -279,24 +279,21 @@ pub(super) fn replicate<I: Backend>(
         }
         out
     });
-    match (&result, what) {
-        (Ok(_), Replicate::Marking) => {
+    match &result {
+        Ok(_) if matches!(what, Replicate::Marking) => {
             let mut st = session.state(rank, "mark_distributed");
             st.replicas.synced.extend(params.iter().map(|m| m.id));
             st.replicas.agreed = Some(fingerprint);
         }
-        (Ok(_), Replicate::Buffers(_)) => {}
         // Every rank saw the same lists or hashes and fails alike; a failed exchange fails the
         // group, so that no rank waits for this one.
-        (Err(ReplicaError::Comm(e)), _) => comm.abort(&e.to_string()),
-        (Err(_), _) => {}
+        Err(ReplicaError::Comm(e)) => comm.abort(&e.to_string()),
+        _ => {}
     }
-    match (result, what) {
-        (Err(ReplicaError::Comm(e)), Replicate::Buffers(_)) => {
-            Err(ReplicaError::BufferComm(Box::new(e)))
-        }
-        (result, _) => result,
-    }
+    result.map_err(|e| match (e, what) {
+        (ReplicaError::Comm(e), Replicate::Buffers(_)) => ReplicaError::BufferComm(Box::new(e)),
+        (e, _) => e,
+    })
 }
 
 /// The value of a marked float, if it is one of `Collective<I>`'s.
