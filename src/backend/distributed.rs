@@ -319,6 +319,9 @@ impl<I: Backend> Collective<I> {
         sessions_mut().insert(TypeId::of::<I>(), Arc::new(session));
         lock(closed()).remove(&TypeId::of::<I>());
         super::params::register_hook::<Collective<I>>(super::replicas::replicate::<I>);
+        super::sync_batch_norm::register_group::<CollectiveDevice<I::Device>, I>(
+            super::sync_batch_norm::collective_group::<I>,
+        );
         Ok(())
     }
 }

@@ -42,6 +42,7 @@ mod rules;
 mod session;
 mod settings;
 mod step_clock;
+mod sync_batch_norm;
 mod user_collectives;
 mod zero_fill;
 
@@ -61,6 +62,7 @@ pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as, sync_buffers};
 pub use replicas::{BufferSync, InitialWeights, ReplicaError};
+pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormRecord};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]
