@@ -139,6 +139,36 @@ fn processes_training_a_resnet_end_with_alike_running_statistics() {
     }
 }
 
+/// The resnet with `SyncBatchNorm` (`--sync-bn`): two processes over TCP, each seeding its own
+/// model, normalize with the statistics of both ranks' batches and end as its two threads do,
+/// and not as the same run with Burn's `BatchNorm` (each rank's own statistics) ends.
+#[test]
+fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
+    const RESNET: [&str; 9] = [
+        "run", "--model", "resnet", "--blocks", "1", "--steps", "2", "--batch", "2",
+    ];
+    let outs = over_tcp_with(&RESNET, 2, |r| {
+        ["--seed", &(5 + r).to_string(), "--sync-bn"]
+            .map(String::from)
+            .to_vec()
+    });
+    let threads = |sync: &[&str]| {
+        let args = ["--world", "2", "--seed", "5"];
+        digest(&output_bounded(
+            Command::new(BIN).args(RESNET).args(args).args(sync),
+        ))
+    };
+    let expected = threads(&["--sync-bn"]);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(digest(o), expected, "rank {r}");
+    }
+    assert_ne!(
+        threads(&[]),
+        expected,
+        "--sync-bn trained as BatchNorm does"
+    );
+}
+
 /// A process whose model has an extra layer fails every process at `mark_distributed`,
 /// naming the parameter where the models part.
 #[test]

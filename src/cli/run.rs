@@ -86,6 +86,11 @@ pub(crate) struct RunArgs {
     /// mean. A model without buffers communicates nothing.
     #[arg(long, value_enum, default_value = "broadcast")]
     buffers: BuffersArg,
+    /// With `--model resnet`: its norms as `SyncBatchNorm`, whose training statistics are
+    /// those of every rank's batch (one all-reduce per norm in forward, one in backward),
+    /// instead of Burn's `BatchNorm`, whose statistics are each rank's.
+    #[arg(long)]
+    sync_bn: bool,
     /// Read every gradient into host memory as it arrives and pack there, even on a device
     /// backend (`CollectiveOptions::device_buckets` off), to compare with the device pack.
     #[arg(long)]
@@ -154,6 +159,9 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if a.width.is_some() && !matches!(a.model, RunModelArg::Mlp) {
         return Err("--width is an option of --model mlp".into());
     }
+    if a.sync_bn && !matches!(a.model, RunModelArg::Resnet) {
+        return Err("--sync-bn is an option of --model resnet".into());
+    }
     if a.width == Some(0) {
         return Err("--width must be at least 1".into());
     }
@@ -202,6 +210,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             BuffersArg::Broadcast => BufferSync::Broadcast,
             BuffersArg::Mean => BufferSync::Mean,
         },
+        sync_norm: a.sync_bn,
     };
     let tty = std::io::stderr().is_terminal();
     let steps = a.steps;

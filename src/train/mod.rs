@@ -105,6 +105,9 @@ pub struct RunOptions {
     /// How the ranks' buffers (BatchNorm's running statistics) are made alike before each
     /// step's forward pass ([`sync_buffers`]; a model without buffers communicates nothing).
     pub buffers: BufferSync,
+    /// `RunModel::ResNet`'s norms as [`SyncBatchNorm`](crate::backend::SyncBatchNorm)
+    /// (statistics over every rank's batch) instead of Burn's `BatchNorm`.
+    pub sync_norm: bool,
 }
 
 /// One step, as rank 0 saw it.
@@ -425,6 +428,10 @@ pub fn run(opts: &RunOptions, progress: &(dyn Fn(usize) + Sync)) -> Result<RunRe
         match opts.model {
             RunModel::Mlp { .. } => run_model::<I, Mlp<B<I>>>(opts, device, progress),
             RunModel::ConvNet => run_model::<I, ConvNet<B<I>>>(opts, device, progress),
+            RunModel::ResNet { .. } if opts.sync_norm => run_model::<
+                I,
+                ResNet<B<I>, crate::backend::SyncBatchNorm<B<I>>>,
+            >(opts, device, progress),
             RunModel::ResNet { .. } => run_model::<I, ResNet<B<I>>>(opts, device, progress),
             RunModel::Blocks { .. } => run_model::<I, Blocks<B<I>>>(opts, device, progress),
         }

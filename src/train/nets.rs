@@ -2,12 +2,15 @@
 //! trains the very same models on Burn's backends alone.
 
 use burn_backend::AutodiffBackend;
+use burn_backend::distributed::DistributedBackend;
 use burn_core::module::AutodiffModule;
 use burn_core::tensor::Tensor;
 use burn_nn::conv::{Conv2d, Conv2dConfig};
 use burn_nn::{
     BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, PaddingConfig2d,
 };
+
+use crate::backend::{SyncBatchNorm, SyncBatchNormConfig};
 
 /// Which model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,13 +128,40 @@ impl<Bk: AutodiffBackend> Net<Bk> for ConvNet<Bk> {
 /// Channels of [`RunModel::ResNet`].
 const RES_CHANNELS: usize = 8;
 
+/// The norm layer of [`RunModel::ResNet`]: Burn's `BatchNorm` (each rank's statistics), or
+/// [`SyncBatchNorm`] (every rank's, `run --sync-bn`).
+pub trait ChannelNorm<Bk: AutodiffBackend>: AutodiffModule<Bk> + Clone + Send + 'static {
+    /// A fresh norm of `channels` on `d`.
+    fn init(d: &Bk::Device, channels: usize) -> Self;
+    /// Normalizes `[batch, channels, height, width]`.
+    fn forward(&self, x: Tensor<Bk, 4>) -> Tensor<Bk, 4>;
+}
+
+impl<Bk: AutodiffBackend> ChannelNorm<Bk> for BatchNorm<Bk> {
+    fn init(d: &Bk::Device, channels: usize) -> Self {
+        BatchNormConfig::new(channels).init(d)
+    }
+    fn forward(&self, x: Tensor<Bk, 4>) -> Tensor<Bk, 4> {
+        BatchNorm::forward(self, x)
+    }
+}
+
+impl<Bk: AutodiffBackend + DistributedBackend> ChannelNorm<Bk> for SyncBatchNorm<Bk> {
+    fn init(d: &Bk::Device, channels: usize) -> Self {
+        SyncBatchNormConfig::new(channels).init(d)
+    }
+    fn forward(&self, x: Tensor<Bk, 4>) -> Tensor<Bk, 4> {
+        SyncBatchNorm::forward(self, x)
+    }
+}
+
 /// A residual block of [`RunModel::ResNet`]: conv, norm, conv, norm.
-pub type ResBlock<Bk> = (Conv2d<Bk>, BatchNorm<Bk>, Conv2d<Bk>, BatchNorm<Bk>);
+pub type ResBlock<Bk, N = BatchNorm<Bk>> = (Conv2d<Bk>, N, Conv2d<Bk>, N);
 
 /// [`RunModel::ResNet`]: the stem (conv, norm), the residual blocks, the head.
-pub type ResNet<Bk> = (Conv2d<Bk>, BatchNorm<Bk>, Vec<ResBlock<Bk>>, Linear<Bk>);
+pub type ResNet<Bk, N = BatchNorm<Bk>> = (Conv2d<Bk>, N, Vec<ResBlock<Bk, N>>, Linear<Bk>);
 
-impl<Bk: AutodiffBackend> Net<Bk> for ResNet<Bk> {
+impl<Bk: AutodiffBackend, N: ChannelNorm<Bk>> Net<Bk> for ResNet<Bk, N> {
     fn init(d: &Bk::Device, model: RunModel) -> Self {
         let blocks = match model {
             RunModel::ResNet { blocks } => blocks,
@@ -142,7 +172,7 @@ impl<Bk: AutodiffBackend> Net<Bk> for ResNet<Bk> {
                 .with_padding(PaddingConfig2d::Same)
                 .init(d)
         };
-        let norm = || BatchNormConfig::new(RES_CHANNELS).init(d);
+        let norm = || N::init(d, RES_CHANNELS);
         (
             conv(1),
             norm(),
