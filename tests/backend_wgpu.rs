@@ -123,6 +123,26 @@ fn an_mlp_on_two_unfused_wgpu_ranks_equals_one_rank_on_the_concatenated_batch() 
     equals_one_rank::<Unfused>();
 }
 
+/// A `SyncBatchNorm` on fused and unfused wgpu: its statistics' all-reduce (the user
+/// collective's device path) and the one its backward issues inside backward, with the
+/// gradient sync's buckets around them; the ranks train as one rank on the concatenated batch.
+#[test]
+fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
+    if !adapter() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect();
+    let options = || CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    };
+    common::sync_norm::assert_trains_as_one_rank::<Wgpu>(&devices, options(), 1e-4);
+    common::sync_norm::assert_trains_as_one_rank::<Unfused>(&devices, options(), 1e-4);
+}
+
 /// Set in the child process that runs the f16 test.
 const HALF_CHILD: &str = "CF_HALF_CHILD";
 

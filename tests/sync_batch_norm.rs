@@ -9,14 +9,10 @@ use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::module::{AutodiffModule, Param};
 use burn_core::tensor::{Tensor, TensorData};
 use burn_ndarray::{NdArray, NdArrayDevice};
-use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
-use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use burn_nn::{BatchNorm, BatchNormConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SyncBatchNorm, SyncBatchNormConfig,
-    mark_distributed,
 };
-use collective_fusion::train::{module_weights, synthetic_batch};
 
 mod common;
 
@@ -309,65 +305,14 @@ fn a_device_outside_the_given_group_is_refused() {
     let _ = norm.forward(Tensor::<B, 4>::from_data(values(0..1, 0.0), &device(5)));
 }
 
-/// A linear layer, a synchronized norm, a linear head.
-type Net = (Linear<B>, SyncBatchNorm<B>, Linear<B>);
-
-const WIDTH: usize = 6;
-
-fn net(d: &Dev) -> Net {
-    <B as burn_backend::Backend>::seed(d, 11);
-    let net: Net = (
-        LinearConfig::new(WIDTH, WIDTH).init(d),
-        SyncBatchNormConfig::new(WIDTH).init(d),
-        LinearConfig::new(WIDTH, 3).init(d),
-    );
-    let _ = module_weights::<B, Net>(&net);
-    net
-}
-
-fn train(mut net: Net, rows: (usize, usize), d: &Dev, distributed: bool) -> Vec<f32> {
-    let mut sgd = SgdConfig::new().init::<B, Net>();
-    for step in 0..4 {
-        if distributed {
-            net = mark_distributed::<B, Net>(net).expect("marking the model");
-        }
-        let (x, y) = synthetic_batch::<B>(step, rows, WIDTH, 3, d);
-        let h = net.1.forward(net.0.forward(x));
-        let out = net.2.forward(burn_core::tensor::activation::relu(h));
-        let loss = MseLoss::new().forward(out, y, Reduction::Mean);
-        let grads = GradientsParams::from_grads(loss.backward(), &net);
-        net = sgd.step(0.2, net, grads);
-    }
-    module_weights::<B, Net>(&net.valid_and_back())
-}
-
-/// The running statistics folded in (Burn keeps a thread's last update aside until its next
-/// forward pass), so that the weights compared include them.
-trait ValidAndBack {
-    fn valid_and_back(self) -> Self;
-}
-
-impl ValidAndBack for Net {
-    fn valid_and_back(self) -> Self {
-        drop(self.valid());
-        self
-    }
-}
-
 /// Two ranks of three rows each, with the gradient sync's mean, end where one rank on the six
 /// rows ends: weights and running statistics.
 #[test]
 fn ranks_with_a_synchronized_norm_train_as_one_rank_on_the_concatenated_batch() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let rows = 3;
-    let d = device(0);
-    let one = train(net(&d), (0, 2 * rows), &d, false);
-    let initial = module_weights::<B, Net>(&net(&d));
-    let devices = start(2);
-    let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &net(&d), |m, d, r| {
-        train(m, (r * rows, (r + 1) * rows), d, true)
-    });
-    Inner::close_communication_server(&devices[0]);
-    assert_eq!(ranks[0], ranks[1], "the ranks diverged");
-    common::ranks::assert_ends_as_one_rank(&ranks[0], &one, &initial, 1e-4, 1e-3);
+    let options = CollectiveOptions {
+        timeout: Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    };
+    common::sync_norm::assert_trains_as_one_rank::<NdArray>(&devices(2), options, 1e-4);
 }

@@ -6,6 +6,7 @@ pub mod kernels;
 pub mod kill;
 pub mod persistent;
 pub mod ranks;
+pub mod sync_norm;
 pub mod threads;
 
 use collective_fusion::config::{BucketConfig, BucketPolicy, CompileConfig};
