@@ -7,7 +7,7 @@ use std::time::Duration;
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::module::{AutodiffModule, Param};
-use burn_core::tensor::{Tensor, TensorData};
+use burn_core::tensor::{DType, Tensor, TensorData, set_default_dtypes};
 use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::{BatchNorm, BatchNormConfig};
 use collective_fusion::backend::{
@@ -315,4 +315,79 @@ fn ranks_with_a_synchronized_norm_train_as_one_rank_on_the_concatenated_batch() 
         ..CollectiveOptions::default()
     };
     common::sync_norm::assert_trains_as_one_rank::<NdArray>(&devices(2), options, 1e-4);
+}
+
+/// Flex ranks whose devices' default float type is f16.
+type HalfInner = Collective<burn_flex::Flex>;
+type Half = Autodiff<HalfInner>;
+
+/// Half precision: f16 ranks whose rows have a mean of 200 and a spread of 30, 2193 rows a rank
+/// (an f16 count is exact only up to 2048; a sum of squared deviations, 2 million, is past
+/// f16's largest value) normalize as one f32 `BatchNorm` over both ranks' rows does, within
+/// f16's rounding, with finite gradients.
+#[test]
+fn half_precision_ranks_combine_their_statistics_in_f32() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const HW: [usize; 2] = [43, 51];
+    let rows = |rank: usize| {
+        let n = HW[0] * HW[1];
+        let v: Vec<f32> = (rank * 2 * n..(rank + 1) * 2 * n)
+            .map(|i| 200.0 + 30.0 * (i as f32 * 0.731).sin())
+            .collect();
+        TensorData::new(v, [1, 2, HW[0], HW[1]])
+    };
+    let d = device(0);
+    let one = {
+        let both = Tensor::cat(
+            vec![
+                Tensor::<B, 4>::from_data(rows(0), &d),
+                Tensor::from_data(rows(1), &d),
+            ],
+            0,
+        );
+        floats(BatchNormConfig::new(2).init::<B>(&d).forward(both).inner())
+    };
+    let devices: Vec<CollectiveDevice<burn_flex::FlexDevice>> = (0..2)
+        .map(|r| CollectiveDevice::new(burn_flex::FlexDevice, r))
+        .collect();
+    for d in &devices {
+        set_default_dtypes::<Half>(d, DType::F16, DType::I32).expect("f16 as the default");
+    }
+    let options = CollectiveOptions {
+        timeout: Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    };
+    common::ranks::start_server::<burn_flex::Flex>(&devices, options, ReduceOperation::Mean);
+    let ranks: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let d = devices[r];
+                s.spawn(move || {
+                    let norm = SyncBatchNormConfig::new(2).init::<Half>(&d);
+                    let x = Tensor::<Half, 4>::from_data(rows(r), &d).require_grad();
+                    assert_eq!(x.dtype(), DType::F16);
+                    let out = norm.forward(x.clone());
+                    let grads = out.clone().sum().backward();
+                    let grad = x.grad(&grads).expect("the input's gradient");
+                    let f = |t: Tensor<HalfInner, 4>| -> Vec<f32> {
+                        t.into_data().convert::<f32>().to_vec().unwrap()
+                    };
+                    (f(out.inner()), f(grad))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    HalfInner::close_communication_server(&devices[0]);
+    let per_rank = one.len() / 2;
+    for (r, (out, grad)) in ranks.iter().enumerate() {
+        let want = &one[r * per_rank..(r + 1) * per_rank];
+        for (i, (a, b)) in out.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-2,
+                "rank {r}'s output[{i}]: {a} against {b}"
+            );
+        }
+        assert!(grad.iter().all(|g| g.is_finite()), "rank {r}'s gradient");
+    }
 }

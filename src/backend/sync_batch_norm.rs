@@ -6,17 +6,17 @@
 //! is Burn's `BatchNorm` (the same fields, the same record, the same biased variance in the
 //! running statistics) whose training-mode statistics are computed over the rows of every rank.
 //!
-//! Each rank reduces its own rows to a per-channel mean, a sum of squared deviations from it
-//! (computed around its own mean, as Burn's two-pass batch norm does) and a row count, and puts
-//! them in its own row of a `[world, 2 × channels + 1]` tensor of zeros. One sum all-reduce of
-//! that tensor gives every rank every rank's three statistics, bit for bit (adding zeros is
-//! exact), which each rank combines the same way, in rank order (Chan et al.'s pairwise update:
-//! the global sum of squares is the ranks' sums plus each rank's count times its mean's squared
-//! distance from the global mean, a sum of non-negative terms that cancels nothing). Ranks may
-//! have different batch sizes. The all-reduce is differentiable (its backward all-reduces the
-//! gradient of the statistics), so each rank's input gradient is that of the sum of every rank's
-//! loss, and with the gradient sync's mean the parameters train as one rank on the concatenated
-//! batch.
+//! Each rank reduces its own rows to a per-channel mean, variance (Burn's two passes) and row
+//! count, and puts them, in f32 whatever the input's float type, in its own row of a `[world, 2 ×
+//! channels + 1]` tensor of zeros. One sum all-reduce of that tensor gives every rank every rank's
+//! three statistics, bit for bit (adding zeros is exact), which each rank combines the same way,
+//! in rank order (Chan et al.'s pairwise update: the rows of a rank spread around the global mean
+//! by their own variance plus the square of their mean's distance from it, non-negative terms
+//! that cancel nothing, where a one-pass sum of squares loses a channel whose mean is large against
+//! its spread). Ranks may have different batch sizes. The all-reduce is differentiable (its
+//! backward all-reduces the gradient of the statistics), so each rank's input gradient is that of
+//! the sum of every rank's loss, and with the gradient sync's mean the parameters train as one
+//! rank on the concatenated batch.
 //!
 //! The group is the input device's: for a `Collective` device, every rank of the communication
 //! server running for it (found through [`register_group`], which the server's start calls),
@@ -41,6 +41,7 @@ use burn_core::module::{Initializer, Module, Param, RunningState};
 use burn_core::tensor::backend::Backend;
 use burn_core::tensor::{Tensor, s};
 use burn_nn::BatchNorm;
+use burn_std::DType;
 
 use super::CollectiveDevice;
 use super::session::running;
@@ -223,7 +224,8 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
 }
 
 /// The mean and biased variance per channel of every rank's rows, from this rank's `flat`
-/// (`[channels, rows]`), with one sum all-reduce over `group`.
+/// (`[channels, rows]`), with one sum all-reduce over `group`. The statistics cross and are
+/// combined in f32 whatever the input's float type (an f16 row count is exact only up to 2048).
 fn global_stats<B: DistributedBackend>(
     flat: Tensor<B, 2>,
     rows: usize,
@@ -231,46 +233,46 @@ fn global_stats<B: DistributedBackend>(
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let [channels, _] = flat.dims();
     let device = flat.device();
+    let float = flat.dtype();
     let width = 2 * channels + 1;
     let world = group.ids.len();
-    let (mean, squares) = if rows == 0 {
+    let (mean, var) = if rows == 0 {
         // No rows here: nothing to add to the group's statistics (a mean of none is NaN). The
         // zeros still derive from the input, so that this rank's all-reduce is differentiated
         // (its backward is a collective too) whenever the other ranks' are.
         let zeros = flat.sum_dim(1);
         (zeros.clone(), zeros)
     } else {
+        // Burn's `BatchNorm`'s two passes over the rank's rows.
         let mean = flat.clone().mean_dim(1);
-        (mean.clone(), (flat - mean).square().sum_dim(1))
+        (mean.clone(), (flat - mean).square().mean_dim(1))
     };
-    let count = Tensor::full([1, 1], rows as f64, &device);
-    let own = Tensor::cat(
-        vec![
-            mean.reshape([1, channels]),
-            squares.reshape([1, channels]),
-            count,
-        ],
-        1,
-    );
+    let f32 = |t: Tensor<B, 2>| t.reshape([1, channels]).cast(DType::F32);
+    let count = Tensor::full([1, 1], rows as f64, (&device, DType::F32));
+    let own = Tensor::cat(vec![f32(mean), f32(var), count], 1);
     // This rank's statistics in its own row; the others' rows are zeros, so the sum is every
     // rank's row as that rank computed it.
     let mut rows_of = Vec::with_capacity(3);
+    let zeros = |n: usize| Tensor::zeros([n, width], (&device, DType::F32));
     if group.rank > 0 {
-        rows_of.push(Tensor::zeros([group.rank, width], &device));
+        rows_of.push(zeros(group.rank));
     }
     rows_of.push(own);
     if group.rank + 1 < world {
-        rows_of.push(Tensor::zeros([world - group.rank - 1, width], &device));
+        rows_of.push(zeros(world - group.rank - 1));
     }
     let all = reduce_sum(Tensor::cat(rows_of, 0), group);
     let means = all.clone().slice(s![.., 0..channels]);
-    let squares = all.clone().slice(s![.., channels..2 * channels]);
+    let vars = all.clone().slice(s![.., channels..2 * channels]);
     let counts = all.slice(s![.., 2 * channels..width]);
     let total = counts.clone().sum_dim(0);
     let mean = (means.clone() * counts.clone()).sum_dim(0) / total.clone();
-    let spread = (means - mean.clone()).square() * counts;
-    let var = (squares.sum_dim(0) + spread.sum_dim(0)) / total;
-    (mean.reshape([channels]), var.reshape([channels]))
+    // Each rank's rows spread around the global mean: their own variance plus the square of
+    // their mean's distance from it.
+    let spread = (vars + (means - mean.clone()).square()) * counts;
+    let var = spread.sum_dim(0) / total;
+    let back = |t: Tensor<B, 2>| t.reshape([channels]).cast(float);
+    (back(mean), back(var))
 }
 
 /// The sum all-reduce of `t` over `group`: left lazy on a `Collective` device (its first use
