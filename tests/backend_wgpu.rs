@@ -9,14 +9,15 @@ mod common;
 
 use burn_autodiff::Autodiff;
 use burn_backend::distributed::{DistributedBackend, DistributedConfig, ReduceOperation};
+use burn_core::module::RunningState;
 use burn_core::tensor::{DType, Element, Tensor};
 use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{Linear, LinearConfig};
+use burn_nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use burn_wgpu::{CubeBackend, Wgpu, WgpuDevice, WgpuRuntime};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed,
-    recorded_step_graph, sync_stats,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed,
+    recorded_step_graph, sync_buffers, sync_stats,
 };
 use collective_fusion::graph::Graph;
 use collective_fusion::train::{module_weights, synthetic_batch};
@@ -141,6 +142,75 @@ fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
     };
     common::sync_norm::assert_trains_as_one_rank::<Wgpu>(&devices, options(), 1e-4);
     common::sync_norm::assert_trains_as_one_rank::<Unfused>(&devices, options(), 1e-4);
+}
+
+/// `sync_buffers` on fused wgpu ranks: each rank's BatchNorm statistics become rank 0's, bit
+/// for bit (`Broadcast`), then the ranks' mean, the same bits on both (`Mean`), packed and
+/// reduced as device buckets (nothing read to the host for them).
+#[test]
+fn buffers_are_made_alike_in_device_memory_on_fused_wgpu() {
+    if !adapter() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices: Vec<Dev> = (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<Wgpu>();
+    let ctx = collective_fusion::backend::DistributedContext::<Collective<Wgpu>>::start(
+        &devices,
+        ReduceOperation::Mean,
+    );
+    let stats =
+        |r: usize| -> Vec<f32> { (0..5).map(|i| 0.37 * i as f32 + 1.1 * r as f32).collect() };
+    let before = sync_stats::<Wgpu>(0).device_buckets;
+    let out: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = devices
+            .iter()
+            .map(|d| {
+                s.spawn(move || {
+                    let r = d.rank as usize;
+                    let mut bn = BatchNormConfig::new(5).init::<A<Wgpu>>(d);
+                    bn.running_mean = RunningState::new(Tensor::from_floats(&stats(r)[..], d));
+                    let bits = |bn: &BatchNorm<A<Wgpu>>| -> Vec<u32> {
+                        let v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
+                        v.iter().map(|x| x.to_bits()).collect()
+                    };
+                    let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Broadcast).unwrap();
+                    let broadcast = bits(&bn);
+                    bn.running_mean
+                        .update(Tensor::from_floats(&stats(r + 2)[..], d));
+                    let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Mean).unwrap();
+                    (broadcast, bits(&bn))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let after = sync_stats::<Wgpu>(0);
+    let packed = after.device_buckets - before;
+    drop(ctx);
+    let rank0: Vec<u32> = stats(0).iter().map(|x| x.to_bits()).collect();
+    for (r, (broadcast, mean)) in out.iter().enumerate() {
+        assert_eq!(broadcast, &rank0, "rank {r} after Broadcast");
+        assert_eq!(mean, &out[0].1, "rank {r} after Mean: the same bits");
+    }
+    let mean: Vec<f32> = out[0].1.iter().map(|b| f32::from_bits(*b)).collect();
+    for (i, m) in mean.iter().enumerate() {
+        let want = (stats(2)[i] + stats(3)[i]) / 2.0;
+        assert!(
+            (m - want).abs() <= 1e-6 * want.abs(),
+            "mean[{i}]: {m} against {want}"
+        );
+    }
+    assert!(
+        packed >= 2,
+        "one device bucket per call at least: {after:?}"
+    );
 }
 
 /// Set in the child process that runs the f16 test.

@@ -35,26 +35,31 @@
 //! `sync_buffers` makes a module's floats that take no gradient (its buffers: BatchNorm's
 //! running statistics) alike, each time it is called: the ranks compare their buffer lists as a
 //! marking compares parameter lists, then every rank takes rank 0's values
-//! ([`BufferSync::Broadcast`], as the same bucketed sum) or the mean of every rank's
-//! ([`BufferSync::Mean`], one mean all-reduce per bucket, the same bits on every rank).
-//! Requires what a marking requires. Guarantees: afterwards every rank's buffers are bit for bit
-//! alike; trained parameters are left as they are.
+//! ([`BufferSync::Broadcast`], a sum to which the other ranks contribute negative zeros) or the
+//! mean of every rank's ([`BufferSync::Mean`], the same bits on every rank), through the rank's
+//! own lazy all-reduces: bucketed like gradients and, on a device backend, packed and reduced in
+//! device memory, so the values never cross to the host. Requires what a marking requires.
+//! Guarantees: afterwards every rank's buffers are bit for bit alike; trained parameters are left
+//! as they are.
 
 use std::any::Any;
 use std::collections::HashSet;
 use std::hash::Hasher;
 use std::ops::Range;
+use std::sync::Arc;
 
-use burn_backend::{Backend, TensorMetadata};
+use burn_backend::distributed::ReduceOperation;
+use burn_backend::ops::FloatTensorOps;
+use burn_backend::{Backend, DeviceOps, TensorMetadata};
 
-use super::CTensor;
 use super::distributed::graph_dtype;
 use super::host_io::{from_host, read_host};
 use super::params::Marked;
-use super::session::running;
+use super::session::{Session, running};
+use super::{CTensor, Collective, CollectiveDevice};
 use crate::graph::{Fnv64, ReduceOp, TensorType};
 use crate::runtime::HostBuffer;
-use crate::runtime::agree::{BUFFER_SYNC, WEIGHT_BROADCAST, all_gather_bytes};
+use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes};
 use crate::runtime::comm::{CollectiveDesc, CommError, Communicator, wait_bound};
 
 /// What marking a model does about the ranks' parameter values.
@@ -251,17 +256,15 @@ pub(super) fn replicate<I: Backend>(
             Some(t) => t.device(|p| I::float_device(p)),
             None => return Ok(entries.iter().map(|_| None).collect()),
         };
-        let exchange = |combine, first_id| {
-            let ids = (first_id, call);
-            exchange::<I>(comm, &entries, &device, cap, timeout, ids, combine)
-        };
         match what {
             Replicate::Marking => match session.options.initial_weights {
-                InitialWeights::Broadcast => exchange(BufferSync::Broadcast, WEIGHT_BROADCAST),
+                InitialWeights::Broadcast => {
+                    broadcast::<I>(comm, &entries, &device, cap, timeout, call)
+                }
                 InitialWeights::Verify => verify::<I>(comm, &entries, timeout, call)
                     .map(|()| entries.iter().map(|_| None).collect()),
             },
-            Replicate::Buffers(how) => exchange(how, BUFFER_SYNC),
+            Replicate::Buffers(how) => Ok(reduce_buffers(&session, rank, &entries, &device, how)),
         }
     })()
     .map(|mut values| {
@@ -432,25 +435,18 @@ fn buckets<P>(entries: &[Entry<'_, P>], cap: u64) -> Vec<Range<usize>> {
     out
 }
 
-/// The ranks' values of `entries` made alike, as `how` says: one all-reduce per bucket, launch
-/// indices from `first_id`; what this rank takes is made on `device`.
-/// [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its values and the others
-/// negative zeros, which every rank but rank 0 takes. [`BufferSync::Mean`]: a mean of every
-/// rank's values, which every rank takes (the same bits everywhere).
-fn exchange<I: Backend>(
+/// Rank 0's values of `entries` on every rank: one sum all-reduce per bucket (launch indices
+/// from [`WEIGHT_BROADCAST`]) to which rank 0 contributes its values and the others negative
+/// zeros, which leaves rank 0's bits; what the other ranks take is made on `device`.
+fn broadcast<I: Backend>(
     comm: &dyn Communicator,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],
     device: &I::Device,
     cap: u64,
     timeout: std::time::Duration,
-    (first_id, call): (u32, &'static str),
-    how: BufferSync,
+    call: &'static str,
 ) -> Result<Vec<Option<Box<dyn Any>>>, ReplicaError> {
     let rank = comm.rank();
-    let (op, contributes, takes) = match how {
-        BufferSync::Broadcast => (ReduceOp::Sum, rank == 0, rank != 0),
-        BufferSync::Mean => (ReduceOp::Mean, true, true),
-    };
     let unsupported = |e: &Entry<'_, _>, ty: String| ReplicaError::Unsupported {
         rank,
         call,
@@ -461,7 +457,7 @@ fn exchange<I: Backend>(
         let members = &entries[range.clone()];
         let dtype = members[0].ty.dtype;
         let count: u64 = members.iter().map(|e| e.ty.numel()).sum();
-        let buffer = if contributes {
+        let buffer = if rank == 0 {
             let mut bytes = Vec::new();
             for e in members {
                 bytes.extend_from_slice(read::<I>(rank, e, call)?.as_bytes());
@@ -472,9 +468,9 @@ fn exchange<I: Backend>(
         };
         let buffer = buffer.ok_or_else(|| unsupported(&members[0], dtype.to_string()))?;
         let what = CollectiveDesc {
-            collective: first_id + k as u32,
+            collective: WEIGHT_BROADCAST + k as u32,
             bucket: Some(k as u32),
-            op,
+            op: ReduceOp::Sum,
             dtype,
             count,
             params: members.iter().map(|e| e.name.to_string()).collect(),
@@ -484,7 +480,7 @@ fn exchange<I: Backend>(
     let mut out: Vec<Option<Box<dyn Any>>> = entries.iter().map(|_| None).collect();
     for (range, p) in pending {
         let (reduced, _) = p.wait(wait_bound(timeout))?;
-        if !takes {
+        if rank == 0 {
             continue;
         }
         let bytes = reduced.as_bytes();
@@ -500,6 +496,61 @@ fn exchange<I: Backend>(
         }
     }
     Ok(out)
+}
+
+/// The buffer sync's values: an all-reduce of each buffer among the rank's own
+/// (`user_collectives`), lazy and coalesced into buckets by the same passes as gradients, packed
+/// and reduced where the gradients are (on a GPU, in device memory: nothing is read to the host
+/// and nothing waits for the device here), launched before returning. [`BufferSync::Broadcast`]: a sum to which rank 0
+/// contributes its values and the others negative zeros, which leaves rank 0's bits;
+/// [`BufferSync::Mean`]: every rank's values, averaged (the same bits on every rank). Every
+/// rank takes the result, on its own device (a statistic Burn's `fork` shares may be on
+/// another's).
+fn reduce_buffers<I: Backend>(
+    session: &Arc<Session<I>>,
+    rank: usize,
+    entries: &[Entry<'_, I::FloatTensorPrimitive>],
+    device: &I::Device,
+    how: BufferSync,
+) -> Vec<Option<Box<dyn Any>>> {
+    let on_rank = CollectiveDevice::new(device.clone(), rank as u32);
+    // The group is every rank of the server (one id per rank; only their number is read).
+    let ids = vec![on_rank.id(); session.world];
+    let (op, contributes) = match how {
+        BufferSync::Broadcast => (ReduceOperation::Sum, rank == 0),
+        BufferSync::Mean => (ReduceOperation::Mean, true),
+    };
+    // Every input first: an all-reduce's result is a recorded node that waits for it (and
+    // launches the rank's queue), and a later input recorded after it would run it, launching
+    // the all-reduces one at a time instead of as one bucketed plan.
+    let inputs: Vec<_> = entries
+        .iter()
+        .map(|e| {
+            let own = Collective::<I>::float_to_device(e.tensor.clone(), &on_rank);
+            if contributes {
+                own
+            } else {
+                let dtype = own.dtype().into();
+                let zeros = Collective::<I>::float_zeros(own.shape(), &on_rank, dtype);
+                Collective::<I>::float_neg(zeros)
+            }
+        })
+        .collect();
+    let values = inputs
+        .into_iter()
+        .map(|input| {
+            let reduced =
+                super::user_collectives::all_reduce(session.clone(), input, op, ids.clone());
+            // SAFETY: a `Collective` tensor that results from an all-reduce waits for it when it
+            // is first needed.
+            Some(Box::new(unsafe { reduced.assume_resolved() }) as Box<dyn Any>)
+        })
+        .collect();
+    // Launched now, not when a value is first needed: the values of a statistic Burn's `fork`
+    // shares between ranks are put in its one place by each rank in turn, and a rank whose
+    // value was replaced would never need it, and never launch what the others wait for.
+    session.flush_user(rank, None);
+    values
 }
 
 /// Checks that every rank's values are rank 0's: a hash of each parameter's bits, gathered.

@@ -56,10 +56,6 @@ pub fn is_agreement(d: &CollectiveDesc) -> bool {
 /// model is marked for data-parallel training (far from any plan's and from the agreement's).
 pub const WEIGHT_BROADCAST: u32 = u32::MAX - 2_000_000;
 
-/// Launch indices of the bucket all-reduces that make a module's buffers (running statistics)
-/// alike at `sync_buffers`: the upper half of [`WEIGHT_BROADCAST`]'s range.
-pub const BUFFER_SYNC: u32 = WEIGHT_BROADCAST + 500_000;
-
 /// Whether `d` is one of the initial-weight broadcast's all-reduces.
 pub fn is_weight_broadcast(d: &CollectiveDesc) -> bool {
     d.purpose() == Purpose::WeightBroadcast

@@ -40,9 +40,6 @@ pub enum Purpose {
     LinkProbe,
     /// Rank 0's initial weights ([`super::agree::WEIGHT_BROADCAST`]).
     WeightBroadcast,
-    /// A module's buffers (running statistics) made alike at `sync_buffers`
-    /// ([`super::agree::BUFFER_SYNC`]).
-    BufferSync,
     /// The plan agreement and the other small exchanges of [`super::agree`].
     Agreement,
     /// A user's `all_reduce` launched on its own ([`Purpose::user_launch`]).
@@ -52,11 +49,10 @@ pub enum Purpose {
 impl Purpose {
     /// The purpose of launch index `collective`.
     pub fn of(collective: u32) -> Purpose {
-        use super::agree::{AGREEMENT_IDS, BUFFER_SYNC, WEIGHT_BROADCAST};
+        use super::agree::{AGREEMENT_IDS, WEIGHT_BROADCAST};
         match collective {
             c if c > *AGREEMENT_IDS.end() => Purpose::User,
             c if AGREEMENT_IDS.contains(&c) => Purpose::Agreement,
-            c if c >= BUFFER_SYNC => Purpose::BufferSync,
             c if c >= WEIGHT_BROADCAST => Purpose::WeightBroadcast,
             c if c >= super::probe::LINK_PROBE => Purpose::LinkProbe,
             _ => Purpose::Plan,
@@ -95,18 +91,6 @@ impl fmt::Display for CollectiveDesc {
                     f,
                     "the initial-weight broadcast, bucket {} ({}×{}, {} params from {})",
                     self.bucket.unwrap_or(0),
-                    self.dtype,
-                    self.count,
-                    self.params.len(),
-                    self.params.first().map_or("nothing", String::as_str)
-                );
-            }
-            Purpose::BufferSync => {
-                return write!(
-                    f,
-                    "the buffer sync, bucket {} ({} {}×{}, {} buffers from {})",
-                    self.bucket.unwrap_or(0),
-                    self.op.name(),
                     self.dtype,
                     self.count,
                     self.params.len(),
@@ -626,14 +610,6 @@ mod purpose_tests {
         );
         assert_eq!(
             desc(super::super::agree::WEIGHT_BROADCAST + 7).purpose(),
-            Purpose::WeightBroadcast
-        );
-        assert_eq!(
-            desc(super::super::agree::BUFFER_SYNC + 7).purpose(),
-            Purpose::BufferSync
-        );
-        assert_eq!(
-            desc(super::super::agree::BUFFER_SYNC - 1).purpose(),
             Purpose::WeightBroadcast
         );
         let agreement = super::super::agree::AGREEMENT_IDS;
