@@ -168,28 +168,19 @@ fn buffers_are_made_alike_in_device_memory_on_fused_wgpu() {
     let stats =
         |r: usize| -> Vec<f32> { (0..5).map(|i| 0.37 * i as f32 + 1.1 * r as f32).collect() };
     let before = sync_stats::<Wgpu>(0).device_buckets;
-    let out: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = devices
-            .iter()
-            .map(|d| {
-                s.spawn(move || {
-                    let r = d.rank as usize;
-                    let mut bn = BatchNormConfig::new(5).init::<A<Wgpu>>(d);
-                    bn.running_mean = RunningState::new(Tensor::from_floats(&stats(r)[..], d));
-                    let bits = |bn: &BatchNorm<A<Wgpu>>| -> Vec<u32> {
-                        let v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
-                        v.iter().map(|x| x.to_bits()).collect()
-                    };
-                    let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Broadcast).unwrap();
-                    let broadcast = bits(&bn);
-                    bn.running_mean
-                        .update(Tensor::from_floats(&stats(r + 2)[..], d));
-                    let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Mean).unwrap();
-                    (broadcast, bits(&bn))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out = common::ranks::on_threads(devices.iter().collect(), |r, d| {
+        let mut bn = BatchNormConfig::new(5).init::<A<Wgpu>>(d);
+        bn.running_mean = RunningState::new(Tensor::from_floats(&stats(r)[..], d));
+        let bits = |bn: &BatchNorm<A<Wgpu>>| -> Vec<u32> {
+            let v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Broadcast).unwrap();
+        let broadcast = bits(&bn);
+        bn.running_mean
+            .update(Tensor::from_floats(&stats(r + 2)[..], d));
+        let bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Mean).unwrap();
+        (broadcast, bits(&bn))
     });
     let after = sync_stats::<Wgpu>(0);
     let packed = after.device_buckets - before;

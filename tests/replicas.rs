@@ -21,6 +21,8 @@ use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::{HostBuffer, InProcessGroup};
 use collective_fusion::train::{module_weights, synthetic_batch};
 
+mod common;
+
 type Inner = Collective<NdArray>;
 type B = Autodiff<Inner>;
 type Dev = CollectiveDevice<NdArrayDevice>;
@@ -98,25 +100,12 @@ fn step(m: Mlp, rank: usize) -> Mlp {
     SgdConfig::new().init::<B, Mlp>().step(0.1, m, grads)
 }
 
-/// `f(r, inputs[r])` for each rank `r`, each on a thread of its own, results in rank order.
-fn on_threads<In: Send, T: Send>(inputs: Vec<In>, f: impl Fn(usize, In) -> T + Sync) -> Vec<T> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = inputs
-            .into_iter()
-            .enumerate()
-            .map(|(r, x)| s.spawn(move || f(r, x)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 /// Marks each rank's model on a thread of its own, then runs `then` there.
 fn on_every_rank<T: Send>(
     models: Vec<Mlp>,
     then: impl Fn(usize, Mlp) -> T + Sync,
 ) -> Vec<Result<T, ReplicaError>> {
-    on_threads(models, |r, m| {
+    common::ranks::on_threads(models, |r, m| {
         mark_distributed::<B, Mlp>(m).map(|m| then(r, m))
     })
 }
@@ -281,7 +270,7 @@ fn a_sum_with_negative_zeros_is_a_bit_exact_broadcast() {
         f32::NAN,
     ];
     let comms = InProcessGroup::ranks(3, Duration::from_secs(5));
-    let out: Vec<HostBuffer> = on_threads(comms.iter().collect(), |_, c| {
+    let out: Vec<HostBuffer> = common::ranks::on_threads(comms.iter().collect(), |_, c| {
         let buf = if c.rank() == 0 {
             HostBuffer::F32(special.to_vec())
         } else {
@@ -355,7 +344,7 @@ fn running_statistics_start_as_rank_zero_statistics() {
         InitialWeights::Broadcast,
         Duration::from_secs(20),
     );
-    let marked: Vec<Vec<u32>> = on_threads(norms, |_, m| {
+    let marked: Vec<Vec<u32>> = common::ranks::on_threads(norms, |_, m| {
         stats(&mark_distributed::<B, BatchNorm<B>>(m).unwrap())
     });
     Inner::close_communication_server(&devices[0]);
@@ -575,7 +564,7 @@ fn train_norms(
             }
         })
         .collect();
-    let out = on_threads(norms, |r, bn| {
+    let out = common::ranks::on_threads(norms, |r, bn| {
         let d = device(r as u32);
         let mut bn = mark_distributed::<B, BatchNorm<B>>(bn)
             .unwrap_or_else(|e| panic!("rank {r}: marking: {e}"));
@@ -709,10 +698,11 @@ fn ranks_whose_buffers_differ_fail_naming_the_buffer() {
     use burn_nn::{BatchNorm, BatchNormConfig};
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
-    let out: Vec<Result<BatchNorm<B>, ReplicaError>> = on_threads(vec![(); 2], |r, ()| {
-        let bn = BatchNormConfig::new(3 + r).init::<B>(&device(r as u32));
-        sync_buffers::<B, _>(bn, BufferSync::Broadcast)
-    });
+    let out: Vec<Result<BatchNorm<B>, ReplicaError>> =
+        common::ranks::on_threads(vec![(); 2], |r, ()| {
+            let bn = BatchNormConfig::new(3 + r).init::<B>(&device(r as u32));
+            sync_buffers::<B, _>(bn, BufferSync::Broadcast)
+        });
     Inner::close_communication_server(&devices[0]);
     for (r, o) in out.into_iter().enumerate() {
         match o {
@@ -776,12 +766,13 @@ fn shared_buffers_alone_sync_on_the_rank_the_thread_works_for() {
             )
         })
         .collect();
-    let out: Vec<Result<Vec<f32>, ReplicaError>> = on_threads(inputs, |_, (mine, model)| {
-        // The thread works for its rank from its marking on.
-        let _ = mark_distributed::<B, Mlp>(model)?;
-        let mine = sync_buffers::<B, _>(mine, BufferSync::Broadcast)?;
-        Ok(mine.value().into_data().to_vec::<f32>().unwrap())
-    });
+    let out: Vec<Result<Vec<f32>, ReplicaError>> =
+        common::ranks::on_threads(inputs, |_, (mine, model)| {
+            // The thread works for its rank from its marking on.
+            let _ = mark_distributed::<B, Mlp>(model)?;
+            let mine = sync_buffers::<B, _>(mine, BufferSync::Broadcast)?;
+            Ok(mine.value().into_data().to_vec::<f32>().unwrap())
+        });
     Inner::close_communication_server(&devices[0]);
     for (r, o) in out.into_iter().enumerate() {
         let v = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));

@@ -144,31 +144,22 @@ fn one_batch_norm(total: usize) -> Pass {
 fn synchronized(rows: &[usize], given_group: bool) -> Vec<Pass> {
     let world = rows.len();
     let devices = start(world);
-    let passes = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|r| {
-                let devices = &devices;
-                s.spawn(move || {
-                    let d = &devices[r];
-                    let mut norm = SyncBatchNorm::from_batch_norm(norm_params(d));
-                    if given_group {
-                        norm = norm.with_group(devices);
-                    }
-                    let from: usize = rows[..r].iter().sum();
-                    pass(
-                        |x| norm.forward(x),
-                        (&norm.gamma, &norm.beta),
-                        || {
-                            let mean = norm.running_mean.value_sync();
-                            running_of(mean, norm.running_var.value_sync())
-                        },
-                        from..from + rows[r],
-                        d,
-                    )
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let passes = common::ranks::on_threads(devices.iter().collect(), |r, d| {
+        let mut norm = SyncBatchNorm::from_batch_norm(norm_params(d));
+        if given_group {
+            norm = norm.with_group(&devices);
+        }
+        let from: usize = rows[..r].iter().sum();
+        pass(
+            |x| norm.forward(x),
+            (&norm.gamma, &norm.beta),
+            || {
+                let mean = norm.running_mean.value_sync();
+                running_of(mean, norm.running_var.value_sync())
+            },
+            from..from + rows[r],
+            d,
+        )
     });
     Inner::close_communication_server(&devices[0]);
     passes
@@ -358,25 +349,17 @@ fn half_precision_ranks_combine_their_statistics_in_f32() {
         ..CollectiveOptions::default()
     };
     common::ranks::start_server::<burn_flex::Flex>(&devices, options, ReduceOperation::Mean);
-    let ranks: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let d = devices[r];
-                s.spawn(move || {
-                    let norm = SyncBatchNormConfig::new(2).init::<Half>(&d);
-                    let x = Tensor::<Half, 4>::from_data(rows(r), &d).require_grad();
-                    assert_eq!(x.dtype(), DType::F16);
-                    let out = norm.forward(x.clone());
-                    let grads = out.clone().sum().backward();
-                    let grad = x.grad(&grads).expect("the input's gradient");
-                    let f = |t: Tensor<HalfInner, 4>| -> Vec<f32> {
-                        t.into_data().convert::<f32>().to_vec().unwrap()
-                    };
-                    (f(out.inner()), f(grad))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let ranks = common::ranks::on_threads(devices.clone(), |r, d| {
+        let norm = SyncBatchNormConfig::new(2).init::<Half>(&d);
+        let x = Tensor::<Half, 4>::from_data(rows(r), &d).require_grad();
+        assert_eq!(x.dtype(), DType::F16);
+        let out = norm.forward(x.clone());
+        let grads = out.clone().sum().backward();
+        let grad = x.grad(&grads).expect("the input's gradient");
+        let f = |t: Tensor<HalfInner, 4>| -> Vec<f32> {
+            t.into_data().convert::<f32>().to_vec().unwrap()
+        };
+        (f(out.inner()), f(grad))
     });
     HalfInner::close_communication_server(&devices[0]);
     let per_rank = one.len() / 2;

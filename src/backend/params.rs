@@ -153,11 +153,13 @@ where
 /// device of the copy forked last), so the ranks of one process that fork one model hold one set
 /// of statistics. Without a communication server, with one rank, or for a module without
 /// buffers, the module comes back as it was and nothing is communicated (a training loop may
-/// call it whatever the model).
+/// call it whatever the model). The values cross as the rank's own all-reduces (see
+/// [`all_reduce`](super::all_reduce)), launched before it returns and waited for where a value
+/// is first needed: on a device backend they never leave the device.
 ///
 /// # Errors
 /// [`ReplicaError::ModelsDiffer`] when the ranks' buffer lists differ (names, dtypes, shapes),
-/// [`ReplicaError::BufferComm`] when the exchange fails (a rank that does not call it within the
+/// [`ReplicaError::BufferComm`] when their check fails (a rank that does not call it within the
 /// timeout); every rank gets the error.
 pub fn sync_buffers<B, M>(module: M, how: BufferSync) -> Result<M, ReplicaError>
 where

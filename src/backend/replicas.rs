@@ -139,8 +139,9 @@ pub enum ReplicaError {
     /// aborted group).
     #[error("{0} (while replicating the initial weights at mark_distributed)")]
     Comm(#[from] CommError),
-    /// The exchange of [`sync_buffers`](super::sync_buffers) failed (a rank that never called
-    /// it within the timeout, an aborted group).
+    /// The ranks' check of their buffer lists at [`sync_buffers`](super::sync_buffers) failed
+    /// (a rank that never called it within the timeout, an aborted group); the values then
+    /// cross as the rank's own all-reduces, whose failure is a panic where a value is needed.
     #[error("{0} (while making the ranks' buffers alike at sync_buffers)")]
     BufferComm(Box<CommError>),
 }
@@ -501,11 +502,11 @@ fn broadcast<I: Backend>(
 /// The buffer sync's values: an all-reduce of each buffer among the rank's own
 /// (`user_collectives`), lazy and coalesced into buckets by the same passes as gradients, packed
 /// and reduced where the gradients are (on a GPU, in device memory: nothing is read to the host
-/// and nothing waits for the device here), launched before returning. [`BufferSync::Broadcast`]: a sum to which rank 0
-/// contributes its values and the others negative zeros, which leaves rank 0's bits;
-/// [`BufferSync::Mean`]: every rank's values, averaged (the same bits on every rank). Every
-/// rank takes the result, on its own device (a statistic Burn's `fork` shares may be on
-/// another's).
+/// and nothing waits for the device here), launched before returning.
+/// [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its values and the others
+/// negative zeros, which leaves rank 0's bits; [`BufferSync::Mean`]: every rank's values,
+/// averaged (the same bits on every rank). Every rank takes the result, on its own device (a
+/// statistic Burn's `fork` shares may be on another's).
 fn reduce_buffers<I: Backend>(
     session: &Arc<Session<I>>,
     rank: usize,
@@ -526,12 +527,11 @@ fn reduce_buffers<I: Backend>(
     let inputs: Vec<_> = entries
         .iter()
         .map(|e| {
-            let own = Collective::<I>::float_to_device(e.tensor.clone(), &on_rank);
             if contributes {
-                own
+                Collective::<I>::float_to_device(e.tensor.clone(), &on_rank)
             } else {
-                let dtype = own.dtype().into();
-                let zeros = Collective::<I>::float_zeros(own.shape(), &on_rank, dtype);
+                let dtype = e.tensor.dtype().into();
+                let zeros = Collective::<I>::float_zeros(e.tensor.shape(), &on_rank, dtype);
                 Collective::<I>::float_neg(zeros)
             }
         })

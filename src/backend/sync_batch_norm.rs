@@ -179,7 +179,7 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
 
     /// The group `device` trains in: the given one, or the running server's.
     fn group_of(&self, device: &B::Device) -> Option<Group> {
-        let lazy = group_fns(TypeId::of::<B::Device>()).next().is_some();
+        let found = group_fns(TypeId::of::<B::Device>());
         match &self.group {
             Some(ids) => {
                 let me = device.id();
@@ -189,10 +189,11 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
                 Some(Group {
                     rank,
                     ids: ids.clone(),
-                    lazy,
+                    // A device of a `Collective` backend.
+                    lazy: !found.is_empty(),
                 })
             }
-            None => group_fns(TypeId::of::<B::Device>()).find_map(|f| f(device as &dyn Any)),
+            None => found.into_iter().find_map(|f| f(device as &dyn Any)),
         }
     }
 
@@ -323,13 +324,13 @@ pub(crate) fn register_group<D: 'static, S: 'static>(find: GroupFn) {
     registry().insert((TypeId::of::<D>(), TypeId::of::<S>()), find);
 }
 
-fn group_fns(device: TypeId) -> impl Iterator<Item = GroupFn> {
-    let found: Vec<GroupFn> = registry()
+/// The group finders registered for devices of type `device`.
+fn group_fns(device: TypeId) -> Vec<GroupFn> {
+    registry()
         .iter()
         .filter(|((d, _), _)| *d == device)
         .map(|(_, f)| *f)
-        .collect();
-    found.into_iter()
+        .collect()
 }
 
 /// The group of a `Collective<I>` device: every rank of the server running for `I`.

@@ -17,6 +17,19 @@ pub fn start_server<I: Backend>(
     Collective::<I>::start_communication_server(devices, DistributedConfig { all_reduce_op: op });
 }
 
+/// `f(r, inputs[r])` for each rank `r`, each on a thread of its own, results in rank order.
+pub fn on_threads<In: Send, T: Send>(inputs: Vec<In>, f: impl Fn(usize, In) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = inputs
+            .into_iter()
+            .enumerate()
+            .map(|(r, x)| s.spawn(move || f(r, x)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Runs `train` on a thread per device (`devices[r]` is rank `r`), each given `start` forked to
 /// its device and its rank; the results in rank order.
 pub fn forked_per_rank<B: Backend, M: Module<B> + Send, T: Send>(
