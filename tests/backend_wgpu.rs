@@ -39,6 +39,31 @@ fn adapter() -> bool {
     common::cube::wgpu_client().is_some()
 }
 
+/// Every rank's device: the default adapter.
+fn rank_devices() -> Vec<Dev> {
+    (0..WORLD)
+        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
+        .collect()
+}
+
+/// The fused backend's server over [`rank_devices`] (a 60 s timeout), running while the guard
+/// lives.
+fn start_fused(
+    op: ReduceOperation,
+) -> (
+    Vec<Dev>,
+    collective_fusion::backend::DistributedContext<Collective<Wgpu>>,
+) {
+    let devices = rank_devices();
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+    .install::<Wgpu>();
+    let ctx = collective_fusion::backend::DistributedContext::start(&devices, op);
+    (devices, ctx)
+}
+
 /// A wgpu backend of Burn's: `Wgpu` (fused) or `Unfused`.
 trait Inner: burn_backend::Backend<Device = WgpuDevice> {}
 impl<W: burn_backend::Backend<Device = WgpuDevice>> Inner for W {}
@@ -133,9 +158,7 @@ fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
-        .collect();
+    let devices = rank_devices();
     let options = || CollectiveOptions {
         timeout: std::time::Duration::from_secs(60),
         ..CollectiveOptions::default()
@@ -153,18 +176,7 @@ fn buffers_are_made_alike_in_device_memory_on_fused_wgpu() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
-        .collect();
-    CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        ..CollectiveOptions::default()
-    }
-    .install::<Wgpu>();
-    let ctx = collective_fusion::backend::DistributedContext::<Collective<Wgpu>>::start(
-        &devices,
-        ReduceOperation::Mean,
-    );
+    let (devices, ctx) = start_fused(ReduceOperation::Mean);
     let stats =
         |r: usize| -> Vec<f32> { (0..5).map(|i| 0.37 * i as f32 + 1.1 * r as f32).collect() };
     let before = sync_stats::<Wgpu>(0).device_buckets;
@@ -239,9 +251,7 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn equals_one_rank<W: Inner>() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
-        .collect();
+    let devices = rank_devices();
     let (ranks, stats, step) = distributed::<W>(&devices, true, false);
     // The ops were recorded lazily on the wgpu backend too, and the last step's graph has them.
     let matmuls = collective_fusion::graph::print::print(&step)
@@ -316,18 +326,7 @@ fn back_to_back_user_all_reduces_on_fused_wgpu_are_one_device_bucket() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices: Vec<Dev> = (0..WORLD)
-        .map(|r| CollectiveDevice::new(WgpuDevice::DefaultDevice, r))
-        .collect();
-    CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        ..CollectiveOptions::default()
-    }
-    .install::<Wgpu>();
-    let ctx = collective_fusion::backend::DistributedContext::<Collective<Wgpu>>::start(
-        &devices,
-        ReduceOperation::Sum,
-    );
+    let (devices, ctx) = start_fused(ReduceOperation::Sum);
     let sums: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let devices = &devices;
         let hs: Vec<_> = devices
