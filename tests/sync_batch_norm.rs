@@ -12,6 +12,7 @@ use burn_ndarray::{NdArray, NdArrayDevice};
 use burn_nn::{BatchNorm, BatchNormConfig};
 use collective_fusion::backend::{
     Collective, CollectiveDevice, CollectiveOptions, SyncBatchNorm, SyncBatchNormConfig,
+    SyncBatchNormError,
 };
 
 mod common;
@@ -286,14 +287,27 @@ fn without_a_group_or_in_inference_it_is_burn_batch_norm() {
     );
 }
 
-/// A module whose group is given must run on one of its devices.
+/// A module whose group is given must run on one of its devices; an input of rank 1 is refused
+/// as Burn's `BatchNorm` refuses it.
 #[test]
-#[should_panic(expected = "is not in its group")]
 fn a_device_outside_the_given_group_is_refused() {
     let norm = SyncBatchNormConfig::new(CHANNELS)
         .init::<B>(&device(0))
         .with_group(&devices(2));
-    let _ = norm.forward(Tensor::<B, 4>::from_data(values(0..1, 0.0), &device(5)));
+    let err = norm
+        .try_forward(Tensor::<B, 4>::from_data(values(0..1, 0.0), &device(5)))
+        .err()
+        .expect("a device outside the group is refused");
+    assert!(
+        matches!(err, SyncBatchNormError::NotInGroup { group: 2, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("is not in its group"), "{err}");
+    let flat = Tensor::<B, 1>::from_floats([1.0, 2.0], &device(0));
+    assert_eq!(
+        norm.try_forward(flat).err(),
+        Some(SyncBatchNormError::Rank(1))
+    );
 }
 
 /// Two ranks of three rows each, with the gradient sync's mean, end where one rank on the six

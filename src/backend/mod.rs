@@ -62,7 +62,9 @@ pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as, sync_buffers};
 pub use replicas::{BufferSync, InitialWeights, ReplicaError};
-pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormRecord};
+pub use sync_batch_norm::{
+    SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormError, SyncBatchNormRecord,
+};
 
 /// A Burn backend that compiles the gradient communication of data-parallel training.
 #[derive(Clone, Copy, Default, Debug)]

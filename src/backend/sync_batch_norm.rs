@@ -75,6 +75,24 @@ impl SyncBatchNormConfig {
     }
 }
 
+/// What [`SyncBatchNorm::try_forward`] refuses.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SyncBatchNormError {
+    /// The input's rank (number of dimensions) is below 2.
+    #[error(
+        "SyncBatchNorm takes a tensor of rank >= 2 shaped [batch, channels, ...], got rank {0}"
+    )]
+    Rank(usize),
+    /// The input's device is not one of the group given to [`SyncBatchNorm::with_group`].
+    #[error("SyncBatchNorm: the input's device {device} is not in its group of {group} devices")]
+    NotInGroup {
+        /// The input's device.
+        device: String,
+        /// Devices in the group.
+        group: usize,
+    },
+}
+
 /// Burn's `BatchNorm` with training statistics over every rank's batch; see the module docs.
 ///
 /// Input `[batch, channels, ...]`, as `BatchNorm`'s.
@@ -141,13 +159,24 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
     /// statistics otherwise.
     ///
     /// # Panics
-    /// When `D < 2`, as Burn's `BatchNorm`; when the device is not one of the group given to
-    /// [`SyncBatchNorm::with_group`].
+    /// Where [`SyncBatchNorm::try_forward`] returns an error, with its message (as Burn's
+    /// `BatchNorm` panics on a tensor of rank below 2).
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        assert!(
-            D >= 2,
-            "SyncBatchNorm takes a tensor of rank >= 2 shaped [batch, channels, ...], got rank {D}"
-        );
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`SyncBatchNorm::forward`], with what it refuses as an error.
+    ///
+    /// # Errors
+    /// [`SyncBatchNormError::Rank`] when `D < 2`; [`SyncBatchNormError::NotInGroup`] when the
+    /// input's device is not one of the group given to [`SyncBatchNorm::with_group`].
+    pub fn try_forward<const D: usize>(
+        &self,
+        input: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, SyncBatchNormError> {
+        if D < 2 {
+            return Err(SyncBatchNormError::Rank(D));
+        }
         let device = input.device();
         let dims = input.dims();
         let channels = dims[1];
@@ -156,7 +185,8 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
         if !B::ad_enabled(&device) {
             let mean = self.running_mean.value().to_device(&device);
             let var = self.running_var.value().to_device(&device);
-            return self.normalize(input, mean.reshape(per_channel), var.reshape(per_channel));
+            let out = self.normalize(input, mean.reshape(per_channel), var.reshape(per_channel));
+            return Ok(out);
         }
         let rows = dims
             .iter()
@@ -165,7 +195,7 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
             .map(|(_, d)| *d)
             .product();
         let flat = input.clone().swap_dims(0, 1).reshape([channels, rows]);
-        let (mean, var) = match self.group_of(&device) {
+        let (mean, var) = match self.group_of(&device)? {
             Some(group) if group.ids.len() > 1 => global_stats(flat, rows, &group),
             _ => {
                 let mean = flat.clone().mean_dim(1);
@@ -174,27 +204,29 @@ impl<B: DistributedBackend> SyncBatchNorm<B> {
             }
         };
         self.update_running(&device, mean.clone().detach(), var.clone().detach());
-        self.normalize(input, mean.reshape(per_channel), var.reshape(per_channel))
+        Ok(self.normalize(input, mean.reshape(per_channel), var.reshape(per_channel)))
     }
 
     /// The group `device` trains in: the given one, or the running server's.
-    fn group_of(&self, device: &B::Device) -> Option<Group> {
+    fn group_of(&self, device: &B::Device) -> Result<Option<Group>, SyncBatchNormError> {
         let found = group_fns(TypeId::of::<B::Device>());
-        match &self.group {
-            Some(ids) => {
-                let me = device.id();
-                let rank = ids.iter().position(|id| *id == me).unwrap_or_else(|| {
-                    panic!("SyncBatchNorm: the input's device {device:?} is not in its group")
-                });
-                Some(Group {
-                    rank,
-                    ids: ids.clone(),
-                    // A device of a `Collective` backend.
-                    lazy: !found.is_empty(),
-                })
-            }
-            None => found.into_iter().find_map(|f| f(device as &dyn Any)),
-        }
+        let Some(ids) = &self.group else {
+            return Ok(found.into_iter().find_map(|f| f(device as &dyn Any)));
+        };
+        let me = device.id();
+        let rank =
+            ids.iter()
+                .position(|id| *id == me)
+                .ok_or_else(|| SyncBatchNormError::NotInGroup {
+                    device: format!("{device:?}"),
+                    group: ids.len(),
+                })?;
+        Ok(Some(Group {
+            rank,
+            ids: ids.clone(),
+            // A device of a `Collective` backend.
+            lazy: !found.is_empty(),
+        }))
     }
 
     fn update_running(&self, device: &B::Device, mean: Tensor<B, 1>, var: Tensor<B, 1>) {
