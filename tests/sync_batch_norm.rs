@@ -296,8 +296,7 @@ fn a_device_outside_the_given_group_is_refused() {
         .with_group(&devices(2));
     let err = norm
         .try_forward(Tensor::<B, 4>::from_data(values(0..1, 0.0), &device(5)))
-        .err()
-        .expect("a device outside the group is refused");
+        .expect_err("a device outside the group is refused");
     assert!(
         matches!(err, SyncBatchNormError::NotInGroup { group: 2, .. }),
         "{err:?}"
