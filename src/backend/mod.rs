@@ -93,6 +93,16 @@ impl<D: DeviceOps> CollectiveDevice<D> {
     }
 }
 
+impl<D: DeviceOps> CollectiveDevice<D> {
+    /// The device ids of every rank of a group of `world` on this device's inner device, in rank
+    /// order: the group an all-reduce over a whole communication server names.
+    pub(crate) fn group_ids(&self, world: usize) -> Vec<DeviceId> {
+        (0..world)
+            .map(|r| CollectiveDevice::new(self.inner.clone(), r as u32).id())
+            .collect()
+    }
+}
+
 impl<D: fmt::Debug> fmt::Display for CollectiveDevice<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "rank {} on {:?}", self.rank, self.inner)

@@ -50,7 +50,7 @@ use std::sync::Arc;
 
 use burn_backend::distributed::ReduceOperation;
 use burn_backend::ops::FloatTensorOps;
-use burn_backend::{Backend, DeviceOps, TensorMetadata};
+use burn_backend::{Backend, TensorMetadata};
 
 use super::distributed::graph_dtype;
 use super::host_io::{from_host, read_host};
@@ -515,8 +515,7 @@ fn reduce_buffers<I: Backend>(
     how: BufferSync,
 ) -> Vec<Option<Box<dyn Any>>> {
     let on_rank = CollectiveDevice::new(device.clone(), rank as u32);
-    // The group is every rank of the server (one id per rank; only their number is read).
-    let ids = vec![on_rank.id(); session.world];
+    let ids = on_rank.group_ids(session.world);
     let (op, contributes) = match how {
         BufferSync::Broadcast => (ReduceOperation::Sum, rank == 0),
         BufferSync::Mean => (ReduceOperation::Mean, true),

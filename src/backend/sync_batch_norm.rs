@@ -369,12 +369,9 @@ fn group_fns(device: TypeId) -> Vec<GroupFn> {
 pub(crate) fn collective_group<I: burn_backend::Backend>(device: &dyn Any) -> Option<Group> {
     let d = device.downcast_ref::<CollectiveDevice<I::Device>>()?;
     let world = running::<I>()?.world;
-    let ids = (0..world)
-        .map(|r| CollectiveDevice::new(d.inner.clone(), r as u32).id())
-        .collect();
     Some(Group {
         rank: d.rank as usize,
-        ids,
+        ids: d.group_ids(world),
         lazy: true,
     })
 }
