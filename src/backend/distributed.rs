@@ -305,6 +305,7 @@ impl<I: Backend> Collective<I> {
                         planner: Default::default(),
                         history: Default::default(),
                         agreed: Default::default(),
+                        join: None,
                     })
                 })
                 .collect(),
@@ -401,7 +402,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let start = Instant::now();
         // The user's all-reduces issued before launch first, without waiting here: the ranks'
         // exchange of queue lengths runs while backward goes on (`Session::hold_for_user`).
-        let forced = s.submit(tensor, &params);
+        let forced = s.submit(tensor, param_name(&params));
         super::hook_times::submitted(rank, start.elapsed(), forced);
     }
 

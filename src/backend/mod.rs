@@ -28,6 +28,7 @@ mod follow;
 mod forward;
 mod hook_times;
 mod host_io;
+mod join;
 mod lazy;
 mod op_table;
 mod ops;
@@ -58,9 +59,10 @@ pub use distributed::{
     take_trace, trace_span,
 };
 pub use hook_times::{HookTimes, hook_times};
+pub use join::{Join, JoinError, JoinReport, join};
 pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
-pub use params::{mark_distributed, mark_distributed_as, sync_buffers};
+pub use params::{mark_distributed, mark_distributed_as, replicate_from, sync_buffers};
 pub use replicas::{BufferSync, InitialWeights, ReplicaError};
 pub use sync_batch_norm::{
     SyncBatchNorm, SyncBatchNormConfig, SyncBatchNormError, SyncBatchNormRecord,

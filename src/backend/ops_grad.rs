@@ -39,7 +39,7 @@ pub(super) struct OpsGrad<I: Backend> {
 /// The bucket [`OpsGrad::pack`] makes: a flat tensor of the wire dtype.
 struct OpsBucket<I: Backend>(OpsGrad<I>);
 
-fn float_dtype(d: DType) -> Option<FloatDType> {
+pub(super) fn float_dtype(d: DType) -> Option<FloatDType> {
     Some(match d {
         DType::F32 => FloatDType::F32,
         DType::F64 => FloatDType::F64,

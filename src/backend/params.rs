@@ -179,6 +179,28 @@ where
     walk::<B, M>("", module, Replicate::Buffers(how))
 }
 
+/// Gives every rank's `module` rank `root`'s values: its trained parameters and its buffers, bit
+/// for bit. Every rank calls it at the same point (a collective, like [`mark_distributed`]); the
+/// ranks first check that their models have the same floats (names, dtypes, shapes). What
+/// [`Join::finish_model`](super::Join::finish_model) does after uneven inputs, where the ranks
+/// that trained last hold every update; also what a job that loaded a checkpoint on one rank
+/// needs. The values cross as the rank's own all-reduces (root's values, the others' negative
+/// zeros), launched before it returns. Without a communication server or with one rank the
+/// module comes back as it was.
+///
+/// # Errors
+/// [`ReplicaError::ModelsDiffer`] when the ranks' float lists differ,
+/// [`ReplicaError::Unsupported`] when `root` is not a rank of the server,
+/// [`ReplicaError::Exchange`] when the check fails (a rank that does not call it within the
+/// timeout); every rank gets the error.
+pub fn replicate_from<B, M>(module: M, root: usize) -> Result<M, ReplicaError>
+where
+    B: AutodiffBackend,
+    M: burn_core::module::Module<B>,
+{
+    walk::<B, M>("", module, Replicate::FromRank(root))
+}
+
 /// Whether `module` holds a float that takes no gradient.
 fn has_buffers<B: AutodiffBackend, M: burn_core::module::Module<B>>(module: &M) -> bool {
     struct Look(bool);

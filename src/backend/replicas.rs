@@ -144,6 +144,15 @@ pub enum ReplicaError {
     /// cross as the rank's own all-reduces, whose failure is a panic where a value is needed.
     #[error("{0} (while making the ranks' buffers alike at sync_buffers)")]
     BufferComm(Box<CommError>),
+    /// The ranks' check of their float lists failed (a rank that never called it within the
+    /// timeout, an aborted group).
+    #[error("{source} (while checking the ranks' models at {call})")]
+    Exchange {
+        /// The call that failed (`replicate_from`).
+        call: &'static str,
+        /// The communicator's error.
+        source: Box<CommError>,
+    },
 }
 
 /// What a rank remembers of its markings.
@@ -176,6 +185,8 @@ pub(crate) enum Replicate {
     Marking,
     /// [`sync_buffers`](super::sync_buffers): the floats without a gradient made alike.
     Buffers(BufferSync),
+    /// [`replicate_from`](super::replicate_from): every float takes this rank's values.
+    FromRank(usize),
 }
 
 impl Replicate {
@@ -183,6 +194,7 @@ impl Replicate {
         match self {
             Replicate::Marking => "mark_distributed",
             Replicate::Buffers(_) => "sync_buffers",
+            Replicate::FromRank(_) => "replicate_from",
         }
     }
 }
@@ -218,11 +230,23 @@ pub(super) fn replicate<I: Backend>(
         return Ok(keep());
     }
     let call = what.call();
+    if let Replicate::FromRank(root) = what
+        && root >= session.world
+    {
+        return Err(ReplicaError::Unsupported {
+            rank,
+            call,
+            why: format!(
+                "rank {root} is not one of the server's {} ranks",
+                session.world
+            ),
+        });
+    }
     // The floats this call makes alike, with their positions in `params`.
     let (at, picked): (Vec<usize>, Vec<&Marked>) = params
         .iter()
         .enumerate()
-        .filter(|(_, m)| matches!(what, Replicate::Marking) || !m.requires_grad)
+        .filter(|(_, m)| !matches!(what, Replicate::Buffers(_)) || !m.requires_grad)
         .unzip();
     // A module without buffers communicates nothing at a buffer sync (a rank whose module has
     // some waits for the others, and times out naming the call).
@@ -265,7 +289,20 @@ pub(super) fn replicate<I: Backend>(
                 InitialWeights::Verify => verify::<I>(comm, &entries, timeout, call)
                     .map(|()| entries.iter().map(|_| None).collect()),
             },
-            Replicate::Buffers(how) => Ok(reduce_buffers(&session, rank, &entries, &device, how)),
+            Replicate::Buffers(how) => {
+                let how = match how {
+                    BufferSync::Broadcast => Reduce::From(0),
+                    BufferSync::Mean => Reduce::Mean,
+                };
+                Ok(reduce_values(&session, rank, &entries, &device, how))
+            }
+            Replicate::FromRank(root) => Ok(reduce_values(
+                &session,
+                rank,
+                &entries,
+                &device,
+                Reduce::From(root),
+            )),
         }
     })()
     .map(|mut values| {
@@ -296,6 +333,10 @@ pub(super) fn replicate<I: Backend>(
     }
     result.map_err(|e| match (e, what) {
         (ReplicaError::Comm(e), Replicate::Buffers(_)) => ReplicaError::BufferComm(Box::new(e)),
+        (ReplicaError::Comm(e), Replicate::FromRank(_)) => ReplicaError::Exchange {
+            call,
+            source: Box::new(e),
+        },
         (e, _) => e,
     })
 }
@@ -499,26 +540,35 @@ fn broadcast<I: Backend>(
     Ok(out)
 }
 
-/// The buffer sync's values: an all-reduce of each buffer among the rank's own
-/// (`user_collectives`), lazy and coalesced into buckets by the same passes as gradients, packed
-/// and reduced where the gradients are (on a GPU, in device memory: nothing is read to the host
-/// and nothing waits for the device here), launched before returning.
-/// [`BufferSync::Broadcast`]: a sum to which rank 0 contributes its values and the others
-/// negative zeros, which leaves rank 0's bits; [`BufferSync::Mean`]: every rank's values,
-/// averaged (the same bits on every rank). Every rank takes the result, on its own device (a
-/// statistic Burn's `fork` shares may be on another's).
-fn reduce_buffers<I: Backend>(
+/// What [`reduce_values`] gives every rank.
+#[derive(Clone, Copy)]
+enum Reduce {
+    /// This rank's values.
+    From(usize),
+    /// The mean of every rank's.
+    Mean,
+}
+
+/// The values of a buffer sync or of [`replicate_from`](super::replicate_from): an all-reduce of
+/// each float among the rank's own (`user_collectives`), lazy and coalesced into buckets by the
+/// same passes as gradients, packed and reduced where the gradients are (on a GPU, in device
+/// memory: nothing is read to the host and nothing waits for the device here), launched before
+/// returning. [`Reduce::From`]: a sum to which the root contributes its values and the others
+/// negative zeros, which leaves the root's bits; [`Reduce::Mean`]: every rank's values, averaged
+/// (the same bits on every rank). Every rank takes the result, on its own device (a statistic
+/// Burn's `fork` shares may be on another's).
+fn reduce_values<I: Backend>(
     session: &Arc<Session<I>>,
     rank: usize,
     entries: &[Entry<'_, I::FloatTensorPrimitive>],
     device: &I::Device,
-    how: BufferSync,
+    how: Reduce,
 ) -> Vec<Option<Box<dyn Any>>> {
     let on_rank = CollectiveDevice::new(device.clone(), rank as u32);
     let ids = on_rank.group_ids(session.world);
     let (op, contributes) = match how {
-        BufferSync::Broadcast => (ReduceOperation::Sum, rank == 0),
-        BufferSync::Mean => (ReduceOperation::Mean, true),
+        Reduce::From(root) => (ReduceOperation::Sum, rank == root),
+        Reduce::Mean => (ReduceOperation::Mean, true),
     };
     // Every input first: an all-reduce's result is a recorded node that waits for it (and
     // launches the rank's queue), and a later input recorded after it would run it, launching

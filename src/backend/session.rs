@@ -135,6 +135,8 @@ pub(super) struct RankState<I: Backend> {
     /// The plans (by hash) every rank agreed on ([`crate::runtime::agree`]): a plan is a pure
     /// function of its segment and options, so the ranks agree on it once.
     pub(super) agreed: hashbrown::HashSet<u64>,
+    /// Inside a [`join`](super::join) scope (uneven inputs): the rank's rounds.
+    pub(super) join: Option<super::join::JoinState>,
 }
 
 pub(super) struct Session<I: Backend> {
@@ -242,7 +244,7 @@ impl<I: Backend> super::rank_threads::RankServer for Session<I> {
 impl<I: Backend> Session<I> {
     /// Marks the group failed and aborts `rank`'s communicator with `reason`: every other rank's
     /// collectives fail with it.
-    fn abort_group(&self, rank: usize, reason: &str) {
+    pub(super) fn abort_group(&self, rank: usize, reason: &str) {
         self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Some(Some(c)) = self.comms.get(rank) {
             c.abort(reason);
@@ -259,7 +261,7 @@ impl<I: Backend> Session<I> {
             panic!("collective-fusion: rank {rank}: {msg}");
         }
         panic!(
-            "collective-fusion: rank {rank}: {msg} (no thread works for rank(s) {gone:?} any more: the last one ended, as a loop that runs out of data early does)"
+            "collective-fusion: rank {rank}: {msg} (no thread works for rank(s) {gone:?} any more: the last one ended, as a loop that runs out of data early does; `join` lets ranks with uneven inputs finish)"
         );
     }
 

@@ -29,10 +29,13 @@ const GATHER_COUNTS: u32 = AGREE_LEN + 4;
 const SHARE_ROOT: u32 = AGREE_LEN + 5;
 /// [`barrier`].
 const BARRIER: u32 = AGREE_LEN + 6;
+/// [`start_join_round`]'s all-reduce.
+const JOIN_ROUND: u32 = AGREE_LEN + 7;
 
 /// Launch indices of the agreement's own all-reduces and of [`all_gather_bytes`]'s,
-/// [`gather_counts`]'s and [`share_from_root`]'s ([`Purpose::Agreement`]).
-pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=BARRIER;
+/// [`gather_counts`]'s, [`share_from_root`]'s, [`barrier`]'s and [`start_join_round`]'s
+/// ([`Purpose::Agreement`]).
+pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=JOIN_ROUND;
 
 /// What the exchange of agreement-range launch index `collective` is, for messages.
 pub fn agreement_exchange(collective: u32) -> &'static str {
@@ -42,6 +45,7 @@ pub fn agreement_exchange(collective: u32) -> &'static str {
         GATHER_COUNTS => "the ranks' exchange of queue lengths",
         SHARE_ROOT => "rank 0's share of a value",
         BARRIER => "a barrier",
+        JOIN_ROUND => "the uneven-inputs round (which ranks still train)",
         _ => "an agreement exchange",
     }
 }
@@ -221,6 +225,25 @@ pub fn barrier(comm: &dyn Communicator, timeout: std::time::Duration) -> Result<
 /// [`gather_counts`] started, not waited for: for a rank that must not wait where it is (inside
 /// backward), and looks again later ([`PendingCounts::try_take`]) or waits where it may.
 pub fn start_gather_counts(comm: &dyn Communicator, mine: u64) -> Result<PendingCounts, CommError> {
+    start_counts(comm, GATHER_COUNTS, mine)
+}
+
+/// One round of uneven inputs ([`crate::backend::join`]): every rank says whether it still
+/// trains (`1`) or has run out of inputs (`0`); started, not waited for. A launch index of its
+/// own, so that a rank waiting in a round and a rank in any other exchange fail with the
+/// communicator's mismatch error instead of reading each other's numbers.
+pub fn start_join_round(
+    comm: &dyn Communicator,
+    training: bool,
+) -> Result<PendingCounts, CommError> {
+    start_counts(comm, JOIN_ROUND, u64::from(training))
+}
+
+fn start_counts(
+    comm: &dyn Communicator,
+    collective: u32,
+    mine: u64,
+) -> Result<PendingCounts, CommError> {
     let (rank, world) = (comm.rank(), comm.world());
     if world <= 1 {
         return Ok(PendingCounts {
@@ -232,7 +255,7 @@ pub fn start_gather_counts(comm: &dyn Communicator, mine: u64) -> Result<Pending
     // Exact in an f64 up to 2^53.
     all[rank] = mine as f64;
     Ok(PendingCounts {
-        pending: Some(comm.all_reduce(HostBuffer::F64(all), exchange_desc(GATHER_COUNTS, world))?),
+        pending: Some(comm.all_reduce(HostBuffer::F64(all), exchange_desc(collective, world))?),
         mine,
     })
 }

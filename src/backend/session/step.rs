@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn_backend::distributed::{DistributedParams, TensorRef};
+use burn_backend::distributed::TensorRef;
 use burn_backend::{Backend, TensorMetadata};
 
-use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted, param_name};
+use super::{Live, RankState, SYNCS_TOTAL, Session, Submitted};
 use crate::backend::distributed::graph_dtype;
 use crate::backend::hook_times::SyncTimes;
 use crate::backend::host_io::{from_host, read_host, with_host_slice, write_in_place};
@@ -21,19 +21,19 @@ use crate::runtime::exec::{Execution, NoHooks, Workspace, execute_in};
 use crate::runtime::{Grad, Handed};
 
 impl<I: Backend> Session<I> {
-    /// Takes in one gradient (Burn's `submit_gradient_sync`); returns how long computing its
-    /// value took (the queued ops that produce it), for [`crate::backend::hook_times`].
+    /// Takes in one gradient, of the parameter named `name` (Burn's `submit_gradient_sync`);
+    /// returns how long computing its value took (the queued ops that produce it), for
+    /// [`crate::backend::hook_times`].
     pub(in crate::backend) fn submit(
         &self,
         tref: TensorRef<Collective<I>>,
-        params: &DistributedParams,
+        name: String,
     ) -> std::time::Duration {
         // SAFETY: Burn keeps the pointer valid until submit_sync_collective returns.
         let t: &CTensor<I::FloatTensorPrimitive> = unsafe { &*tref.0 };
         let rank = t.rank as usize;
         let mut guard = self.state(rank, "submit_gradient_sync");
         let st = &mut *guard;
-        let name = param_name(params);
         let Some(dtype) = graph_dtype(t.dtype()) else {
             self.fail(
                 rank,
@@ -60,6 +60,10 @@ impl<I: Backend> Session<I> {
                 && !st.no_sync
                 && st.accumulated.is_empty()
         });
+        if i == 0 && !local && !st.no_sync {
+            // Before anything of the step reaches the communicator.
+            self.start_join_round(rank, st);
+        }
         if local {
             // A sum or mean over one rank is the gradient itself: nothing to read or reduce.
             st.index.insert(name.clone(), i);
@@ -523,6 +527,7 @@ impl<I: Backend> Session<I> {
             self.clock(rank).handback_later(unpacking);
         }
         let writeback = writeback.elapsed().saturating_sub(unpacking);
+        self.end_join_round(rank, st);
         self.finish_step(rank, st, log, true);
         self.agree_ahead(rank, st);
         // The step just measured (`finish_step` ended it on the clock).

@@ -1,0 +1,294 @@
+//! Uneven inputs: ranks that run out of batches at different steps, like PyTorch's `Join`
+//! context for DDP.
+//!
+//! Without it, a rank that ends its loop early leaves the others waiting in their next gradient
+//! sync until the collective timeout fails them. Inside a [`join`] scope every synced step
+//! starts with a round: one tiny all-reduce in which each rank says whether it still trains.
+//! A rank that ran out of inputs calls [`Join::finish`], which takes part in the others' steps
+//! until none trains: each round that reports a rank still training, it runs the gradient sync
+//! of its own last step again with zero gradients (the same gradients, shapes, dtypes and ready
+//! order, so the same plan: the same buckets and collectives as the others), which adds nothing
+//! to their sums. With [`ReduceOperation::Mean`](burn_backend::distributed::ReduceOperation)
+//! the sum is still divided by the whole world (PyTorch's `divide_by_initial_world_size=True`):
+//! a step of fewer ranks moves the model by the gradients of the ranks that trained, weighted
+//! as in a full step.
+//!
+//! Requires: every rank enters the scope before the same step and calls `finish` after its own
+//! last step; every rank synced at least one step before it finishes (its last step is what it
+//! replays); while a rank has finished, the others' steps communicate through the gradient sync
+//! only (a user `all_reduce`, a `SyncBatchNorm` or `sync_buffers` meets the finished rank's
+//! round and fails every rank with the communicator's mismatch error, or times out), and sync
+//! the same parameters as the finished rank's last step. Guarantees: every rank's `finish`
+//! returns once every rank has finished, each knowing the ranks that trained last
+//! ([`JoinReport::authority`]: their model has every update, which [`Join::finish_model`]
+//! gives every rank); a failed round is an error on every rank, never a hang.
+
+use std::sync::Arc;
+
+use burn_backend::Backend;
+use burn_backend::distributed::TensorRef;
+use burn_core::module::Module;
+use burn_core::tensor::backend::AutodiffBackend;
+use burn_std::{FloatDType, Shape};
+
+use super::rank_threads::works_for;
+use super::replicas::ReplicaError;
+use super::session::{RankState, Session, lock, session};
+use super::{CTensor, Collective, CollectiveDevice};
+use crate::runtime::agree::{PendingCounts, start_join_round};
+use crate::runtime::comm::CommError;
+
+/// A rank's rounds inside a [`join`] scope.
+pub(super) struct JoinState {
+    /// The rank still trains: each of its synced steps starts a round saying so.
+    training: bool,
+    /// The round this step started, waited for at its sync point.
+    pending: Option<PendingCounts>,
+    /// Rounds so far (synced steps of any rank inside the scope).
+    rounds: u64,
+    /// The ranks still training in the latest round that had any.
+    last_trained: Vec<usize>,
+}
+
+/// An uneven-inputs scope of one rank (see [`join`]); it ends with [`Join::finish`] (or when
+/// it drops, without waiting for the others: then a rank still training waits in vain).
+#[must_use = "a rank that runs out of inputs calls finish, which waits for the others"]
+pub struct Join<I: Backend> {
+    device: CollectiveDevice<I::Device>,
+    session: Arc<Session<I>>,
+}
+
+/// What a rank's [`Join::finish`] saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JoinReport {
+    /// The rank reporting.
+    pub rank: usize,
+    /// Steps of other ranks this rank took part in with zero gradients, after its last input.
+    pub shadowed_steps: u64,
+    /// Synced steps of any rank inside the scope (rounds).
+    pub rounds: u64,
+    /// The ranks that trained in the last round that had any, in rank order (empty when no
+    /// rank synced a step inside the scope).
+    pub last_trained: Vec<usize>,
+    /// The lowest of them (0 when none): its model has every update.
+    pub authority: usize,
+}
+
+/// Why [`Join::finish`] failed; every rank gets an error (the group is aborted).
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum JoinError {
+    /// A round failed: a rank that neither trains nor finishes within the timeout, a rank that
+    /// launched another collective (anything but the gradient sync) while this one waited, an
+    /// aborted group.
+    #[error("{source} (in a round of uneven inputs, after rank {rank}'s last input)")]
+    Round {
+        /// The rank reporting.
+        rank: usize,
+        /// The communicator's error.
+        source: Box<CommError>,
+    },
+    /// The rank has no synced step to replay while others train.
+    #[error(
+        "rank {rank}: ran out of inputs before it synced any step while rank(s) {training:?} still train: a finished rank takes part in their steps with the gradients of its own last step, so every rank syncs at least one"
+    )]
+    NoStep {
+        /// The rank reporting.
+        rank: usize,
+        /// The ranks still training.
+        training: Vec<usize>,
+    },
+    /// Giving every rank the authority's model failed ([`Join::finish_model`]).
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+}
+
+/// Starts an uneven-inputs scope on `device`'s rank, like PyTorch's `Join([ddp_model])`: every
+/// rank enters it before the same step, trains on its own inputs, however many, and calls
+/// [`Join::finish`] after its last step; see the module docs for what a finished rank does
+/// while others train, and what it requires. Costs one tiny all-reduce per synced step.
+/// Nothing is communicated with one rank.
+///
+/// # Panics
+/// Without a communication server for `Collective<I>` (as every hook).
+pub fn join<I: Backend>(device: &CollectiveDevice<I::Device>) -> Join<I> {
+    let session = session::<I>("join");
+    let rank = device.rank as usize;
+    if session.world > 1 {
+        session.state(rank, "join").join = Some(JoinState {
+            training: true,
+            pending: None,
+            rounds: 0,
+            last_trained: Vec::new(),
+        });
+    }
+    Join {
+        device: device.clone(),
+        session,
+    }
+}
+
+impl<I: Backend> Session<I> {
+    /// At a step's first gradient inside a join scope: starts its round (this rank trains).
+    pub(super) fn start_join_round(&self, rank: usize, st: &mut RankState<I>) {
+        if let Some(j) = st
+            .join
+            .as_mut()
+            .filter(|j| j.training && j.pending.is_none())
+        {
+            match start_join_round(self.comm(rank), true) {
+                Ok(p) => j.pending = Some(p),
+                Err(e) => self.fail(rank, e.to_string()),
+            }
+        }
+    }
+
+    /// At the sync point: the step's round, done long since (it went before the step's
+    /// collectives), tells which ranks still train.
+    pub(super) fn end_join_round(&self, rank: usize, st: &mut RankState<I>) {
+        let Some(j) = st.join.as_mut() else {
+            return;
+        };
+        if let Some(p) = j.pending.take() {
+            match p.wait(self.options.timeout) {
+                Ok(counts) => j.saw(&counts),
+                Err(e) => self.fail(rank, e.to_string()),
+            }
+        }
+    }
+}
+
+impl JoinState {
+    fn saw(&mut self, counts: &[u64]) {
+        self.rounds += 1;
+        self.last_trained = training(counts);
+    }
+}
+
+fn training(counts: &[u64]) -> Vec<usize> {
+    (0..counts.len()).filter(|r| counts[*r] > 0).collect()
+}
+
+impl<I: Backend> Join<I> {
+    fn rank(&self) -> usize {
+        self.device.rank as usize
+    }
+
+    /// After this rank's last step: takes part in every step the other ranks still sync, with
+    /// zero gradients, and returns once no rank trains.
+    ///
+    /// # Errors
+    /// [`JoinError::Round`] when a round fails (a rank that neither trains nor finishes within
+    /// the timeout, another collective met, an aborted group), [`JoinError::NoStep`] when the
+    /// others train and this rank never synced a step; the group is aborted, so every rank
+    /// fails. A failure inside a replayed step panics as a failed gradient sync does.
+    pub fn finish(self) -> Result<JoinReport, JoinError> {
+        let (s, rank) = (&self.session, self.rank());
+        works_for(s, rank);
+        let mut shadowed_steps = 0;
+        if s.world > 1 {
+            if let Some(j) = s.state(rank, "join").join.as_mut() {
+                j.training = false;
+            }
+            loop {
+                let round = start_join_round(s.comm(rank), false)
+                    .and_then(|p| p.wait(s.options.timeout))
+                    .map_err(|e| {
+                        let source = Box::new(e);
+                        self.failed(JoinError::Round { rank, source })
+                    })?;
+                let training = training(&round);
+                if training.is_empty() {
+                    break;
+                }
+                let grads = {
+                    let mut st = s.state(rank, "join");
+                    if let Some(j) = st.join.as_mut() {
+                        j.saw(&round);
+                    }
+                    st.last_step.as_ref().map(|r| {
+                        r.grads
+                            .iter()
+                            .map(|(name, ty, _)| (name.clone(), ty.clone()))
+                            .collect::<Vec<_>>()
+                    })
+                };
+                let grads =
+                    grads.ok_or_else(|| self.failed(JoinError::NoStep { rank, training }))?;
+                self.shadow(grads);
+                shadowed_steps += 1;
+            }
+        }
+        let (rounds, last_trained) = s
+            .state(rank, "join")
+            .join
+            .take()
+            .map_or((0, Vec::new()), |j| (j.rounds, j.last_trained));
+        Ok(JoinReport {
+            rank,
+            shadowed_steps,
+            rounds,
+            authority: last_trained.first().copied().unwrap_or(0),
+            last_trained,
+        })
+    }
+
+    /// [`finish`](Self::finish), then every rank's `model` takes the authority's values (its
+    /// trained parameters and its buffers: [`replicate_from`](super::replicate_from)), as
+    /// PyTorch's `Join` does for DDP: a rank that finished early missed the last updates.
+    ///
+    /// # Errors
+    /// As [`finish`](Self::finish), and [`JoinError::Replica`] when the ranks' models differ or
+    /// their exchange fails.
+    pub fn finish_model<B, M>(self, model: M) -> Result<(M, JoinReport), JoinError>
+    where
+        B: AutodiffBackend<InnerBackend = Collective<I>>,
+        M: Module<B>,
+    {
+        let report = self.finish()?;
+        let model = super::params::replicate_from::<B, M>(model, report.authority)?;
+        Ok((model, report))
+    }
+
+    /// Fails the group with `e` (so that no rank waits for this one) and returns it.
+    fn failed(&self, e: JoinError) -> JoinError {
+        if let Some(j) = self.session.state(self.rank(), "join").join.as_mut() {
+            j.pending = None;
+        }
+        self.session.abort_group(self.rank(), &e.to_string());
+        e
+    }
+
+    /// One step of the others, taken part in with zero gradients of this rank's last step.
+    fn shadow(&self, grads: Vec<(String, crate::graph::TensorType)>) {
+        let (s, rank) = (&self.session, self.rank());
+        let inner = &self.device.inner;
+        let mut zeros: Vec<CTensor<I::FloatTensorPrimitive>> = grads
+            .iter()
+            .map(|(_, ty)| {
+                let shape = Shape::from(ty.shape.iter().map(|d| *d as usize).collect::<Vec<_>>());
+                // A gradient's dtype is a float one (its submission checked).
+                let dtype = super::ops_grad::float_dtype(ty.dtype).unwrap_or(FloatDType::F32);
+                CTensor::new(I::float_zeros(shape, inner, dtype), rank as u32)
+            })
+            .collect();
+        s.state(rank, "join").registered = grads.iter().map(|(n, _)| n.clone()).collect();
+        for (z, (name, _)) in zeros.iter_mut().zip(grads) {
+            // `zeros` outlives the sync point, where the reduced zeros are written back.
+            s.submit(TensorRef::<Collective<I>>(std::ptr::from_mut(z)), name);
+        }
+        s.note_held(rank);
+        s.flush_user(rank, None);
+        s.sync(&self.device);
+        s.meet_after_backward(rank);
+        drop(zeros);
+    }
+}
+
+impl<I: Backend> Drop for Join<I> {
+    fn drop(&mut self) {
+        // A scope left without finishing: this rank's next steps start no round.
+        if let Some(r) = self.session.ranks.get(self.rank()) {
+            lock(r).join = None;
+        }
+    }
+}
