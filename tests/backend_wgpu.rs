@@ -167,6 +167,42 @@ fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
     common::sync_norm::assert_trains_as_one_rank::<Unfused>(&devices, options(), 1e-4);
 }
 
+/// Uneven inputs on wgpu ranks, fused and not: rank 0 has 2 batches, rank 1 has 3; both end
+/// with rank 1's weights, where one rank ends that steps on the batches every rank had, and the
+/// step rank 0 took part in with zero gradients was packed and reduced in device memory as its
+/// own steps were (as many device buckets as rank 1's).
+#[test]
+fn ranks_with_uneven_inputs_on_wgpu_reduce_a_finished_ranks_zeros_on_the_device() {
+    if !adapter() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let devices = rank_devices();
+    let options = || CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    };
+    let steps = [2, 3];
+    for ended in [
+        common::join::assert_uneven_ranks_train_as_one_rank::<Wgpu>(
+            &devices,
+            &steps,
+            options(),
+            1e-4,
+        ),
+        common::join::assert_uneven_ranks_train_as_one_rank::<Unfused>(
+            &devices,
+            &steps,
+            options(),
+            1e-4,
+        ),
+    ] {
+        let buckets: Vec<u64> = ended.iter().map(|e| e.stats.device_buckets).collect();
+        assert!(buckets[0] > 0, "{buckets:?}");
+        assert_eq!(buckets[0], buckets[1], "device buckets by rank");
+    }
+}
+
 /// `sync_buffers` on fused wgpu ranks: each rank's BatchNorm statistics become rank 0's, bit
 /// for bit (`Broadcast`), then the ranks' mean, the same bits on both (`Mean`), packed and
 /// reduced as device buckets (nothing read to the host for them).

@@ -6,33 +6,22 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use burn_autodiff::Autodiff;
-use burn_backend::Backend;
 use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::tensor::Tensor;
 use burn_ndarray::{NdArray, NdArrayDevice};
-use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{Linear, LinearConfig};
-use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinError, JoinReport, join, mark_distributed,
+    Collective, CollectiveDevice, CollectiveOptions, JoinError, join, mark_distributed,
 };
-use collective_fusion::train::{module_weights, synthetic_batch};
 
 mod common;
 
 type Inner = Collective<NdArray>;
-type B = Autodiff<Inner>;
+type B = common::join::B<NdArray>;
+type Net = common::join::Net<NdArray>;
 type Dev = CollectiveDevice<NdArrayDevice>;
-type Net = (Linear<B>, Linear<B>);
 
 /// Sessions are per backend type: tests that start one run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-const WIDTH: usize = 6;
-const OUTPUTS: usize = 3;
-const ROWS: usize = 2;
-const LR: f64 = 0.2;
 
 fn devices(world: usize) -> Vec<Dev> {
     (0..world as u32)
@@ -40,50 +29,18 @@ fn devices(world: usize) -> Vec<Dev> {
         .collect()
 }
 
-fn start(world: usize, timeout: Duration) -> Vec<Dev> {
-    let devices = devices(world);
-    let options = CollectiveOptions {
+fn options(timeout: Duration) -> CollectiveOptions {
+    CollectiveOptions {
         timeout,
         ..CollectiveOptions::default()
-    };
+    }
+}
+
+fn start(world: usize) -> Vec<Dev> {
+    let devices = devices(world);
+    let options = options(Duration::from_secs(60));
     common::ranks::start_server::<NdArray>(&devices, options, ReduceOperation::Mean);
     devices
-}
-
-fn net(d: &Dev) -> Net {
-    <B as Backend>::seed(d, 5);
-    let net: Net = (
-        LinearConfig::new(WIDTH, WIDTH).init(d),
-        LinearConfig::new(WIDTH, OUTPUTS).init(d),
-    );
-    let _ = module_weights::<B, Net>(&net);
-    net
-}
-
-/// The loss of rank `rank`'s batch of `step`.
-fn loss(net: &Net, rank: usize, step: usize, d: &Dev) -> Tensor<B, 1> {
-    let (x, y) = synthetic_batch::<B>(step, (rank * ROWS, (rank + 1) * ROWS), WIDTH, OUTPUTS, d);
-    let out = net
-        .1
-        .forward(burn_core::tensor::activation::relu(net.0.forward(x)));
-    MseLoss::new().forward(out, y, Reduction::Mean)
-}
-
-/// Rank `rank` trains on its first `steps` batches inside a join scope, then finishes; its
-/// weights before and after taking the authority's, and what it saw.
-fn train_rank(net: Net, rank: usize, steps: usize, d: &Dev) -> (Vec<f32>, Vec<f32>, JoinReport) {
-    let mut net = mark_distributed::<B, Net>(net).expect("marking the model");
-    let scope = join::<NdArray>(d);
-    let mut sgd = SgdConfig::new().init::<B, Net>();
-    for step in 0..steps {
-        let grads = GradientsParams::from_grads(loss(&net, rank, step, d).backward(), &net);
-        net = sgd.step(LR, net, grads);
-    }
-    let own = module_weights::<B, Net>(&net);
-    let (net, report) = scope
-        .finish_model::<B, Net>(net)
-        .expect("finishing the scope");
-    (own, module_weights::<B, Net>(&net), report)
 }
 
 /// `f`'s result, or the message it panicked with (a rank's failed gradient sync panics).
@@ -95,59 +52,19 @@ fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
-/// Ranks of 2, 4 and 3 batches, with the gradient sync's mean, end where one rank ends that
-/// steps on the sum of the losses of the ranks that had a batch, divided by the world (what a
-/// finished rank's zeros make of the mean); each rank saw every round, the early ones took part
-/// in the steps they had no batch for, and every rank ends with the last one's weights.
+/// Ranks of 2, 4 and 3 batches end where one rank ends that steps on the batches every rank had
+/// at each step, all with rank 1's weights; the early ranks took part in the steps they had no
+/// batch for.
 #[test]
 fn ranks_with_uneven_inputs_train_as_one_rank_and_end_alike() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let steps = [2, 4, 3];
-    let world = steps.len();
-    let d0 = devices(1).remove(0);
-    let initial = module_weights::<B, Net>(&net(&d0));
-    // No server: one rank, every batch of each step.
-    let mut one = net(&d0);
-    let mut sgd = SgdConfig::new().init::<B, Net>();
-    for step in 0..*steps.iter().max().unwrap() {
-        let total = (0..world)
-            .filter(|r| step < steps[*r])
-            .map(|r| loss(&one, r, step, &d0))
-            .reduce(|a, b| a + b)
-            .unwrap()
-            / world as f32;
-        let grads = GradientsParams::from_grads(total.backward(), &one);
-        one = sgd.step(LR, one, grads);
-    }
-    let one = module_weights::<B, Net>(&one);
-
-    let devices = start(world, Duration::from_secs(60));
-    let ranks = common::ranks::forked_per_rank::<B, _, _>(&devices, &net(&d0), |m, d, r| {
-        train_rank(m, r, steps[r], d)
-    });
-    Collective::<NdArray>::close_communication_server(&devices[0]);
-
-    for (r, (_, _, report)) in ranks.iter().enumerate() {
-        assert_eq!(
-            report,
-            &JoinReport {
-                rank: r,
-                shadowed_steps: (4 - steps[r]) as u64,
-                rounds: 4,
-                last_trained: vec![1],
-                authority: 1,
-            }
-        );
-    }
-    // The early ranks' own weights lag the last one's; afterwards every rank has its bits.
-    assert_ne!(ranks[0].0, ranks[1].0, "rank 0 stopped two steps early");
-    for (r, (_, after, _)) in ranks.iter().enumerate() {
-        assert_eq!(
-            after, &ranks[1].0,
-            "rank {r} does not end with rank 1's weights"
-        );
-    }
-    common::ranks::assert_ends_as_one_rank(&ranks[1].0, &one, &initial, 1e-4, 1e-3);
+    let options = options(Duration::from_secs(60));
+    common::join::assert_uneven_ranks_train_as_one_rank::<NdArray>(
+        &devices(3),
+        &[2, 4, 3],
+        options,
+        1e-4,
+    );
 }
 
 /// A rank that runs out of inputs before its first step cannot take part in the others' steps
@@ -156,20 +73,23 @@ fn ranks_with_uneven_inputs_train_as_one_rank_and_end_alike() {
 #[test]
 fn a_rank_without_a_step_to_replay_fails_every_rank() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices = start(2, Duration::from_secs(60));
+    let devices = start(2);
     let started = std::time::Instant::now();
     let d0 = devices[0];
-    let results = common::ranks::forked_per_rank::<B, _, _>(&devices, &net(&d0), |m, d, r| {
-        caught(|| {
-            let net = mark_distributed::<B, Net>(m).expect("marking the model");
-            let scope = join::<NdArray>(d);
-            if r == 1 {
-                let grads = GradientsParams::from_grads(loss(&net, r, 0, d).backward(), &net);
-                drop(grads);
-            }
-            scope.finish()
-        })
-    });
+    let results = common::ranks::forked_per_rank::<B, _, _>(
+        &devices,
+        &common::join::net::<NdArray>(&d0),
+        |m, d, r| {
+            caught(|| {
+                let net = mark_distributed::<B, Net>(m).expect("marking the model");
+                let scope = join::<NdArray>(d);
+                if r == 1 {
+                    drop(common::join::loss::<NdArray>(&net, r, 0, d).backward());
+                }
+                scope.finish()
+            })
+        },
+    );
     Collective::<NdArray>::close_communication_server(&d0);
     match &results[0] {
         Ok(Err(e @ JoinError::NoStep { rank: 0, training })) => {
@@ -194,29 +114,32 @@ fn a_rank_without_a_step_to_replay_fails_every_rank() {
 #[test]
 fn another_collective_while_a_rank_has_finished_fails_every_rank() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices = start(2, Duration::from_secs(60));
+    let devices = start(2);
     let started = std::time::Instant::now();
     let d0 = devices[0];
-    let results = common::ranks::forked_per_rank::<B, _, _>(&devices, &net(&d0), |m, d, r| {
-        caught(|| {
-            let mut net = mark_distributed::<B, Net>(m).expect("marking the model");
-            let scope = join::<NdArray>(d);
-            let mut sgd = SgdConfig::new().init::<B, Net>();
-            let grads = GradientsParams::from_grads(loss(&net, r, 0, d).backward(), &net);
-            net = sgd.step(LR, net, grads);
-            if r == 1 {
-                let t = Tensor::<Inner, 1>::ones([4], d);
-                let summed = collective_fusion::backend::all_reduce::<Inner, 1>(
-                    t,
-                    ReduceOperation::Sum,
-                    &devices,
-                );
-                let _ = summed.resolve().into_data();
-            }
-            drop(net);
-            scope.finish()
-        })
-    });
+    let results = common::ranks::forked_per_rank::<B, _, _>(
+        &devices,
+        &common::join::net::<NdArray>(&d0),
+        |m, d, r| {
+            caught(|| {
+                let mut net = mark_distributed::<B, Net>(m).expect("marking the model");
+                let scope = join::<NdArray>(d);
+                let l = common::join::loss::<NdArray>(&net, r, 0, d);
+                net = common::join::step::<NdArray>(net, l);
+                if r == 1 {
+                    let t = Tensor::<Inner, 1>::ones([4], d);
+                    let summed = collective_fusion::backend::all_reduce::<Inner, 1>(
+                        t,
+                        ReduceOperation::Sum,
+                        &devices,
+                    );
+                    let _ = summed.resolve().into_data();
+                }
+                drop(net);
+                scope.finish()
+            })
+        },
+    );
     Collective::<NdArray>::close_communication_server(&d0);
     let message = |r: usize| match &results[r] {
         Ok(Ok(report)) => panic!("rank {r}: expected a failure, got {report:?}"),

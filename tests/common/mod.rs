@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cube;
+pub mod join;
 pub mod kernels;
 pub mod kill;
 pub mod persistent;

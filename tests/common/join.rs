@@ -1,0 +1,143 @@
+//! Uneven inputs on any inner backend: ranks with different numbers of batches inside a `join`
+//! scope, against one rank that steps on the batches every rank had at each step.
+
+use burn_autodiff::Autodiff;
+use burn_backend::Backend;
+use burn_backend::distributed::{DistributedBackend, ReduceOperation};
+use burn_core::tensor::Tensor;
+use burn_nn::loss::{MseLoss, Reduction};
+use burn_nn::{Linear, LinearConfig};
+use burn_optim::{GradientsParams, Optimizer, SgdConfig};
+use collective_fusion::backend::{
+    Collective, CollectiveDevice, CollectiveOptions, JoinReport, SyncStats, join, mark_distributed,
+    sync_stats,
+};
+use collective_fusion::train::{module_weights, synthetic_batch};
+
+pub type B<I> = Autodiff<Collective<I>>;
+/// Two linear layers with a ReLU between.
+pub type Net<I> = (Linear<B<I>>, Linear<B<I>>);
+
+const WIDTH: usize = 6;
+const OUTPUTS: usize = 3;
+const ROWS: usize = 2;
+const LR: f64 = 0.2;
+
+/// The model every rank starts from (rank 0's, which marking gives every rank).
+pub fn net<I: Backend>(d: &CollectiveDevice<I::Device>) -> Net<I> {
+    <B<I> as Backend>::seed(d, 5);
+    let net: Net<I> = (
+        LinearConfig::new(WIDTH, WIDTH).init(d),
+        LinearConfig::new(WIDTH, OUTPUTS).init(d),
+    );
+    let _ = module_weights::<B<I>, Net<I>>(&net);
+    net
+}
+
+/// The loss of rank `rank`'s batch of `step`.
+pub fn loss<I: Backend>(
+    net: &Net<I>,
+    rank: usize,
+    step: usize,
+    d: &CollectiveDevice<I::Device>,
+) -> Tensor<B<I>, 1> {
+    let rows = (rank * ROWS, (rank + 1) * ROWS);
+    let (x, y) = synthetic_batch::<B<I>>(step, rows, WIDTH, OUTPUTS, d);
+    let out = net
+        .1
+        .forward(burn_core::tensor::activation::relu(net.0.forward(x)));
+    MseLoss::new().forward(out, y, Reduction::Mean)
+}
+
+/// One SGD step of `net` on `loss`.
+pub fn step<I: Backend>(net: Net<I>, loss: Tensor<B<I>, 1>) -> Net<I> {
+    let grads = GradientsParams::from_grads(loss.backward(), &net);
+    SgdConfig::new().init::<B<I>, Net<I>>().step(LR, net, grads)
+}
+
+/// What a rank of [`assert_uneven_ranks_train_as_one_rank`] ended with.
+pub struct Ended {
+    /// Its weights after its own last step.
+    pub own: Vec<f32>,
+    /// Its weights after `finish_model`.
+    pub after: Vec<f32>,
+    pub report: JoinReport,
+    pub stats: SyncStats,
+}
+
+/// Rank `r` of `devices` (a server started with `options`, the gradient sync's mean) trains on
+/// its first `steps[r]` batches inside a join scope, then finishes with `finish_model`. Asserts
+/// that every rank saw every round and took part in the steps it had no batch for, that every
+/// rank ends with the weights of the lowest rank that trained longest, and that those are
+/// (within `rel`) where one rank ends that steps on the sum of the losses of the ranks that had
+/// a batch, divided by the world (what a finished rank's zeros make of the mean). Returns what
+/// each rank ended with.
+pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
+    devices: &[CollectiveDevice<I::Device>],
+    steps: &[usize],
+    options: CollectiveOptions,
+    rel: f64,
+) -> Vec<Ended> {
+    let world = devices.len();
+    let d0 = &devices[0];
+    let longest = *steps.iter().max().expect("a rank");
+    let authority = steps.iter().position(|s| *s == longest).unwrap_or(0);
+    let initial = module_weights::<B<I>, Net<I>>(&net::<I>(d0));
+    // No server: one rank, every batch of each step.
+    let mut one = net::<I>(d0);
+    for s in 0..longest {
+        let total = (0..world)
+            .filter(|r| s < steps[*r])
+            .map(|r| loss::<I>(&one, r, s, d0))
+            .reduce(|a, b| a + b)
+            .expect("a rank trains at every step up to the longest")
+            / world as f32;
+        one = step::<I>(one, total);
+    }
+    let one = module_weights::<B<I>, Net<I>>(&one);
+
+    super::ranks::start_server::<I>(devices, options, ReduceOperation::Mean);
+    let ended = super::ranks::forked_per_rank::<B<I>, _, _>(devices, &net::<I>(d0), |m, d, r| {
+        let mut net = mark_distributed::<B<I>, Net<I>>(m).expect("marking the model");
+        let scope = join::<I>(d);
+        for s in 0..steps[r] {
+            let l = loss::<I>(&net, r, s, d);
+            net = step::<I>(net, l);
+        }
+        let own = module_weights::<B<I>, Net<I>>(&net);
+        let (net, report) = scope
+            .finish_model::<B<I>, Net<I>>(net)
+            .expect("finishing the scope");
+        Ended {
+            own,
+            after: module_weights::<B<I>, Net<I>>(&net),
+            report,
+            stats: sync_stats::<I>(r),
+        }
+    });
+    Collective::<I>::close_communication_server(d0);
+
+    for (r, e) in ended.iter().enumerate() {
+        let last_trained: Vec<usize> = (0..world).filter(|q| steps[*q] == longest).collect();
+        let want = JoinReport {
+            rank: r,
+            shadowed_steps: (longest - steps[r]) as u64,
+            rounds: longest as u64,
+            last_trained,
+            authority,
+        };
+        assert_eq!(e.report, want, "rank {r}");
+        assert_eq!(
+            e.after, ended[authority].own,
+            "rank {r} does not end with rank {authority}'s weights"
+        );
+    }
+    if let Some(early) = (0..world).find(|r| steps[*r] < longest) {
+        assert_ne!(
+            ended[early].own, ended[authority].own,
+            "rank {early} stopped early: its own weights lag"
+        );
+    }
+    super::ranks::assert_ends_as_one_rank(&ended[authority].own, &one, &initial, rel, 1e-3);
+    ended
+}
