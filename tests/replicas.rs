@@ -14,7 +14,7 @@ use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
     BufferSync, Collective, CollectiveDevice, CollectiveOptions, InitialWeights, ReplicaError,
-    mark_distributed, sync_buffers,
+    mark_distributed, replicate_from, sync_buffers,
 };
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
@@ -148,6 +148,37 @@ fn ranks_that_build_their_own_models_start_from_rank_zero_weights() {
             bits(&after),
             bits(&reference[0]),
             "rank {r} after one step: as if every rank had started alike"
+        );
+    }
+}
+
+/// `replicate_from`: every rank takes rank 2's weights bit for bit (still trained: they require
+/// a gradient); a root outside the server is an error naming it on every rank.
+#[test]
+fn any_rank_can_give_every_rank_its_weights() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let world = 3;
+    let models: Vec<Mlp> = (0..world)
+        .map(|r| model(&WIDTHS, 200 + r as u64, r))
+        .collect();
+    let rank2 = weights(&models[2]);
+    let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
+    let out = common::ranks::on_threads(models, |_, m| {
+        let m = replicate_from::<B, Mlp>(m, 2)?;
+        let trained = m.iter().all(|l| l.weight.val().is_require_grad());
+        let refused = replicate_from::<B, Mlp>(m.clone(), 3).map(|_| ());
+        Ok::<_, ReplicaError>((weights(&m), trained, refused))
+    });
+    Inner::close_communication_server(&devices[0]);
+    for (r, o) in out.into_iter().enumerate() {
+        let (w, trained, refused) = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(bits(&w), bits(&rank2), "rank {r} has rank 2's weights");
+        assert!(trained, "rank {r}: the weights still require a gradient");
+        let e = refused.expect_err("rank 3 of 3 is refused");
+        assert!(
+            e.to_string()
+                .contains("rank 3 is not one of the server's 3 ranks"),
+            "rank {r}: {e}"
         );
     }
 }
