@@ -169,6 +169,36 @@ fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
     );
 }
 
+/// Processes with uneven inputs (`--uneven 1`: rank 0 trains 2 steps, rank 1 all 3, over TCP,
+/// each seeding its own model) take part in each other's gradient syncs to the end and end with
+/// rank 1's weights, as the run's two threads do; and not as the even run ends.
+#[test]
+fn processes_with_uneven_inputs_end_as_their_threads() {
+    let outs = over_tcp(2, |r| {
+        ["--seed", &(9 + r).to_string(), "--uneven", "1"]
+            .map(String::from)
+            .to_vec()
+    });
+    let threads = |extra: &[&str]| {
+        let args = ["--world", "2", "--seed", "9"];
+        digest(&output_bounded(
+            Command::new(BIN).args(ARGS).args(args).args(extra),
+        ))
+    };
+    let expected = threads(&["--uneven", "1"]);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(digest(o), expected, "rank {r}");
+        let text = String::from_utf8_lossy(&o.stdout);
+        let line = format!(
+            "uneven inputs (rank {r}): trained {} steps, took part in {} more with zero gradients; ends with rank 1's weights",
+            2 + r,
+            1 - r
+        );
+        assert!(text.contains(&line), "rank {r}:\n{text}");
+    }
+    assert_ne!(threads(&[]), expected, "--uneven trained as the even run");
+}
+
 /// A process whose model has an extra layer fails every process at `mark_distributed`,
 /// naming the parameter where the models part.
 #[test]

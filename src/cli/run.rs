@@ -91,6 +91,11 @@ pub(crate) struct RunArgs {
     /// instead of Burn's `BatchNorm`, whose statistics are each rank's.
     #[arg(long)]
     sync_bn: bool,
+    /// Uneven inputs: rank r of w stops after `--steps` − (w − 1 − r) × N steps (the last rank
+    /// trains them all) inside a join scope, where a rank out of inputs takes part in the
+    /// others' gradient syncs with zeros; every rank then takes the last rank's weights.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    uneven: usize,
     /// Read every gradient into host memory as it arrives and pack there, even on a device
     /// backend (`CollectiveOptions::device_buckets` off), to compare with the device pack.
     #[arg(long)]
@@ -211,6 +216,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             BuffersArg::Mean => BufferSync::Mean,
         },
         sync_norm: a.sync_bn,
+        uneven: a.uneven,
     };
     let tty = std::io::stderr().is_terminal();
     let steps = a.steps;
@@ -331,6 +337,16 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
                 "link (rank {r0}): not fitted (collectives of fewer than two sizes)"
             )?,
         }
+    }
+    for j in &report.joins {
+        writeln!(
+            out,
+            "uneven inputs (rank {}): trained {} steps, took part in {} more with zero gradients; ends with rank {}'s weights",
+            j.rank,
+            report.steps_of(j.rank),
+            j.shadowed_steps,
+            j.authority
+        )?;
     }
     writeln!(
         out,

@@ -20,9 +20,9 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
-    BufferSync, Collective, CollectiveDevice, CollectiveOptions, LazyStats, SyncStats, Transport,
-    lazy_stats, mark_distributed, measured_link, measured_step, recorded_step_graph, sync_buffers,
-    sync_stats, take_trace, trace_span,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, JoinReport, LazyStats, SyncStats,
+    Transport, join, lazy_stats, mark_distributed, measured_link, measured_step,
+    recorded_step_graph, sync_buffers, sync_stats, take_trace, trace_span,
 };
 use crate::config::CompileConfig;
 use crate::graph::print::print;
@@ -108,6 +108,10 @@ pub struct RunOptions {
     /// `RunModel::ResNet`'s norms as [`SyncBatchNorm`](crate::backend::SyncBatchNorm)
     /// (statistics over every rank's batch) instead of Burn's `BatchNorm`.
     pub sync_norm: bool,
+    /// Uneven inputs: when above 0, rank `r` of `w` trains `steps - (w - 1 - r) × uneven` steps
+    /// (the last rank all of them) inside a [`join`](crate::backend::join) scope, and every
+    /// rank ends with the weights of the last to train ([`JoinReport`]).
+    pub uneven: usize,
 }
 
 /// One step, as rank 0 saw it.
@@ -155,6 +159,22 @@ pub struct RunReport {
     pub peer_measured_steps: Vec<Vec<MeasuredStep>>,
     /// The link the first local rank fitted (a group of more than one rank).
     pub link: Option<LinkFit>,
+    /// With [`RunOptions::uneven`]: what each local rank's join scope saw (in `local_ranks`
+    /// order); empty otherwise.
+    pub joins: Vec<JoinReport>,
+    /// The run's steps ([`RunOptions::steps`]).
+    pub steps_run: usize,
+    /// The run's [`RunOptions::uneven`].
+    pub uneven: usize,
+}
+
+impl RunReport {
+    /// The steps rank `rank` trained on inputs of its own (fewer than the run's under
+    /// [`RunOptions::uneven`]).
+    pub fn steps_of(&self, rank: usize) -> usize {
+        let short = (self.world as usize).saturating_sub(1 + rank) * self.uneven;
+        self.steps_run.saturating_sub(short)
+    }
 }
 
 /// FNV-1a (64-bit) over the bits of `w`.
@@ -290,6 +310,18 @@ fn run_model<I: Backend, M: Net<B<I>>>(
         Transport::Nccl(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
     };
     let first = local[0];
+    let short = (world as usize - 1) * opts.uneven;
+    if opts.uneven > 0 {
+        if matches!(opts.model, RunModel::ResNet { .. }) {
+            return Err("--uneven with --model resnet: its buffers are made alike by a collective every step, which a rank that ran out of inputs does not take part in".into());
+        }
+        if opts.steps <= short {
+            return Err(format!(
+                "--uneven {}: rank 0 of {world} would train {} - {short} steps; every rank trains at least one (more --steps or a smaller --uneven)",
+                opts.uneven, opts.steps
+            ));
+        }
+    }
     let devices: Vec<Dev<I>> = local
         .iter()
         .map(|r| CollectiveDevice::new(device(*r), *r))
@@ -308,7 +340,15 @@ fn run_model<I: Backend, M: Net<B<I>>>(
     // Parameters initialize lazily: materialize them before the ranks copy them.
     let w0 = weights::<I, M>(&init);
     let params = w0.len();
-    type RankResult = Result<(Vec<StepRecord>, Vec<f32>, Vec<MeasuredStep>), String>;
+    type RankResult = Result<
+        (
+            Vec<StepRecord>,
+            Vec<f32>,
+            Vec<MeasuredStep>,
+            Option<JoinReport>,
+        ),
+        String,
+    >;
     let results: Vec<RankResult> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .iter()
@@ -326,7 +366,9 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                     let mut optim = SgdConfig::new().init::<B<I>, M>();
                     let mut records = Vec::with_capacity(opts.steps);
                     let mut measured: Vec<MeasuredStep> = Vec::new();
-                    for step in 0..opts.steps {
+                    let scope = (opts.uneven > 0).then(|| join::<I>(d));
+                    let steps = opts.steps - (world as usize - 1 - rank) * opts.uneven;
+                    for step in 0..steps {
                         let t0 = Instant::now();
                         model = sync_buffers::<B<I>, M>(model, opts.buffers)
                             .map_err(|e| e.to_string())?;
@@ -360,7 +402,17 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                             progress(step + 1);
                         }
                     }
-                    Ok((records, weights::<I, M>(&model), measured))
+                    let joined = match scope {
+                        Some(scope) => {
+                            let (m, report) = scope
+                                .finish_model::<B<I>, M>(model)
+                                .map_err(|e| e.to_string())?;
+                            model = m;
+                            Some(report)
+                        }
+                        None => None,
+                    };
+                    Ok((records, weights::<I, M>(&model), measured, joined))
                 })
             })
             .collect();
@@ -384,7 +436,8 @@ fn run_model<I: Backend, M: Net<B<I>>>(
     let link = measured_link::<I>(first as usize);
     Collective::<I>::close_communication_server(&devices[0]);
     let results = results.into_iter().collect::<Result<Vec<_>, String>>()?;
-    let ranks_agree = results.iter().all(|(_, w, _)| *w == results[0].1);
+    let ranks_agree = results.iter().all(|(_, w, _, _)| *w == results[0].1);
+    let joins = results.iter().filter_map(|r| r.3.clone()).collect();
     let weights_digest = weights_digest(&results[0].1);
     let mut ranks = results.into_iter();
     let (steps, measured_steps) = ranks.next().map(|r| (r.0, r.2)).unwrap_or_default();
@@ -405,6 +458,9 @@ fn run_model<I: Backend, M: Net<B<I>>>(
         measured_steps,
         peer_measured_steps,
         link,
+        joins,
+        steps_run: opts.steps,
+        uneven: opts.uneven,
     })
 }
 
