@@ -41,6 +41,11 @@
 //! device memory, so the values never cross to the host. Requires what a marking requires.
 //! Guarantees: afterwards every rank's buffers are bit for bit alike; trained parameters are left
 //! as they are.
+//!
+//! `replicate_from` gives every rank one rank's floats, trained parameters and buffers: the same
+//! list check over every float, then the same lazy all-reduces, to which the root contributes
+//! its values and the others negative zeros (what [`Join::finish_model`](super::Join) does
+//! after uneven inputs). Requires what a marking requires, and a root below the world size.
 
 use std::any::Any;
 use std::collections::HashSet;
