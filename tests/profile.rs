@@ -463,8 +463,14 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
         (&["run", "--compare-policies", "--policy", "ddp"], &[]),
         (&["run", "--compare-policies", "--rounds", "0"], &[]),
         (&["run", "--rounds", "2"], &[]),
-        (&["run", "--world", "3", "--steps", "4", "--uneven", "2"], &[]),
-        (&["run", "--model", "resnet", "--world", "2", "--uneven", "1"], &[]),
+        (
+            &["run", "--world", "3", "--steps", "4", "--uneven", "2"],
+            &[],
+        ),
+        (
+            &["run", "--model", "resnet", "--world", "2", "--uneven", "1"],
+            &[],
+        ),
         (&["plan", "--model", "gpt2", "--world", "0"], &[]),
         (&["plan", "--model", "no-such-model"], &[]),
         (&["profile", "--model", "gpt2", "--world", "0"], &[]),

@@ -109,7 +109,7 @@ pub struct RunOptions {
     /// (statistics over every rank's batch) instead of Burn's `BatchNorm`.
     pub sync_norm: bool,
     /// Uneven inputs: when above 0, rank `r` of `w` trains `steps - (w - 1 - r) × uneven` steps
-    /// (the last rank all of them) inside a [`join`](crate::backend::join) scope, and every
+    /// (the last rank all of them) inside a [`join`] scope, and every
     /// rank ends with the weights of the last to train ([`JoinReport`]).
     pub uneven: usize,
 }
