@@ -10,7 +10,7 @@ use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::tensor::Tensor;
 use burn_ndarray::{NdArray, NdArrayDevice};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinError, join, mark_distributed,
+    Collective, CollectiveDevice, CollectiveOptions, JoinError, join, mark_distributed, no_sync,
 };
 
 mod common;
@@ -65,6 +65,60 @@ fn ranks_with_uneven_inputs_train_as_one_rank_and_end_alike() {
         options,
         1e-4,
     );
+}
+
+/// Gradient accumulation inside the scope: each step is two micro-batches, the first under
+/// `no_sync`. Ranks of 1 and 3 steps end where one rank ends that steps on the losses of both
+/// micro-batches of every rank that had them, divided by the world: a `no_sync` backward
+/// starts no round, the synced one does, and the finished rank's zeros stand for the sums.
+#[test]
+fn uneven_ranks_that_accumulate_micro_batches_train_as_one_rank() {
+    use common::join::{loss, net, step};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let steps = [1, 3];
+    let d0 = devices(1).remove(0);
+    let initial = collective_fusion::train::module_weights::<B, Net>(&net::<NdArray>(&d0));
+    let mut one = net::<NdArray>(&d0);
+    for s in 0..3 {
+        let total = (0..2)
+            .filter(|r| s < steps[*r])
+            .flat_map(|r| [(r, 2 * s), (r, 2 * s + 1)])
+            .map(|(r, k)| loss::<NdArray>(&one, r, k, &d0))
+            .reduce(|a, b| a + b)
+            .expect("rank 1 trains every step")
+            / 2.0;
+        one = step::<NdArray>(one, total);
+    }
+    let one = collective_fusion::train::module_weights::<B, Net>(&one);
+
+    let devices = start(2);
+    let ended =
+        common::ranks::forked_per_rank::<B, _, _>(&devices, &net::<NdArray>(&d0), |m, d, r| {
+            let mut net = mark_distributed::<B, Net>(m).expect("marking the model");
+            let scope = join::<NdArray>(d);
+            for s in 0..steps[r] {
+                {
+                    let _accumulate = no_sync::<NdArray>(d);
+                    drop(loss::<NdArray>(&net, r, 2 * s, d).backward());
+                }
+                // A backward pass consumes Burn's mark: mark again before the next micro-batch.
+                net = mark_distributed::<B, Net>(net).expect("marking again");
+                let l = loss::<NdArray>(&net, r, 2 * s + 1, d);
+                net = step::<NdArray>(net, l);
+            }
+            let (net, report) = scope
+                .finish_model::<B, Net>(net)
+                .expect("finishing the scope");
+            (
+                collective_fusion::train::module_weights::<B, Net>(&net),
+                report,
+            )
+        });
+    Collective::<NdArray>::close_communication_server(&d0);
+    assert_eq!(ended[0].1.shadowed_steps, 2);
+    assert_eq!(ended[1].1.shadowed_steps, 0);
+    assert_eq!(ended[0].0, ended[1].0, "the ranks end alike");
+    common::ranks::assert_ends_as_one_rank(&ended[1].0, &one, &initial, 1e-4, 1e-3);
 }
 
 /// A rank that runs out of inputs before its first step cannot take part in the others' steps
