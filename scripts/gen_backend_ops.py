@@ -67,7 +67,7 @@ WRAPPED = {
     "DeformConv2dBackward<B>": "deform_conv2d_backward",
 }
 # Borrowed arguments a recorded closure keeps as an owned copy.
-OWNED = {"&[usize]": "to_vec()", "&Device<B>": "inner.clone()"}
+OWNED = {"&[usize]": "to_vec()", "&[Slice]": "to_vec()", "&Device<B>": "inner.clone()"}
 
 
 def burn_backend_src():

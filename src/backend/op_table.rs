@@ -17,7 +17,7 @@
 
 use burn_backend::Scalar;
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
-use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape};
+use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape, Slice, SliceOps};
 
 use super::rules::{self, Meta, Rule};
 use crate::graph::ComputeKind;
@@ -382,6 +382,23 @@ pub(crate) fn float_reshape(tensor: Meta, shape: &Shape) -> Rule {
 
 pub(crate) fn float_expand(tensor: Meta, shape: &Shape) -> Rule {
     Rule::layout(Some(shape.clone()), tensor.dtype)
+}
+
+/// A copy of the part `slices` selects (Burn's `Tensor` checks them before the backend sees
+/// them; a shape the slices do not fit is left unknown, computed when asked).
+pub(crate) fn float_slice(tensor: Meta, slices: &[Slice]) -> Rule {
+    let shape = tensor.shape.and_then(|s| s.slice(slices).ok());
+    Rule::layout(shape, tensor.dtype)
+}
+
+/// `tensor` with the part `slices` selects replaced by `value`: shaped like `tensor`.
+pub(crate) fn float_slice_assign(tensor: Meta, _slices: &[Slice], _value: Meta) -> Rule {
+    Rule::layout(tensor.shape, tensor.dtype)
+}
+
+/// The same values, marked (on an inner backend with autodiff of its own) to take a gradient.
+pub(crate) fn float_set_require_grad(tensor: Meta, _require_grad: &bool) -> Rule {
+    Rule::layout(tensor.shape, tensor.dtype)
 }
 
 // Reductions.

@@ -311,16 +311,21 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_slice", rules::inputs([tensor.input()]));
-        log.float::<I>(rank, I::float_slice(tensor.into_inner_for("float_slice"), slices))
+        let rule = op_table::float_slice(tensor.meta(), slices);
+        let node = rule.record("float_slice", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
+        let slices = slices.to_vec();
+        CTensor::lazy(rank, node, move || I::float_slice(tensor.into_inner(), &slices))
     }
     fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_slice_assign", rules::inputs([tensor.input(), value.input()]));
-        log.float::<I>(
-            rank,
-            I::float_slice_assign(tensor.into_inner_for("float_slice_assign"), slices, value.into_inner_for("float_slice_assign")),
-        )
+        let rule = op_table::float_slice_assign(tensor.meta(), slices, value.meta());
+        let node = rule.record(
+            "float_slice_assign",
+            tensor.device_handle(|p| I::float_device(p)),
+            rules::inputs([tensor.input(), value.input()]),
+        );
+        let slices = slices.to_vec();
+        CTensor::lazy(rank, node, move || I::float_slice_assign(tensor.into_inner(), &slices, value.into_inner()))
     }
     fn float_mask_where(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
@@ -455,8 +460,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let log = Eager::new("float_set_require_grad", rules::inputs([tensor.input()]));
-        log.float::<I>(rank, I::float_set_require_grad(tensor.into_inner_for("float_set_require_grad"), _require_grad))
+        let rule = op_table::float_set_require_grad(tensor.meta(), &_require_grad);
+        let node = rule.record(
+            "float_set_require_grad",
+            tensor.device_handle(|p| I::float_device(p)),
+            rules::inputs([tensor.input()]),
+        );
+        CTensor::lazy(rank, node, move || I::float_set_require_grad(tensor.into_inner(), _require_grad))
     }
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
         I::float_is_require_grad(&_tensor.inner_for("float_is_require_grad"))
