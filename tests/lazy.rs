@@ -424,7 +424,7 @@ fn fills_and_moves_are_recorded_and_a_move_lands_on_its_target_rank() {
     );
 }
 
-/// Slices (`slice`, `narrow`, `chunk`), a slice assign and `set_require_grad` are recorded: a
+/// Slices (`slice`, `narrow`, `chunk`) and slice assigns are recorded: a
 /// rotary embedding's shape of work (the halves of a row swapped, one negated, written back
 /// into a copy) runs nothing until its read, reports its shapes without running, and computes
 /// NdArray's values bit for bit.
@@ -435,8 +435,7 @@ fn slices_and_slice_assigns_are_recorded_and_compute_ndarray_values() {
         let swapped = x
             .clone()
             .slice_assign([0..4, 0..3], -halves[1].clone())
-            .slice_assign([0..4, 3..6], halves[0].clone())
-            .set_require_grad(false);
+            .slice_assign([0..4, 3..6], halves[0].clone());
         let corner = x.narrow(0, 1, 2).slice([0..2, 2..5]) * 2.0;
         (swapped, corner)
     }

@@ -396,11 +396,6 @@ pub(crate) fn float_slice_assign(tensor: Meta, _slices: &[Slice], _value: Meta) 
     Rule::layout(tensor.shape, tensor.dtype)
 }
 
-/// The same values, marked (on an inner backend with autodiff of its own) to take a gradient.
-pub(crate) fn float_set_require_grad(tensor: Meta, _require_grad: &bool) -> Rule {
-    Rule::layout(tensor.shape, tensor.dtype)
-}
-
 // Reductions.
 
 pub(crate) fn float_sum(tensor: Meta) -> Rule {

@@ -460,13 +460,8 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
         let rank = tensor.rank;
-        let rule = op_table::float_set_require_grad(tensor.meta(), &_require_grad);
-        let node = rule.record(
-            "float_set_require_grad",
-            tensor.device_handle(|p| I::float_device(p)),
-            rules::inputs([tensor.input()]),
-        );
-        CTensor::lazy(rank, node, move || I::float_set_require_grad(tensor.into_inner(), _require_grad))
+        let log = Eager::new("float_set_require_grad", rules::inputs([tensor.input()]));
+        log.float::<I>(rank, I::float_set_require_grad(tensor.into_inner_for("float_set_require_grad"), _require_grad))
     }
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
         I::float_is_require_grad(&_tensor.inner_for("float_is_require_grad"))
