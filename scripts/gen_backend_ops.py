@@ -223,6 +223,25 @@ def wrap(t, expr, logged):
     return expr
 
 
+def input_seqs(tensors):
+    """The expression of the inputs (`Input`s) of the tensor arguments `tensors`, in order: one
+    per single tensor, one per element of a list."""
+    seqs = []
+    for n, t in tensors:
+        form = tensor_kind(t)[1]
+        seqs.append({
+            "value": f"{n}.input()", "ref": f"{n}.input()",
+            "option": f"{n}.as_ref().map(CTensor::input).unwrap_or_default()",
+        }.get(form, f"{n}.iter().map(CTensor::input)"))
+    singles = [s for s in seqs if not s.endswith("map(CTensor::input)")]
+    vecs = [s for s in seqs if s.endswith("map(CTensor::input)")]
+    sources = ([f"[{', '.join(singles)}]"] if singles or not vecs else []) + vecs
+    it = sources[0]
+    for v in sources[1:]:
+        it = f"{it}.into_iter().chain({v})"
+    return it
+
+
 def first_device(args):
     """The device handle of a recorded node: its device argument's (a creation or a move puts
     its result there), else its first tensor argument's."""
@@ -233,6 +252,10 @@ def first_device(args):
         k, form = tensor_kind(t)
         if form == "value" and k != "QuantizedTensor":
             return f"{n}.device_handle(|p| I::{KINDS[k]}_device(p))"
+    for n, t in args:
+        k, form = tensor_kind(t)
+        if form == "vec" and k != "QuantizedTensor":
+            return f"forward::first_device(&{n}, |p| I::{KINDS[k]}_device(p))"
     raise SystemExit(f"no tensor argument to take the device from: {args}")
 
 
@@ -275,6 +298,8 @@ def method(trait, name, gen, raw_args, ret, lazy):
                 rule_args.append(f"{n}.meta()")
             elif form == "option":
                 rule_args.append(f"{n}.as_ref().map(CTensor::meta)")
+            elif form == "vec":
+                rule_args.append(f"{n}.iter().map(CTensor::meta).collect()")
             elif form is not None:
                 raise SystemExit(f"{trait}::{name}: a recorded op takes {t}")
             elif t.startswith("&"):
@@ -282,10 +307,7 @@ def method(trait, name, gen, raw_args, ret, lazy):
             else:
                 rule_args.append(f"&{n}")
         body.append(f"let rule = op_table::{name}({', '.join(rule_args)});")
-        seqs = ", ".join(
-            f"{n}.input()" if tensor_kind(t)[1] == "value" else f"{n}.as_ref().map(CTensor::input).unwrap_or_default()"
-            for n, t in tensors)
-        body.append(f"let node = rule.record(\"{name}\", {first_device(args)}, rules::inputs([{seqs}]));")
+        body.append(f"let node = rule.record(\"{name}\", {first_device(args)}, rules::inputs({input_seqs(tensors)}));")
         call = []
         for n, t in args:
             if t.startswith("&") and tensor_kind(t)[0] is None:
@@ -299,20 +321,7 @@ def method(trait, name, gen, raw_args, ret, lazy):
     else:
         logged = bool(tensors) and re.search(r"(Float|Int|Bool)Tensor<B>", ret_t) is not None
         if logged:
-            seqs = []
-            for n, t in tensors:
-                form = tensor_kind(t)[1]
-                seqs.append({
-                    "value": f"{n}.input()", "ref": f"{n}.input()",
-                    "option": f"{n}.as_ref().map(CTensor::input).unwrap_or_default()",
-                }.get(form, f"{n}.iter().map(CTensor::input)"))
-            singles = [s for s in seqs if not s.endswith("map(CTensor::input)")]
-            vecs = [s for s in seqs if s.endswith("map(CTensor::input)")]
-            sources = ([f"[{', '.join(singles)}]"] if singles else []) + vecs
-            it = sources[0]
-            for v in sources[1:]:
-                it = f"{it}.into_iter().chain({v})"
-            body.append(f"let log = Eager::new(\"{name}\", rules::inputs({it}));")
+            body.append(f"let log = Eager::new(\"{name}\", rules::inputs({input_seqs(tensors)}));")
         call = [convert_arg(n, t, name) for n, t in args]
         result = wrap(ret_t, f"I::{name}({', '.join(call)})", logged)
         if name in RANDOM:

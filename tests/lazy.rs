@@ -424,34 +424,38 @@ fn fills_and_moves_are_recorded_and_a_move_lands_on_its_target_rank() {
     );
 }
 
-/// Slices (`slice`, `narrow`, `chunk`) and slice assigns are recorded: a
+/// Slices (`slice`, `narrow`, `chunk`), slice assigns and concatenations are recorded: a
 /// rotary embedding's shape of work (the halves of a row swapped, one negated, written back
-/// into a copy) runs nothing until its read, reports its shapes without running, and computes
-/// NdArray's values bit for bit.
+/// into a copy, or concatenated) runs nothing until its read, reports its shapes without
+/// running, and computes NdArray's values bit for bit.
 #[test]
 fn slices_and_slice_assigns_are_recorded_and_compute_ndarray_values() {
-    fn rotate<Bk: Backend>(x: Tensor<Bk, 2>) -> (Tensor<Bk, 2>, Tensor<Bk, 2>) {
+    type Rotated<Bk> = (Tensor<Bk, 2>, Tensor<Bk, 2>, Tensor<Bk, 2>);
+    fn rotate<Bk: Backend>(x: Tensor<Bk, 2>) -> Rotated<Bk> {
         let halves = x.clone().chunk(2, 1);
+        let cat = Tensor::cat(vec![-halves[1].clone(), halves[0].clone()], 1);
         let swapped = x
             .clone()
             .slice_assign([0..4, 0..3], -halves[1].clone())
             .slice_assign([0..4, 3..6], halves[0].clone());
         let corner = x.narrow(0, 1, 2).slice([0..2, 2..5]) * 2.0;
-        (swapped, corner)
+        (swapped, corner, cat)
     }
     let d = dev(119);
     let x: Tensor<C, 2> = Tensor::from_data(data(24, vec![4, 6], 7), &d);
     let _ = x.clone().into_data();
     let before = lazy_stats(119);
-    let (swapped, corner) = rotate(x);
+    let (swapped, corner, cat) = rotate(x);
     assert_eq!(swapped.dims(), [4, 6]);
     assert_eq!(corner.dims(), [2, 3]);
+    assert_eq!(cat.dims(), [4, 6]);
     let mid = lazy_stats(119).since(&before);
     assert_eq!(mid.executed, 0, "nothing ran before the read: {mid:?}");
     assert_eq!(mid.forced_by_metadata, 0, "{mid:?}");
-    let (got_swapped, got_corner) = (swapped.into_data(), corner.into_data());
+    let (got_swapped, got_corner, got_cat) =
+        (swapped.into_data(), corner.into_data(), cat.into_data());
     let alone = NdArrayDevice::Cpu;
-    let (want_swapped, want_corner) =
+    let (want_swapped, want_corner, want_cat) =
         rotate::<NdArray>(Tensor::from_data(data(24, vec![4, 6], 7), &alone));
     let bits = |t: TensorData| -> Vec<u32> {
         t.to_vec::<f32>()
@@ -460,6 +464,8 @@ fn slices_and_slice_assigns_are_recorded_and_compute_ndarray_values() {
             .map(|v| v.to_bits())
             .collect()
     };
-    assert_eq!(bits(got_swapped), bits(want_swapped.into_data()));
+    assert_eq!(bits(got_swapped.clone()), bits(want_swapped.into_data()));
     assert_eq!(bits(got_corner), bits(want_corner.into_data()));
+    assert_eq!(bits(got_cat.clone()), bits(want_cat.into_data()));
+    assert_eq!(bits(got_cat), bits(got_swapped), "two ways to rotate");
 }

@@ -84,6 +84,19 @@ pub(crate) fn rank_of<P>(tensors: &[CTensor<P>]) -> u32 {
     tensors.first().map_or(0, |t| t.rank)
 }
 
+/// The device handle of a recorded op over a list of tensors: its first tensor's. An empty list
+/// has none (Burn's `Tensor::cat` refuses one; the inner backend's op, run when the result is
+/// needed, fails as it would have at once).
+pub(crate) fn first_device<P: Clone + Send + 'static, D: Send + Sync + 'static>(
+    tensors: &[CTensor<P>],
+    of: impl FnOnce(&P) -> D,
+) -> super::lazy::AnyDevice {
+    match tensors.first() {
+        Some(t) => t.device_handle(of),
+        None => std::sync::Arc::new(()),
+    }
+}
+
 /// The rank of a float or quantized tensor.
 pub(crate) fn primitive_rank<I: Backend>(t: &TensorPrimitive<Collective<I>>) -> u32 {
     match t {

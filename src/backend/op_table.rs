@@ -396,6 +396,12 @@ pub(crate) fn float_slice_assign(tensor: Meta, _slices: &[Slice], _value: Meta) 
     Rule::layout(tensor.shape, tensor.dtype)
 }
 
+/// `tensors` end to end along `dim`, typed like the first.
+pub(crate) fn float_cat(tensors: Vec<Meta>, dim: &usize) -> Rule {
+    let dtype = tensors.first().and_then(|m| m.dtype);
+    Rule::layout(rules::cat(&tensors, *dim), dtype)
+}
+
 // Reductions.
 
 pub(crate) fn float_sum(tensor: Meta) -> Rule {

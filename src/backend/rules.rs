@@ -114,6 +114,12 @@ pub fn matmul(a: Option<Shape>, b: Option<Shape>) -> Option<Shape> {
     burn_std::calculate_matmul_output(&a?, &b?).ok()
 }
 
+/// `shapes` concatenated along `dim` (unknown when one of them is, or they do not fit).
+pub fn cat(shapes: &[Meta], dim: usize) -> Option<Shape> {
+    let known: Option<Vec<&Shape>> = shapes.iter().map(|m| m.shape.as_ref()).collect();
+    Shape::cat(known?, dim).ok()
+}
+
 /// Dims `d1` and `d2` swapped.
 pub fn swap(a: Option<Shape>, d1: usize, d2: usize) -> Option<Shape> {
     a?.swapped(d1, d2).ok()

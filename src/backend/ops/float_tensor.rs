@@ -730,8 +730,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
         let rank = forward::rank_of(&tensors);
-        let log = Eager::new("float_cat", rules::inputs(tensors.iter().map(CTensor::input)));
-        log.float::<I>(rank, I::float_cat(tensors.into_iter().map(|t| t.into_inner_for("float_cat")).collect(), dim))
+        let rule = op_table::float_cat(tensors.iter().map(CTensor::meta).collect(), &dim);
+        let node = rule.record(
+            "float_cat",
+            forward::first_device(&tensors, |p| I::float_device(p)),
+            rules::inputs(tensors.iter().map(CTensor::input)),
+        );
+        CTensor::lazy(rank, node, move || I::float_cat(tensors.into_iter().map(|t| t.into_inner()).collect(), dim))
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
