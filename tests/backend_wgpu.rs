@@ -46,6 +46,14 @@ fn rank_devices() -> Vec<Dev> {
         .collect()
 }
 
+/// Options with a 60 s timeout.
+fn options_60s() -> CollectiveOptions {
+    CollectiveOptions {
+        timeout: std::time::Duration::from_secs(60),
+        ..CollectiveOptions::default()
+    }
+}
+
 /// The fused backend's server over [`rank_devices`] (a 60 s timeout), running while the guard
 /// lives.
 fn start_fused(
@@ -55,11 +63,7 @@ fn start_fused(
     collective_fusion::backend::DistributedContext<Collective<Wgpu>>,
 ) {
     let devices = rank_devices();
-    CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        ..CollectiveOptions::default()
-    }
-    .install::<Wgpu>();
+    options_60s().install::<Wgpu>();
     let ctx = collective_fusion::backend::DistributedContext::start(&devices, op);
     (devices, ctx)
 }
@@ -159,12 +163,8 @@ fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = rank_devices();
-    let options = || CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        ..CollectiveOptions::default()
-    };
-    common::sync_norm::assert_trains_as_one_rank::<Wgpu>(&devices, options(), 1e-4);
-    common::sync_norm::assert_trains_as_one_rank::<Unfused>(&devices, options(), 1e-4);
+    common::sync_norm::assert_trains_as_one_rank::<Wgpu>(&devices, options_60s(), 1e-4);
+    common::sync_norm::assert_trains_as_one_rank::<Unfused>(&devices, options_60s(), 1e-4);
 }
 
 /// Uneven inputs on wgpu ranks, fused and not: rank 0 has 2 batches, rank 1 has 3; both end
@@ -178,22 +178,18 @@ fn ranks_with_uneven_inputs_on_wgpu_reduce_a_finished_ranks_zeros_on_the_device(
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let devices = rank_devices();
-    let options = || CollectiveOptions {
-        timeout: std::time::Duration::from_secs(60),
-        ..CollectiveOptions::default()
-    };
     let steps = [2, 3];
     for ended in [
         common::join::assert_uneven_ranks_train_as_one_rank::<Wgpu>(
             &devices,
             &steps,
-            options(),
+            options_60s(),
             1e-4,
         ),
         common::join::assert_uneven_ranks_train_as_one_rank::<Unfused>(
             &devices,
             &steps,
-            options(),
+            options_60s(),
             1e-4,
         ),
     ] {

@@ -10,7 +10,8 @@ use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::tensor::Tensor;
 use burn_ndarray::{NdArray, NdArrayDevice};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinError, join, mark_distributed, no_sync,
+    Collective, CollectiveDevice, CollectiveOptions, JoinError, JoinReport, join, mark_distributed,
+    no_sync,
 };
 
 mod common;
@@ -121,12 +122,12 @@ fn uneven_ranks_that_accumulate_micro_batches_train_as_one_rank() {
     common::ranks::assert_ends_as_one_rank(&ended[1].0, &one, &initial, 1e-4, 1e-3);
 }
 
-/// A rank that runs out of inputs before its first step cannot take part in the others' steps
-/// (it knows no step to replay): it gets `JoinError::NoStep`, and the rank still training fails
-/// in its gradient sync with the group's abort, well before the timeout.
-#[test]
-fn a_rank_without_a_step_to_replay_fails_every_rank() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+/// What each of two ranks' `body` (given its copy of the model, marked, inside a join scope that
+/// it finishes) returned, or the message it panicked with; asserts the ranks were done well
+/// before the 60 s timeout (a failure fails every rank at once, never a wait).
+fn two_ranks_failing(
+    body: impl Fn(Net, &Dev, usize) -> Result<JoinReport, JoinError> + Sync,
+) -> Vec<Result<Result<JoinReport, JoinError>, String>> {
     let devices = start(2);
     let started = std::time::Instant::now();
     let d0 = devices[0];
@@ -135,16 +136,36 @@ fn a_rank_without_a_step_to_replay_fails_every_rank() {
         &common::join::net::<NdArray>(&d0),
         |m, d, r| {
             caught(|| {
-                let net = mark_distributed::<B, Net>(m).expect("marking the model");
-                let scope = join::<NdArray>(d);
-                if r == 1 {
-                    drop(common::join::loss::<NdArray>(&net, r, 0, d).backward());
-                }
-                scope.finish()
+                body(
+                    mark_distributed::<B, Net>(m).expect("marking the model"),
+                    d,
+                    r,
+                )
             })
         },
     );
     Collective::<NdArray>::close_communication_server(&d0);
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    results
+}
+
+/// A rank that runs out of inputs before its first step cannot take part in the others' steps
+/// (it knows no step to replay): it gets `JoinError::NoStep`, and the rank still training fails
+/// in its gradient sync with the group's abort.
+#[test]
+fn a_rank_without_a_step_to_replay_fails_every_rank() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let results = two_ranks_failing(|net, d, r| {
+        let scope = join::<NdArray>(d);
+        if r == 1 {
+            drop(common::join::loss::<NdArray>(&net, r, 0, d).backward());
+        }
+        scope.finish()
+    });
     match &results[0] {
         Ok(Err(e @ JoinError::NoStep { rank: 0, training })) => {
             assert_eq!(training, &vec![1]);
@@ -156,57 +177,36 @@ fn a_rank_without_a_step_to_replay_fails_every_rank() {
         Err(msg) => assert!(msg.contains("before it synced any step"), "rank 1: {msg}"),
         Ok(r) => panic!("rank 1: expected its gradient sync to fail, got {r:?}"),
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "{:?}",
-        started.elapsed()
-    );
 }
 
 /// While a rank has finished, another collective of the others (a user all-reduce) meets its
-/// round: every rank fails with the communicator's mismatch error naming the round, never hangs.
+/// round: every rank fails with the communicator's mismatch error naming the round.
 #[test]
 fn another_collective_while_a_rank_has_finished_fails_every_rank() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let devices = start(2);
-    let started = std::time::Instant::now();
-    let d0 = devices[0];
-    let results = common::ranks::forked_per_rank::<B, _, _>(
-        &devices,
-        &common::join::net::<NdArray>(&d0),
-        |m, d, r| {
-            caught(|| {
-                let mut net = mark_distributed::<B, Net>(m).expect("marking the model");
-                let scope = join::<NdArray>(d);
-                let l = common::join::loss::<NdArray>(&net, r, 0, d);
-                net = common::join::step::<NdArray>(net, l);
-                if r == 1 {
-                    let t = Tensor::<Inner, 1>::ones([4], d);
-                    let summed = collective_fusion::backend::all_reduce::<Inner, 1>(
-                        t,
-                        ReduceOperation::Sum,
-                        &devices,
-                    );
-                    let _ = summed.resolve().into_data();
-                }
-                drop(net);
-                scope.finish()
-            })
-        },
-    );
-    Collective::<NdArray>::close_communication_server(&d0);
-    let message = |r: usize| match &results[r] {
-        Ok(Ok(report)) => panic!("rank {r}: expected a failure, got {report:?}"),
-        Ok(Err(e)) => e.to_string(),
-        Err(msg) => msg.clone(),
-    };
-    for r in 0..2 {
-        let m = message(r);
+    let devices = devices(2);
+    let results = two_ranks_failing(|net, d, r| {
+        let scope = join::<NdArray>(d);
+        let l = common::join::loss::<NdArray>(&net, r, 0, d);
+        let net = common::join::step::<NdArray>(net, l);
+        if r == 1 {
+            let t = Tensor::<Inner, 1>::ones([4], d);
+            let summed = collective_fusion::backend::all_reduce::<Inner, 1>(
+                t,
+                ReduceOperation::Sum,
+                &devices,
+            );
+            let _ = summed.resolve().into_data();
+        }
+        drop(net);
+        scope.finish()
+    });
+    for (r, result) in results.iter().enumerate() {
+        let m = match result {
+            Ok(Ok(report)) => panic!("rank {r}: expected a failure, got {report:?}"),
+            Ok(Err(e)) => e.to_string(),
+            Err(msg) => msg.clone(),
+        };
         assert!(m.contains("uneven-inputs round"), "rank {r}: {m}");
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "{:?}",
-        started.elapsed()
-    );
 }
