@@ -412,10 +412,7 @@ impl<I: Backend> DistributedBackend for Collective<I> {
         let s = session::<I>("submit_sync_collective");
         works_for(&s, device.rank as usize);
         let start = Instant::now();
-        s.note_held(device.rank as usize);
-        s.flush_user(device.rank as usize, None);
-        let parts = s.sync(device);
-        s.meet_after_backward(device.rank as usize);
+        let parts = s.sync_point(device);
         super::hook_times::synced(device.rank as usize, start.elapsed(), parts);
     }
 

@@ -276,10 +276,7 @@ impl<I: Backend> Join<I> {
             // `zeros` outlives the sync point, where the reduced zeros are written back.
             s.submit(TensorRef::<Collective<I>>(std::ptr::from_mut(z)), name);
         }
-        s.note_held(rank);
-        s.flush_user(rank, None);
-        s.sync(&self.device);
-        s.meet_after_backward(rank);
+        s.sync_point(&self.device);
         drop(zeros);
     }
 }

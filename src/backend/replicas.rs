@@ -295,11 +295,7 @@ pub(super) fn replicate<I: Backend>(
                     .map(|()| entries.iter().map(|_| None).collect()),
             },
             Replicate::Buffers(how) => {
-                let how = match how {
-                    BufferSync::Broadcast => Reduce::From(0),
-                    BufferSync::Mean => Reduce::Mean,
-                };
-                Ok(reduce_values(&session, rank, &entries, &device, how))
+                Ok(reduce_values(&session, rank, &entries, &device, how.into()))
             }
             Replicate::FromRank(root) => Ok(reduce_values(
                 &session,
@@ -552,6 +548,15 @@ enum Reduce {
     From(usize),
     /// The mean of every rank's.
     Mean,
+}
+
+impl From<BufferSync> for Reduce {
+    fn from(how: BufferSync) -> Reduce {
+        match how {
+            BufferSync::Broadcast => Reduce::From(0),
+            BufferSync::Mean => Reduce::Mean,
+        }
+    }
 }
 
 /// The values of a buffer sync or of [`replicate_from`](super::replicate_from): an all-reduce of

@@ -109,8 +109,8 @@ pub struct RunOptions {
     /// (statistics over every rank's batch) instead of Burn's `BatchNorm`.
     pub sync_norm: bool,
     /// Uneven inputs: when above 0, rank `r` of `w` trains `steps - (w - 1 - r) × uneven` steps
-    /// (the last rank all of them) inside a [`join`] scope, and every
-    /// rank ends with the weights of the last to train ([`JoinReport`]).
+    /// (the last rank all of them) inside a [`join`] scope, and every rank ends with the
+    /// weights of the last to train ([`JoinReport`]).
     pub uneven: usize,
 }
 
@@ -172,9 +172,14 @@ impl RunReport {
     /// The steps rank `rank` trained on inputs of its own (fewer than the run's under
     /// [`RunOptions::uneven`]).
     pub fn steps_of(&self, rank: usize) -> usize {
-        let short = (self.world as usize).saturating_sub(1 + rank) * self.uneven;
-        self.steps_run.saturating_sub(short)
+        uneven_steps(self.steps_run, self.uneven, self.world as usize, rank)
     }
+}
+
+/// The steps rank `rank` of `world` trains with `uneven` ([`RunOptions::uneven`]): `steps`
+/// less `uneven` for each rank after it (none below zero).
+fn uneven_steps(steps: usize, uneven: usize, world: usize, rank: usize) -> usize {
+    steps.saturating_sub(world.saturating_sub(1 + rank) * uneven)
 }
 
 /// FNV-1a (64-bit) over the bits of `w`.
@@ -310,14 +315,14 @@ fn run_model<I: Backend, M: Net<B<I>>>(
         Transport::Nccl(cfg) => (cfg.world as u32, vec![cfg.rank as u32]),
     };
     let first = local[0];
-    let short = (world as usize - 1) * opts.uneven;
+    let steps_of = |rank: usize| uneven_steps(opts.steps, opts.uneven, world as usize, rank);
     if opts.uneven > 0 {
         if matches!(opts.model, RunModel::ResNet { .. }) {
             return Err("--uneven with --model resnet: its buffers are made alike by a collective every step, which a rank that ran out of inputs does not take part in".into());
         }
-        if opts.steps <= short {
+        if steps_of(0) == 0 {
             return Err(format!(
-                "--uneven {}: rank 0 of {world} would train {} - {short} steps; every rank trains at least one (more --steps or a smaller --uneven)",
+                "--uneven {}: rank 0 of {world} would train none of the {} steps; every rank trains at least one (more --steps or a smaller --uneven)",
                 opts.uneven, opts.steps
             ));
         }
@@ -367,8 +372,7 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                     let mut records = Vec::with_capacity(opts.steps);
                     let mut measured: Vec<MeasuredStep> = Vec::new();
                     let scope = (opts.uneven > 0).then(|| join::<I>(d));
-                    let steps = opts.steps - (world as usize - 1 - rank) * opts.uneven;
-                    for step in 0..steps {
+                    for step in 0..steps_of(rank) {
                         let t0 = Instant::now();
                         model = sync_buffers::<B<I>, M>(model, opts.buffers)
                             .map_err(|e| e.to_string())?;

@@ -459,9 +459,21 @@ impl<I: Backend> Session<I> {
         t.set(I::float_from_data(data, &dev));
     }
 
-    /// Burn's `submit_sync_collective`: reduces what is left and writes every reduced gradient
-    /// back; returns how long the write-back took and how long the step waited for how many
-    /// collectives, for [`crate::backend::hook_times`].
+    /// A sync point (Burn's `submit_sync_collective`, or a step a rank that ran out of inputs
+    /// takes part in, [`crate::backend::join`]): the user's all-reduces issued before it, then
+    /// [`sync`](Self::sync), then the ranks' meeting after a backward that waited inside.
+    pub(in crate::backend) fn sync_point(&self, device: &CollectiveDevice<I::Device>) -> SyncTimes {
+        let rank = device.rank as usize;
+        self.note_held(rank);
+        self.flush_user(rank, None);
+        let parts = self.sync(device);
+        self.meet_after_backward(rank);
+        parts
+    }
+
+    /// Reduces what is left of a step and writes every reduced gradient back; returns how long
+    /// the write-back took and how long the step waited for how many collectives, for
+    /// [`crate::backend::hook_times`].
     pub(in crate::backend) fn sync(&self, device: &CollectiveDevice<I::Device>) -> SyncTimes {
         let rank = device.rank as usize;
         let mut guard = self.state(rank, "submit_sync_collective");
