@@ -139,6 +139,36 @@ fn processes_training_a_resnet_end_with_alike_running_statistics() {
     }
 }
 
+/// Runs `base` with `flags` as two processes over TCP, rank r seeded `seed + r` (marking gives
+/// both rank 0's weights), and as two threads of one process seeded `seed`; asserts that each
+/// process ends with the threads' weights, and that the threads' run without `flags` ends
+/// elsewhere (`what` says why it must). Returns the processes' outputs.
+fn assert_processes_end_as_threads(
+    base: &[&str],
+    seed: usize,
+    flags: &[&str],
+    what: &str,
+) -> Vec<Output> {
+    let outs = over_tcp_with(base, 2, |r| {
+        let mut extra = vec!["--seed".to_string(), (seed + r).to_string()];
+        extra.extend(flags.iter().map(|f| f.to_string()));
+        extra
+    });
+    let threads = |extra: &[&str]| {
+        let seed = seed.to_string();
+        let args = ["--world", "2", "--seed", seed.as_str()];
+        digest(&output_bounded(
+            Command::new(BIN).args(base).args(args).args(extra),
+        ))
+    };
+    let expected = threads(flags);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(digest(o), expected, "rank {r}");
+    }
+    assert_ne!(threads(&[]), expected, "{what}");
+    outs
+}
+
 /// The resnet with `SyncBatchNorm` (`--sync-bn`): two processes over TCP, each seeding its own
 /// model, normalize with the statistics of both ranks' batches and end as its two threads do,
 /// and not as the same run with Burn's `BatchNorm` (each rank's own statistics) ends.
@@ -147,25 +177,11 @@ fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
     const RESNET: [&str; 9] = [
         "run", "--model", "resnet", "--blocks", "1", "--steps", "2", "--batch", "2",
     ];
-    let outs = over_tcp_with(&RESNET, 2, |r| {
-        ["--seed", &(5 + r).to_string(), "--sync-bn"]
-            .map(String::from)
-            .to_vec()
-    });
-    let threads = |sync: &[&str]| {
-        let args = ["--world", "2", "--seed", "5"];
-        digest(&output_bounded(
-            Command::new(BIN).args(RESNET).args(args).args(sync),
-        ))
-    };
-    let expected = threads(&["--sync-bn"]);
-    for (r, o) in outs.iter().enumerate() {
-        assert_eq!(digest(o), expected, "rank {r}");
-    }
-    assert_ne!(
-        threads(&[]),
-        expected,
-        "--sync-bn trained as BatchNorm does"
+    assert_processes_end_as_threads(
+        &RESNET,
+        5,
+        &["--sync-bn"],
+        "--sync-bn trained as BatchNorm does",
     );
 }
 
@@ -174,20 +190,13 @@ fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
 /// rank 1's weights, as the run's two threads do; and not as the even run ends.
 #[test]
 fn processes_with_uneven_inputs_end_as_their_threads() {
-    let outs = over_tcp(2, |r| {
-        ["--seed", &(9 + r).to_string(), "--uneven", "1"]
-            .map(String::from)
-            .to_vec()
-    });
-    let threads = |extra: &[&str]| {
-        let args = ["--world", "2", "--seed", "9"];
-        digest(&output_bounded(
-            Command::new(BIN).args(ARGS).args(args).args(extra),
-        ))
-    };
-    let expected = threads(&["--uneven", "1"]);
+    let outs = assert_processes_end_as_threads(
+        &ARGS,
+        9,
+        &["--uneven", "1"],
+        "--uneven trained as the even run",
+    );
     for (r, o) in outs.iter().enumerate() {
-        assert_eq!(digest(o), expected, "rank {r}");
         let text = String::from_utf8_lossy(&o.stdout);
         let line = format!(
             "uneven inputs (rank {r}): trained {} steps, took part in {} more with zero gradients; ends with rank 1's weights",
@@ -196,7 +205,6 @@ fn processes_with_uneven_inputs_end_as_their_threads() {
         );
         assert!(text.contains(&line), "rank {r}:\n{text}");
     }
-    assert_ne!(threads(&[]), expected, "--uneven trained as the even run");
 }
 
 /// A process whose model has an extra layer fails every process at `mark_distributed`,
