@@ -16,8 +16,8 @@ use burn_nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use burn_wgpu::{CubeBackend, Wgpu, WgpuDevice, WgpuRuntime};
 use collective_fusion::backend::{
-    BufferSync, Collective, CollectiveDevice, CollectiveOptions, SyncStats, mark_distributed,
-    recorded_step_graph, sync_buffers, sync_stats,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, JoinOptions, SyncStats,
+    mark_distributed, recorded_step_graph, sync_buffers, sync_stats,
 };
 use collective_fusion::graph::Graph;
 use collective_fusion::train::{module_weights, synthetic_batch};
@@ -168,9 +168,10 @@ fn a_synchronized_norm_on_two_wgpu_ranks_trains_as_one_rank() {
 }
 
 /// Uneven inputs on wgpu ranks, fused and not: rank 0 has 2 batches, rank 1 has 3; both end
-/// with rank 1's weights, where one rank ends that steps on the batches every rank had, and the
-/// step rank 0 took part in with zero gradients was packed and reduced in device memory as its
-/// own steps were (as many device buckets as rank 1's).
+/// with rank 1's weights, where one rank ends that steps on the batches every rank had (the
+/// unfused ranks dividing the step rank 0 sat out by the one rank that trained), and the step
+/// rank 0 took part in with zero gradients was packed and reduced in device memory as its own
+/// steps were (as many device buckets as rank 1's).
 #[test]
 fn ranks_with_uneven_inputs_on_wgpu_reduce_a_finished_ranks_zeros_on_the_device() {
     if !adapter() {
@@ -184,12 +185,16 @@ fn ranks_with_uneven_inputs_on_wgpu_reduce_a_finished_ranks_zeros_on_the_device(
             &devices,
             &steps,
             options_60s(),
+            JoinOptions::default(),
             1e-4,
         ),
         common::join::assert_uneven_ranks_train_as_one_rank::<Unfused>(
             &devices,
             &steps,
             options_60s(),
+            JoinOptions {
+                divide_by_initial_world_size: false,
+            },
             1e-4,
         ),
     ] {

@@ -10,8 +10,8 @@ use burn_backend::distributed::{DistributedBackend, ReduceOperation};
 use burn_core::tensor::Tensor;
 use burn_ndarray::{NdArray, NdArrayDevice};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinError, JoinReport, join, mark_distributed,
-    no_sync,
+    Collective, CollectiveDevice, CollectiveOptions, JoinError, JoinOptions, JoinReport, join,
+    join_with, mark_distributed, no_sync,
 };
 
 mod common;
@@ -64,8 +64,37 @@ fn ranks_with_uneven_inputs_train_as_one_rank_and_end_alike() {
         &devices(3),
         &[2, 4, 3],
         options,
+        JoinOptions::default(),
         1e-4,
     );
+}
+
+/// PyTorch's `divide_by_initial_world_size=False`: the same ranks of 2, 4 and 3 batches end
+/// where one rank ends that steps on the losses of the ranks that had a batch divided by their
+/// number (3, 3, 2, then 1), not by the world.
+#[test]
+fn ranks_that_divide_by_the_ranks_that_trained_step_on_their_mean() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let options = options(Duration::from_secs(60));
+    let by_trained = JoinOptions {
+        divide_by_initial_world_size: false,
+    };
+    let ended = common::join::assert_uneven_ranks_train_as_one_rank::<NdArray>(
+        &devices(3),
+        &[2, 4, 3],
+        options.clone(),
+        by_trained,
+        1e-4,
+    );
+    // Not what dividing by the world gives.
+    let by_world = common::join::assert_uneven_ranks_train_as_one_rank::<NdArray>(
+        &devices(3),
+        &[2, 4, 3],
+        options,
+        JoinOptions::default(),
+        1e-4,
+    );
+    assert_ne!(ended[1].after, by_world[1].after);
 }
 
 /// Gradient accumulation inside the scope: each step is two micro-batches, the first under
@@ -208,5 +237,36 @@ fn another_collective_while_a_rank_has_finished_fails_every_rank() {
             Err(msg) => msg.clone(),
         };
         assert!(m.contains("uneven-inputs round"), "rank {r}: {m}");
+    }
+}
+
+/// Ranks whose scopes divide differently would part: the first round says so, and every rank
+/// fails naming the option and which ranks take which side: rank 0, out of inputs at once, with
+/// `JoinError::Options` (before it would fail for having no step to replay), rank 1 in its
+/// first step's gradient sync.
+#[test]
+fn ranks_whose_scopes_divide_differently_fail_every_rank() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let results = two_ranks_failing(|net, d, r| {
+        let options = JoinOptions {
+            divide_by_initial_world_size: r == 0,
+        };
+        let scope = join_with::<NdArray>(d, options);
+        if r == 1 {
+            let l = common::join::loss::<NdArray>(&net, r, 0, d);
+            drop(common::join::step::<NdArray>(net, l));
+        }
+        scope.finish()
+    });
+    let sides = "rank(s) [0] by the initial world size, rank(s) [1] by the ranks that trained";
+    match &results[0] {
+        Ok(Err(e @ JoinError::Options { rank: 0, .. })) => {
+            assert!(e.to_string().contains(sides), "{e}");
+        }
+        other => panic!("rank 0: expected JoinError::Options, got {other:?}"),
+    }
+    match &results[1] {
+        Err(msg) => assert!(msg.contains(sides), "rank 1: {msg}"),
+        Ok(r) => panic!("rank 1: expected its gradient sync to fail, got {r:?}"),
     }
 }

@@ -187,15 +187,23 @@ fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
 
 /// Processes with uneven inputs (`--uneven 1`: rank 0 trains 2 steps, rank 1 all 3, over TCP,
 /// each seeding its own model) take part in each other's gradient syncs to the end and end with
-/// rank 1's weights, as the run's two threads do; and not as the even run ends.
+/// rank 1's weights, as the run's two threads do; and not as the even run ends. The same with
+/// the last step's mean divided by the one rank that trained it (`--uneven-mean trained`).
 #[test]
 fn processes_with_uneven_inputs_end_as_their_threads() {
-    let outs = assert_processes_end_as_threads(
-        &ARGS,
-        9,
-        &["--uneven", "1"],
-        "--uneven trained as the even run",
-    );
+    let mut digests = Vec::new();
+    for flags in [
+        &["--uneven", "1"][..],
+        &["--uneven", "1", "--uneven-mean", "trained"],
+    ] {
+        let outs = assert_processes_end_as_threads(&ARGS, 9, flags, "--uneven as the even run");
+        assert_uneven_lines(&outs);
+        digests.push(digest(&outs[0]));
+    }
+    assert_ne!(digests[0], digests[1], "the two means end alike");
+}
+
+fn assert_uneven_lines(outs: &[Output]) {
     for (r, o) in outs.iter().enumerate() {
         let text = String::from_utf8_lossy(&o.stdout);
         let line = format!(

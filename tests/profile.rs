@@ -471,6 +471,7 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
             &["run", "--model", "resnet", "--world", "2", "--uneven", "1"],
             &[],
         ),
+        (&["run", "--world", "2", "--uneven-mean", "trained"], &[]),
         (&["plan", "--model", "gpt2", "--world", "0"], &[]),
         (&["plan", "--model", "no-such-model"], &[]),
         (&["profile", "--model", "gpt2", "--world", "0"], &[]),

@@ -9,24 +9,27 @@
 //! of its own last step again with zero gradients (the same gradients, shapes, dtypes and ready
 //! order, so the same plan: the same buckets and collectives as the others), which adds nothing
 //! to their sums. With [`ReduceOperation::Mean`](burn_backend::distributed::ReduceOperation)
-//! the sum is still divided by the whole world (PyTorch's `divide_by_initial_world_size=True`):
-//! a step of fewer ranks moves the model by the gradients of the ranks that trained, weighted
-//! as in a full step.
+//! the sum is divided by the whole world by default (PyTorch's
+//! `divide_by_initial_world_size=True`): a step of fewer ranks moves the model by the
+//! gradients of the ranks that trained, weighted as in a full step. [`join_with`] and
+//! [`JoinOptions`] divide it by the ranks that trained instead (`False`): the reduced
+//! gradients of such a step are scaled by `world / trained` at its sync point.
 //!
 //! Requires: every rank enters the scope before the same step and calls `finish` after its own
 //! last step; every rank synced at least one step before it finishes (its last step is what it
 //! replays); while a rank has finished, the others' steps communicate through the gradient sync
 //! only (a user `all_reduce`, a `SyncBatchNorm` or `sync_buffers` meets the finished rank's
 //! round and fails every rank with the communicator's mismatch error, or times out), and sync
-//! the same parameters as the finished rank's last step. Guarantees: every rank's `finish`
+//! the same parameters as the finished rank's last step; every rank's scope has the same
+//! [`JoinOptions`] (each round checks). Guarantees: every rank's `finish`
 //! returns once every rank has finished, each knowing the ranks that trained last
 //! ([`JoinReport::authority`]: their model has every update, which [`Join::finish_model`]
 //! gives every rank); a failed round is an error on every rank, never a hang.
 
 use std::sync::Arc;
 
-use burn_backend::Backend;
 use burn_backend::distributed::TensorRef;
+use burn_backend::{Backend, Scalar};
 use burn_core::module::Module;
 use burn_core::tensor::backend::AutodiffBackend;
 use burn_std::{FloatDType, Shape};
@@ -35,11 +38,42 @@ use super::rank_threads::works_for;
 use super::replicas::ReplicaError;
 use super::session::{RankState, Session, lock, session};
 use super::{CTensor, Collective, CollectiveDevice};
+use crate::graph::ReduceOp;
 use crate::runtime::agree::{PendingCounts, start_join_round};
 use crate::runtime::comm::CommError;
 
+/// How a [`join`] scope averages the steps some ranks sat out; every rank's scope has the same
+/// (each round checks: ranks that differ fail with [`JoinError::Options`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JoinOptions {
+    /// With the gradient sync's mean, divide the sum of a step that only some ranks trained by
+    /// the whole world (`true`, the default, PyTorch's `divide_by_initial_world_size=True`: the
+    /// gradients of the ranks that trained weigh as in a full step) or by the ranks that
+    /// trained (`false`: the step moves the model as far as a full one; its reduced gradients
+    /// are scaled by `world / trained` at the sync point, which rounds once more than a full
+    /// step's mean does). No effect with the sum.
+    pub divide_by_initial_world_size: bool,
+}
+
+impl Default for JoinOptions {
+    fn default() -> Self {
+        Self {
+            divide_by_initial_world_size: true,
+        }
+    }
+}
+
+impl JoinOptions {
+    /// What a rank says in a round: bit 0 whether it trains, bit 1 whether it divides by the
+    /// ranks that trained.
+    fn round_value(self, training: bool) -> u64 {
+        u64::from(training) | u64::from(!self.divide_by_initial_world_size) << 1
+    }
+}
+
 /// A rank's rounds inside a [`join`] scope.
 pub(super) struct JoinState {
+    options: JoinOptions,
     /// The rank still trains: each of its synced steps starts a round saying so.
     training: bool,
     /// The round this step started, waited for at its sync point.
@@ -97,6 +131,18 @@ pub enum JoinError {
         /// The ranks still training.
         training: Vec<usize>,
     },
+    /// The ranks' scopes have different [`JoinOptions`]: their models would part.
+    #[error(
+        "rank {rank}: the ranks' join scopes divide a step that only some ranks trained differently: rank(s) {by_world:?} by the initial world size, rank(s) {by_trained:?} by the ranks that trained (JoinOptions::divide_by_initial_world_size must be the same on every rank)"
+    )]
+    Options {
+        /// The rank reporting.
+        rank: usize,
+        /// The ranks whose scope divides by the world.
+        by_world: Vec<usize>,
+        /// The ranks whose scope divides by the ranks that trained.
+        by_trained: Vec<usize>,
+    },
     /// Giving every rank the authority's model failed ([`Join::finish_model`]).
     #[error(transparent)]
     Replica(#[from] ReplicaError),
@@ -106,15 +152,29 @@ pub enum JoinError {
 /// rank enters it before the same step, trains on its own inputs, however many, and calls
 /// [`Join::finish`] after its last step; see the module docs for what a finished rank does
 /// while others train, and what it requires. Costs one tiny all-reduce per synced step.
-/// Nothing is communicated with one rank.
+/// Nothing is communicated with one rank. A step that only some ranks trained divides the
+/// gradient sync's mean by the whole world ([`JoinOptions::default`]; see [`join_with`]).
 ///
 /// # Panics
 /// Without a communication server for `Collective<I>` (as every hook).
 pub fn join<I: Backend>(device: &CollectiveDevice<I::Device>) -> Join<I> {
+    join_with(device, JoinOptions::default())
+}
+
+/// [`join`] with `options`, which every rank's scope must share (PyTorch's `Join(...,
+/// divide_by_initial_world_size=...)`).
+///
+/// # Panics
+/// Without a communication server for `Collective<I>` (as every hook).
+pub fn join_with<I: Backend>(
+    device: &CollectiveDevice<I::Device>,
+    options: JoinOptions,
+) -> Join<I> {
     let session = session::<I>("join");
     let rank = device.rank as usize;
     if session.world > 1 {
         session.state(rank, "join").join = Some(JoinState {
+            options,
             training: true,
             pending: None,
             rounds: 0,
@@ -135,37 +195,71 @@ impl<I: Backend> Session<I> {
             .as_mut()
             .filter(|j| j.training && j.pending.is_none())
         {
-            match start_join_round(self.comm(rank), true) {
+            match start_join_round(self.comm(rank), j.options.round_value(true)) {
                 Ok(p) => j.pending = Some(p),
                 Err(e) => self.fail(rank, e.to_string()),
             }
         }
     }
 
-    /// At the sync point: the step's round, done long since (it went before the step's
-    /// collectives), tells which ranks still train.
+    /// At the sync point, after the write-back: the step's round, done long since (it went
+    /// before the step's collectives), tells which ranks still train; where fewer than all
+    /// did and the scope divides by them, the step's reduced gradients are scaled to their
+    /// mean.
     pub(super) fn end_join_round(&self, rank: usize, st: &mut RankState<I>) {
         let Some(j) = st.join.as_mut() else {
             return;
         };
-        if let Some(p) = j.pending.take() {
-            match p.wait(self.options.timeout) {
-                Ok(counts) => j.saw(&counts),
-                Err(e) => self.fail(rank, e.to_string()),
-            }
+        let Some(p) = j.pending.take() else {
+            return;
+        };
+        let counts = match p.wait(self.options.timeout) {
+            Ok(counts) => counts,
+            Err(e) => self.fail(rank, e.to_string()),
+        };
+        if let Err(e) = j.saw(rank, &counts) {
+            self.fail(rank, e.to_string());
+        }
+        let trained = j.last_trained.len();
+        if j.options.divide_by_initial_world_size
+            || self.reduce != ReduceOp::Mean
+            || trained == 0
+            || trained >= self.world
+        {
+            return;
+        }
+        let scale = Scalar::Float(f64::from(self.world as f32 / trained as f32));
+        for sub in &st.submitted {
+            // SAFETY: as in the write-back just before: Burn keeps the pointer valid until the
+            // sync hook returns.
+            let t: &mut CTensor<I::FloatTensorPrimitive> = unsafe { &mut *sub.tref.0 };
+            let g = t.inner_for("scaling a step that some ranks sat out");
+            t.set(I::float_mul_scalar(g, scale));
         }
     }
 }
 
 impl JoinState {
-    fn saw(&mut self, counts: &[u64]) {
+    /// Takes in a round's counts: which ranks train, and that every rank's options are this
+    /// rank's.
+    fn saw(&mut self, rank: usize, counts: &[u64]) -> Result<(), JoinError> {
         self.rounds += 1;
         self.last_trained = training(counts);
+        let (by_trained, by_world): (Vec<usize>, Vec<usize>) =
+            (0..counts.len()).partition(|r| counts[*r] & 2 != 0);
+        if by_trained.is_empty() || by_world.is_empty() {
+            return Ok(());
+        }
+        Err(JoinError::Options {
+            rank,
+            by_world,
+            by_trained,
+        })
     }
 }
 
 fn training(counts: &[u64]) -> Vec<usize> {
-    (0..counts.len()).filter(|r| counts[*r] > 0).collect()
+    (0..counts.len()).filter(|r| counts[*r] & 1 != 0).collect()
 }
 
 impl<I: Backend> Join<I> {
@@ -186,11 +280,15 @@ impl<I: Backend> Join<I> {
         works_for(s, rank);
         let mut shadowed_steps = 0;
         if s.world > 1 {
-            if let Some(j) = s.state(rank, "join").join.as_mut() {
-                j.training = false;
-            }
+            let options = match s.state(rank, "join").join.as_mut() {
+                Some(j) => {
+                    j.training = false;
+                    j.options
+                }
+                None => JoinOptions::default(),
+            };
             loop {
-                let round = start_join_round(s.comm(rank), false)
+                let round = start_join_round(s.comm(rank), options.round_value(false))
                     .and_then(|p| p.wait(s.options.timeout))
                     .map_err(|e| {
                         let source = Box::new(e);
@@ -202,8 +300,10 @@ impl<I: Backend> Join<I> {
                 }
                 let grads = {
                     let mut st = s.state(rank, "join");
-                    if let Some(j) = st.join.as_mut() {
-                        j.saw(&round);
+                    let saw = st.join.as_mut().map_or(Ok(()), |j| j.saw(rank, &round));
+                    if let Err(e) = saw {
+                        drop(st);
+                        return Err(self.failed(e));
                     }
                     st.last_step.as_ref().map(|r| {
                         r.grads

@@ -59,7 +59,7 @@ pub use distributed::{
     take_trace, trace_span,
 };
 pub use hook_times::{HookTimes, hook_times};
-pub use join::{Join, JoinError, JoinReport, join};
+pub use join::{Join, JoinError, JoinOptions, JoinReport, join, join_with};
 pub use lazy::{CTensor, LazyStats, lazy_stats, lazy_window, set_lazy_window};
 pub use options::{CollectiveOptions, MeasuredPlans, SingleRank, Transport, UnusedParameters};
 pub use params::{mark_distributed, mark_distributed_as, replicate_from, sync_buffers};

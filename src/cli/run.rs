@@ -96,6 +96,10 @@ pub(crate) struct RunArgs {
     /// others' gradient syncs with zeros; every rank then takes the last rank's weights.
     #[arg(long, value_name = "N", default_value_t = 0)]
     uneven: usize,
+    /// With `--uneven`: what the mean of a step that only some ranks trained divides by
+    /// (default: world).
+    #[arg(long, value_enum)]
+    uneven_mean: Option<UnevenMeanArg>,
     /// Read every gradient into host memory as it arrives and pack there, even on a device
     /// backend (`CollectiveOptions::device_buckets` off), to compare with the device pack.
     #[arg(long)]
@@ -110,6 +114,14 @@ enum BuffersArg {
     Mean,
 }
 
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+enum UnevenMeanArg {
+    /// The whole world, as in a full step (PyTorch's `divide_by_initial_world_size=True`).
+    World,
+    /// The ranks that trained in that step (`divide_by_initial_world_size=False`).
+    Trained,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum InitialWeightsArg {
     /// Every rank takes rank 0's weights (PyTorch DDP's behaviour).
@@ -119,7 +131,9 @@ enum InitialWeightsArg {
 }
 
 pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
-    use collective_fusion::backend::{BufferSync, CollectiveOptions, InitialWeights, Transport};
+    use collective_fusion::backend::{
+        BufferSync, CollectiveOptions, InitialWeights, JoinOptions, Transport,
+    };
     use collective_fusion::train::{DispatchOn, RunBackend, RunModel, RunOptions, run};
     use std::io::IsTerminal as _;
     if a.world == 0 || a.world > 256 {
@@ -127,6 +141,9 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if a.steps == 0 || a.batch == 0 {
         return Err("--steps and --batch must be at least 1".into());
+    }
+    if a.uneven_mean.is_some() && a.uneven == 0 {
+        return Err("--uneven-mean needs --uneven N (N above 0)".into());
     }
     let config = configured(a.bucketing, a.bucket_view)?;
     let backend = match a.backend {
@@ -217,6 +234,9 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         sync_norm: a.sync_bn,
         uneven: a.uneven,
+        join: JoinOptions {
+            divide_by_initial_world_size: a.uneven_mean != Some(UnevenMeanArg::Trained),
+        },
     };
     let tty = std::io::stderr().is_terminal();
     let steps = a.steps;

@@ -228,15 +228,13 @@ pub fn start_gather_counts(comm: &dyn Communicator, mine: u64) -> Result<Pending
     start_counts(comm, GATHER_COUNTS, mine)
 }
 
-/// One round of uneven inputs ([`crate::backend::join`]): every rank says whether it still
-/// trains (`1`) or has run out of inputs (`0`); started, not waited for. A launch index of its
-/// own, so that a rank waiting in a round and a rank in any other exchange fail with the
-/// communicator's mismatch error instead of reading each other's numbers.
-pub fn start_join_round(
-    comm: &dyn Communicator,
-    training: bool,
-) -> Result<PendingCounts, CommError> {
-    start_counts(comm, JOIN_ROUND, u64::from(training))
+/// One round of uneven inputs ([`crate::backend::join`]): every rank says what it is (whether
+/// it still trains or has run out of inputs, and how its scope averages: bits of `mine`);
+/// started, not waited for. A launch index of its own, so that a rank waiting in a round and a
+/// rank in any other exchange fail with the communicator's mismatch error instead of reading
+/// each other's numbers.
+pub fn start_join_round(comm: &dyn Communicator, mine: u64) -> Result<PendingCounts, CommError> {
+    start_counts(comm, JOIN_ROUND, mine)
 }
 
 fn start_counts(

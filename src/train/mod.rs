@@ -20,9 +20,9 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 
 use crate::backend::{
-    BufferSync, Collective, CollectiveDevice, CollectiveOptions, JoinReport, LazyStats, SyncStats,
-    Transport, join, lazy_stats, mark_distributed, measured_link, measured_step,
-    recorded_step_graph, sync_buffers, sync_stats, take_trace, trace_span,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, JoinOptions, JoinReport,
+    LazyStats, SyncStats, Transport, join_with, lazy_stats, mark_distributed, measured_link,
+    measured_step, recorded_step_graph, sync_buffers, sync_stats, take_trace, trace_span,
 };
 use crate::config::CompileConfig;
 use crate::graph::print::print;
@@ -112,6 +112,8 @@ pub struct RunOptions {
     /// (the last rank all of them) inside a [`join`] scope, and every rank ends with the
     /// weights of the last to train ([`JoinReport`]).
     pub uneven: usize,
+    /// With [`uneven`](Self::uneven): how the scope divides a step some ranks sat out.
+    pub join: JoinOptions,
 }
 
 /// One step, as rank 0 saw it.
@@ -371,7 +373,7 @@ fn run_model<I: Backend, M: Net<B<I>>>(
                     let mut optim = SgdConfig::new().init::<B<I>, M>();
                     let mut records = Vec::with_capacity(opts.steps);
                     let mut measured: Vec<MeasuredStep> = Vec::new();
-                    let scope = (opts.uneven > 0).then(|| join::<I>(d));
+                    let scope = (opts.uneven > 0).then(|| join_with::<I>(d, opts.join));
                     for step in 0..steps_of(rank) {
                         let t0 = Instant::now();
                         model = sync_buffers::<B<I>, M>(model, opts.buffers)

@@ -9,8 +9,8 @@ use burn_nn::loss::{MseLoss, Reduction};
 use burn_nn::{Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinReport, SyncStats, join, mark_distributed,
-    sync_stats,
+    Collective, CollectiveDevice, CollectiveOptions, JoinOptions, JoinReport, SyncStats, join_with,
+    mark_distributed, sync_stats,
 };
 use collective_fusion::train::{module_weights, synthetic_batch};
 
@@ -66,16 +66,17 @@ pub struct Ended {
 }
 
 /// Rank `r` of `devices` (a server started with `options`, the gradient sync's mean) trains on
-/// its first `steps[r]` batches inside a join scope, then finishes with `finish_model`. Asserts
-/// that every rank saw every round and took part in the steps it had no batch for, that every
-/// rank ends with the weights of the lowest rank that trained longest, and that those are
-/// (within `rel`) where one rank ends that steps on the sum of the losses of the ranks that had
-/// a batch, divided by the world (what a finished rank's zeros make of the mean). Returns what
-/// each rank ended with.
+/// its first `steps[r]` batches inside a join scope with `join`, then finishes with
+/// `finish_model`. Asserts that every rank saw every round and took part in the steps it had no
+/// batch for, that every rank ends with the weights of the lowest rank that trained longest,
+/// and that those are (within `rel`) where one rank ends that steps on the sum of the losses of
+/// the ranks that had a batch, divided by the world (what a finished rank's zeros make of the
+/// mean) or, where `join` says so, by the ranks that had one. Returns what each rank ended with.
 pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     devices: &[CollectiveDevice<I::Device>],
     steps: &[usize],
     options: CollectiveOptions,
+    join: JoinOptions,
     rel: f64,
 ) -> Vec<Ended> {
     let world = devices.len();
@@ -86,12 +87,18 @@ pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     // No server: one rank, every batch of each step.
     let mut one = net::<I>(d0);
     for s in 0..longest {
+        let trained = (0..world).filter(|r| s < steps[*r]).count();
+        let divisor = if join.divide_by_initial_world_size {
+            world
+        } else {
+            trained
+        };
         let total = (0..world)
             .filter(|r| s < steps[*r])
             .map(|r| loss::<I>(&one, r, s, d0))
             .reduce(|a, b| a + b)
             .expect("a rank trains at every step up to the longest")
-            / world as f32;
+            / divisor as f32;
         one = step::<I>(one, total);
     }
     let one = module_weights::<B<I>, Net<I>>(&one);
@@ -99,7 +106,7 @@ pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     super::ranks::start_server::<I>(devices, options, ReduceOperation::Mean);
     let ended = super::ranks::forked_per_rank::<B<I>, _, _>(devices, &net::<I>(d0), |m, d, r| {
         let mut net = mark_distributed::<B<I>, Net<I>>(m).expect("marking the model");
-        let scope = join::<I>(d);
+        let scope = join_with::<I>(d, join);
         for s in 0..steps[r] {
             let l = loss::<I>(&net, r, s, d);
             net = step::<I>(net, l);
