@@ -169,14 +169,16 @@ fn assert_processes_end_as_threads(
     outs
 }
 
+/// A small resnet run: BatchNorm buffers, made alike each step.
+const RESNET: [&str; 9] = [
+    "run", "--model", "resnet", "--blocks", "1", "--steps", "2", "--batch", "2",
+];
+
 /// The resnet with `SyncBatchNorm` (`--sync-bn`): two processes over TCP, each seeding its own
 /// model, normalize with the statistics of both ranks' batches and end as its two threads do,
 /// and not as the same run with Burn's `BatchNorm` (each rank's own statistics) ends.
 #[test]
 fn processes_training_a_resnet_with_synchronized_norms_end_as_its_threads() {
-    const RESNET: [&str; 9] = [
-        "run", "--model", "resnet", "--blocks", "1", "--steps", "2", "--batch", "2",
-    ];
     assert_processes_end_as_threads(
         &RESNET,
         5,
@@ -201,6 +203,19 @@ fn processes_with_uneven_inputs_end_as_their_threads() {
         digests.push(digest(&outs[0]));
     }
     assert_ne!(digests[0], digests[1], "the two means end alike");
+}
+
+/// The resnet with uneven inputs (`--uneven 1`: rank 0 trains 1 step, rank 1 both): the
+/// finished process takes part in the other's buffer sync as well as its gradient sync, and the
+/// two processes end as the run's two threads do.
+#[test]
+fn processes_with_uneven_inputs_training_a_resnet_end_as_its_threads() {
+    let outs = assert_processes_end_as_threads(&RESNET, 5, &["--uneven", "1"], "--uneven");
+    for (r, o) in outs.iter().enumerate() {
+        let text = String::from_utf8_lossy(&o.stdout);
+        let line = format!("uneven inputs (rank {r}): trained {} steps", 1 + r);
+        assert!(text.contains(&line), "rank {r}:\n{text}");
+    }
 }
 
 fn assert_uneven_lines(outs: &[Output]) {

@@ -468,7 +468,16 @@ fn bad_arguments_and_environment_are_errors_never_panics() {
             &[],
         ),
         (
-            &["run", "--model", "resnet", "--world", "2", "--uneven", "1"],
+            &[
+                "run",
+                "--model",
+                "resnet",
+                "--sync-bn",
+                "--world",
+                "2",
+                "--uneven",
+                "1",
+            ],
             &[],
         ),
         (&["run", "--world", "2", "--uneven-mean", "trained"], &[]),

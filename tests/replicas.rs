@@ -723,6 +723,133 @@ fn a_template_forked_to_every_rank_marks_and_syncs_its_shared_statistics() {
     }
 }
 
+/// Uneven inputs with buffers made alike each step (`join`, `sync_buffers(Broadcast)` before
+/// each forward pass, `finish_model`): ranks of 1, 3 and 2 steps. A finished rank takes part in
+/// the others' buffer syncs, and the statistics sent are those of the lowest rank that trained
+/// the step before (PyTorch's authoritative rank), never a finished rank's older ones: step 1
+/// takes rank 0's (it trained step 0, then finished), step 2 rank 1's own. Every rank ends with
+/// rank 1's parameters and statistics.
+#[test]
+fn uneven_ranks_broadcast_the_statistics_of_a_rank_that_trained_the_step_before() {
+    use burn_core::module::AutodiffModule;
+    use burn_nn::{BatchNorm, BatchNormConfig};
+    use collective_fusion::backend::join;
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let steps = [1, 3, 2];
+    let _devices = start(3, InitialWeights::Broadcast, Duration::from_secs(20));
+    let norms: Vec<BatchNorm<B>> = (0..3)
+        .map(|r| BatchNormConfig::new(3).init::<B>(&device(r)))
+        .collect();
+    let out = common::ranks::on_threads(norms, |r, bn| {
+        let d = device(r as u32);
+        let mut bn = mark_distributed::<B, BatchNorm<B>>(bn)
+            .unwrap_or_else(|e| panic!("rank {r}: marking: {e}"));
+        let scope = join::<NdArray>(&d);
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for k in 0..steps[r] {
+            before.push(latest_bits(&bn));
+            bn = sync_buffers::<B, _>(bn, BufferSync::Broadcast)
+                .unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
+            after.push(running_bits(&bn));
+            let y = bn.forward(norm_input(r, k, &d));
+            let loss = (y - 0.5).powf_scalar(2.0).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &bn);
+            bn = SgdConfig::new()
+                .init::<B, BatchNorm<B>>()
+                .step(0.1, bn, grads);
+        }
+        let own = latest_bits(&bn);
+        let (bn, report) = scope
+            .finish_model::<B, BatchNorm<B>>(bn)
+            .unwrap_or_else(|e| panic!("rank {r}: finishing: {e}"));
+        let params = bits(
+            &[
+                bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
+                bn.beta.val().into_data().to_vec::<f32>().unwrap(),
+            ]
+            .concat(),
+        );
+        (
+            before,
+            after,
+            own,
+            running_bits(&bn.valid()),
+            params,
+            report,
+        )
+    });
+    Inner::close_communication_server(&device(0));
+    let (rank0, rank1, rank2) = (&out[0], &out[1], &out[2]);
+    assert_eq!(rank1.5.authority, 1);
+    assert_eq!(rank0.5.shadowed_steps, 2);
+    // Step 1: rank 0's statistics after its one step, sent by rank 0 out of inputs.
+    assert_ne!(
+        rank0.2, rank1.0[1],
+        "rank 0's statistics differ from rank 1's"
+    );
+    assert_eq!(rank1.1[1], rank0.2, "step 1: rank 0's latest");
+    assert_eq!(rank2.1[1], rank0.2, "step 1: rank 0's latest");
+    // Step 2: rank 1's own (it trained step 1), not rank 0's older ones.
+    assert_ne!(rank1.0[2], rank0.2, "rank 1's statistics moved on");
+    assert_eq!(rank1.1[2], rank1.0[2], "step 2: rank 1's own latest");
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.3, rank1.3, "rank {r}: statistics at the end");
+        assert_eq!(o.4, rank1.4, "rank {r}: parameters at the end");
+    }
+}
+
+/// The same loop finished with `finish` (no model to sync buffers with): the training rank's
+/// buffer sync meets the finished rank's round, and both fail with the mismatch at once.
+#[test]
+fn uneven_ranks_that_sync_buffers_and_finish_without_the_model_fail_together() {
+    use burn_nn::{BatchNorm, BatchNormConfig};
+    use collective_fusion::backend::join;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _devices = start(2, InitialWeights::Broadcast, Duration::from_secs(20));
+    let norms: Vec<BatchNorm<B>> = (0..2)
+        .map(|r| BatchNormConfig::new(3).init::<B>(&device(r)))
+        .collect();
+    let started = std::time::Instant::now();
+    let out = common::ranks::on_threads(norms, |r, bn| {
+        let d = device(r as u32);
+        let mut bn = mark_distributed::<B, BatchNorm<B>>(bn).expect("marking");
+        let scope = join::<NdArray>(&d);
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            for k in 0..1 + r {
+                bn = sync_buffers::<B, _>(bn.clone(), BufferSync::Broadcast)
+                    .map_err(|e| e.to_string())?;
+                let loss = bn.forward(norm_input(r, k, &d)).mean();
+                let grads = GradientsParams::from_grads(loss.backward(), &bn);
+                bn = SgdConfig::new()
+                    .init::<B, BatchNorm<B>>()
+                    .step(0.1, bn.clone(), grads);
+            }
+            Ok::<_, String>(())
+        }));
+        match run {
+            Err(p) => p.downcast_ref::<String>().cloned().unwrap_or_default(),
+            Ok(Err(e)) => e,
+            Ok(Ok(())) => match scope.finish() {
+                Ok(report) => format!("finished: {report:?}"),
+                Err(e) => e.to_string(),
+            },
+        }
+    });
+    Inner::close_communication_server(&device(0));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    for (r, msg) in out.iter().enumerate() {
+        assert!(
+            msg.contains("collective mismatch") && msg.contains("uneven-inputs round"),
+            "rank {r}: {msg}"
+        );
+    }
+}
+
 /// Ranks whose modules hold different buffers fail together, naming the first that differs.
 #[test]
 fn ranks_whose_buffers_differ_fail_naming_the_buffer() {

@@ -30,12 +30,12 @@ use std::sync::Arc;
 
 use burn_backend::distributed::TensorRef;
 use burn_backend::{Backend, Scalar};
-use burn_core::module::Module;
+use burn_core::module::AutodiffModule;
 use burn_core::tensor::backend::AutodiffBackend;
 use burn_std::{FloatDType, Shape};
 
 use super::rank_threads::works_for;
-use super::replicas::ReplicaError;
+use super::replicas::{BufferSync, Reduce, ReplicaError};
 use super::session::{RankState, Session, lock, session};
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::graph::ReduceOp;
@@ -82,6 +82,10 @@ pub(super) struct JoinState {
     rounds: u64,
     /// The ranks still training in the latest round that had any.
     last_trained: Vec<usize>,
+    /// How this rank's latest step inside the scope made its buffers alike
+    /// ([`sync_buffers`](super::sync_buffers)), which [`Join::finish_model`] does again before
+    /// each round it waits in.
+    buffers: Option<BufferSync>,
 }
 
 /// An uneven-inputs scope of one rank (see [`join`]); it ends with [`Join::finish`] (or when
@@ -179,6 +183,7 @@ pub fn join_with<I: Backend>(
             pending: None,
             rounds: 0,
             last_trained: Vec::new(),
+            buffers: None,
         });
     }
     Join {
@@ -239,6 +244,27 @@ impl<I: Backend> Session<I> {
     }
 }
 
+impl<I: Backend> Session<I> {
+    /// A buffer sync of `rank` ([`sync_buffers`](super::sync_buffers)): what it gives every
+    /// rank. [`BufferSync::Broadcast`] is rank 0's values, and inside a join scope after a
+    /// round, those of the lowest rank that trained the latest step (PyTorch's authoritative
+    /// rank: a rank that has run out of inputs holds older statistics, and every rank knows
+    /// the same round). Inside a scope, a training rank's sync is remembered for the shadow.
+    pub(super) fn buffer_reduce(&self, rank: usize, how: BufferSync) -> Reduce {
+        let mut root = 0;
+        if let Some(j) = self.state(rank, "sync_buffers").join.as_mut() {
+            if j.training {
+                j.buffers = Some(how);
+            }
+            root = j.last_trained.first().copied().unwrap_or(0);
+        }
+        match how {
+            BufferSync::Broadcast => Reduce::From(root),
+            BufferSync::Mean => Reduce::Mean,
+        }
+    }
+}
+
 impl JoinState {
     /// Takes in a round's counts: which ranks train, and that every rank's options are this
     /// rank's.
@@ -274,20 +300,38 @@ impl<I: Backend> Join<I> {
     /// [`JoinError::Round`] when a round fails (a rank that neither trains nor finishes within
     /// the timeout, another collective met, an aborted group), [`JoinError::NoStep`] when the
     /// others train and this rank never synced a step; the group is aborted, so every rank
-    /// fails. A failure inside a replayed step panics as a failed gradient sync does.
+    /// fails. A failure inside a replayed step panics as a failed gradient sync does. A loop
+    /// that makes its buffers alike each step ([`sync_buffers`](super::sync_buffers)) finishes
+    /// with [`finish_model`](Self::finish_model), which takes part in that too: here the
+    /// others' buffer sync meets this rank's round, and every rank fails with the mismatch.
     pub fn finish(self) -> Result<JoinReport, JoinError> {
+        self.rounds((), |(), _| Ok(())).map(|((), report)| report)
+    }
+
+    /// [`finish`](Self::finish)'s rounds, each after `sync_buffers(state, how)` where this
+    /// rank's latest step inside the scope made its buffers alike with `how`.
+    fn rounds<T>(
+        self,
+        mut state: T,
+        mut sync_buffers: impl FnMut(T, BufferSync) -> Result<T, JoinError>,
+    ) -> Result<(T, JoinReport), JoinError> {
         let (s, rank) = (&self.session, self.rank());
         works_for(s, rank);
         let mut shadowed_steps = 0;
         if s.world > 1 {
-            let options = match s.state(rank, "join").join.as_mut() {
+            let (options, buffers) = match s.state(rank, "join").join.as_mut() {
                 Some(j) => {
                     j.training = false;
-                    j.options
+                    (j.options, j.buffers)
                 }
-                None => JoinOptions::default(),
+                None => (JoinOptions::default(), None),
             };
             loop {
+                // The others' step makes its buffers alike before its round (which its first
+                // gradient starts).
+                if let Some(how) = buffers {
+                    state = sync_buffers(state, how).map_err(|e| self.failed(e))?;
+                }
                 let round = start_join_round(s.comm(rank), options.round_value(false))
                     .and_then(|p| p.wait(s.options.timeout))
                     .map_err(|e| {
@@ -323,18 +367,24 @@ impl<I: Backend> Join<I> {
             .join
             .take()
             .map_or((0, Vec::new()), |j| (j.rounds, j.last_trained));
-        Ok(JoinReport {
+        let report = JoinReport {
             rank,
             shadowed_steps,
             rounds,
             authority: last_trained.first().copied().unwrap_or(0),
             last_trained,
-        })
+        };
+        Ok((state, report))
     }
 
-    /// [`finish`](Self::finish), then every rank's `model` takes the authority's values (its
-    /// trained parameters and its buffers: [`replicate_from`](super::replicate_from)), as
-    /// PyTorch's `Join` does for DDP: a rank that finished early missed the last updates.
+    /// [`finish`](Self::finish), taking part in the others' buffer syncs too where this rank's
+    /// steps made `model`'s buffers alike ([`sync_buffers`](super::sync_buffers): its
+    /// [`BufferSync::Broadcast`] then sends the statistics of the lowest rank that trained the
+    /// step before, never a finished rank's older ones; with [`BufferSync::Mean`] this rank's
+    /// statistics, as they are, count in the mean), as PyTorch's DDP join hook shadows its
+    /// buffer broadcast. Then every rank's `model` takes the authority's values (its trained
+    /// parameters and its buffers: [`replicate_from`](super::replicate_from)), as PyTorch's
+    /// `Join` does for DDP: a rank that finished early missed the last updates.
     ///
     /// # Errors
     /// As [`finish`](Self::finish), and [`JoinError::Replica`] when the ranks' models differ or
@@ -342,9 +392,11 @@ impl<I: Backend> Join<I> {
     pub fn finish_model<B, M>(self, model: M) -> Result<(M, JoinReport), JoinError>
     where
         B: AutodiffBackend<InnerBackend = Collective<I>>,
-        M: Module<B>,
+        M: AutodiffModule<B>,
     {
-        let report = self.finish()?;
+        let (model, report) = self.rounds(model, |m, how| {
+            Ok(super::params::sync_buffers::<B, M>(m, how)?)
+        })?;
         let model = super::params::replicate_from::<B, M>(model, report.authority)?;
         Ok((model, report))
     }

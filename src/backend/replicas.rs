@@ -295,7 +295,8 @@ pub(super) fn replicate<I: Backend>(
                     .map(|()| entries.iter().map(|_| None).collect()),
             },
             Replicate::Buffers(how) => {
-                Ok(reduce_values(&session, rank, &entries, &device, how.into()))
+                let how = session.buffer_reduce(rank, how);
+                Ok(reduce_values(&session, rank, &entries, &device, how))
             }
             Replicate::FromRank(root) => Ok(reduce_values(
                 &session,
@@ -543,20 +544,11 @@ fn broadcast<I: Backend>(
 
 /// What [`reduce_values`] gives every rank.
 #[derive(Clone, Copy)]
-enum Reduce {
+pub(super) enum Reduce {
     /// This rank's values.
     From(usize),
     /// The mean of every rank's.
     Mean,
-}
-
-impl From<BufferSync> for Reduce {
-    fn from(how: BufferSync) -> Reduce {
-        match how {
-            BufferSync::Broadcast => Reduce::From(0),
-            BufferSync::Mean => Reduce::Mean,
-        }
-    }
 }
 
 /// The values of a buffer sync or of [`replicate_from`](super::replicate_from): an all-reduce of

@@ -109,7 +109,7 @@ pub struct RunOptions {
     /// (statistics over every rank's batch) instead of Burn's `BatchNorm`.
     pub sync_norm: bool,
     /// Uneven inputs: when above 0, rank `r` of `w` trains `steps - (w - 1 - r) × uneven` steps
-    /// (the last rank all of them) inside a [`join`] scope, and every rank ends with the
+    /// (the last rank all of them) inside a [`join_with`] scope, and every rank ends with the
     /// weights of the last to train ([`JoinReport`]).
     pub uneven: usize,
     /// With [`uneven`](Self::uneven): how the scope divides a step some ranks sat out.
@@ -319,8 +319,8 @@ fn run_model<I: Backend, M: Net<B<I>>>(
     let first = local[0];
     let steps_of = |rank: usize| uneven_steps(opts.steps, opts.uneven, world as usize, rank);
     if opts.uneven > 0 {
-        if matches!(opts.model, RunModel::ResNet { .. }) {
-            return Err("--uneven with --model resnet: its buffers are made alike by a collective every step, which a rank that ran out of inputs does not take part in".into());
+        if opts.sync_norm {
+            return Err("--uneven with --sync-bn: each norm is a collective in forward and backward, which a rank that ran out of inputs does not take part in".into());
         }
         if steps_of(0) == 0 {
             return Err(format!(
