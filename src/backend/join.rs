@@ -13,14 +13,17 @@
 //! `divide_by_initial_world_size=True`): a step of fewer ranks moves the model by the
 //! gradients of the ranks that trained, weighted as in a full step. [`join_with`] and
 //! [`JoinOptions`] divide it by the ranks that trained instead (`False`): the reduced
-//! gradients of such a step are scaled by `world / trained` at its sync point.
+//! gradients of such a step are scaled by `world / trained` at its sync point. A loop that makes
+//! its buffers alike before each forward pass ([`sync_buffers`](super::sync_buffers)) finishes
+//! with [`Join::finish_model`], which syncs the model's buffers before each round as well.
 //!
-//! Requires: every rank enters the scope before the same step and calls `finish` after its own
-//! last step; every rank synced at least one step before it finishes (its last step is what it
-//! replays); while a rank has finished, the others' steps communicate through the gradient sync
-//! only (a user `all_reduce`, a `SyncBatchNorm` or `sync_buffers` meets the finished rank's
-//! round and fails every rank with the communicator's mismatch error, or times out), and sync
-//! the same parameters as the finished rank's last step; every rank's scope has the same
+//! Requires: every rank enters the scope before the same step and calls `finish` (or
+//! `finish_model`) after its own last step; every rank synced at least one step before it
+//! finishes (its last step is what it replays); while a rank has finished, the others' steps
+//! communicate through the gradient sync and, before their forward pass, the buffer sync only
+//! (anything else, a user `all_reduce` or a `SyncBatchNorm`, meets the finished rank's round
+//! and fails every rank with the communicator's mismatch error, or times out), and sync the
+//! same parameters as the finished rank's last step; every rank's scope has the same
 //! [`JoinOptions`] (each round checks). Guarantees: every rank's `finish`
 //! returns once every rank has finished, each knowing the ranks that trained last
 //! ([`JoinReport::authority`]: their model has every update, which [`Join::finish_model`]
