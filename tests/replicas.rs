@@ -564,6 +564,24 @@ fn latest_bits(bn: &burn_nn::BatchNorm<B>) -> Vec<u32> {
     running_bits(&bn.valid())
 }
 
+/// One training step of rank `rank`'s BatchNorm at step `k`: a forward pass on its own input
+/// and an SGD step on its scale and shift.
+fn norm_step(bn: burn_nn::BatchNorm<B>, rank: usize, k: usize, d: &Dev) -> burn_nn::BatchNorm<B> {
+    let y = bn.forward(norm_input(rank, k, d));
+    let loss = (y - 0.5).powf_scalar(2.0).mean();
+    let grads = GradientsParams::from_grads(loss.backward(), &bn);
+    SgdConfig::new()
+        .init::<B, burn_nn::BatchNorm<B>>()
+        .step(0.1, bn, grads)
+}
+
+/// The bits of a BatchNorm's trained parameters (scale, then shift).
+fn trained_bits(bn: &burn_nn::BatchNorm<B>) -> Vec<u32> {
+    let mut v = bn.gamma.val().into_data().to_vec::<f32>().unwrap();
+    v.extend(bn.beta.val().into_data().to_vec::<f32>().unwrap());
+    bits(&v)
+}
+
 /// `steps` training steps of a BatchNorm on every rank, each on a thread of its own: marked
 /// once, then each step `sync_buffers(how)`, a forward pass on the rank's own input, and an SGD
 /// step on its scale and shift. Per rank: the latest statistics before each sync if `latest`
@@ -607,20 +625,9 @@ fn train_norms(
             bn =
                 sync_buffers::<B, _>(bn, how).unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
             after.push(running_bits(&bn));
-            let y = bn.forward(norm_input(r, k, &d));
-            let loss = (y - 0.5).powf_scalar(2.0).mean();
-            let grads = GradientsParams::from_grads(loss.backward(), &bn);
-            bn = SgdConfig::new()
-                .init::<B, BatchNorm<B>>()
-                .step(0.1, bn, grads);
+            bn = norm_step(bn, r, k, &d);
         }
-        let trained = bits(
-            &[
-                bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
-                bn.beta.val().into_data().to_vec::<f32>().unwrap(),
-            ]
-            .concat(),
-        );
+        let trained = trained_bits(&bn);
         (before, after, trained)
     });
     Inner::close_communication_server(&device(0));
@@ -751,32 +758,14 @@ fn uneven_ranks_broadcast_the_statistics_of_a_rank_that_trained_the_step_before(
             bn = sync_buffers::<B, _>(bn, BufferSync::Broadcast)
                 .unwrap_or_else(|e| panic!("rank {r}, step {k}: {e}"));
             after.push(running_bits(&bn));
-            let y = bn.forward(norm_input(r, k, &d));
-            let loss = (y - 0.5).powf_scalar(2.0).mean();
-            let grads = GradientsParams::from_grads(loss.backward(), &bn);
-            bn = SgdConfig::new()
-                .init::<B, BatchNorm<B>>()
-                .step(0.1, bn, grads);
+            bn = norm_step(bn, r, k, &d);
         }
         let own = latest_bits(&bn);
         let (bn, report) = scope
             .finish_model::<B, BatchNorm<B>>(bn)
             .unwrap_or_else(|e| panic!("rank {r}: finishing: {e}"));
-        let params = bits(
-            &[
-                bn.gamma.val().into_data().to_vec::<f32>().unwrap(),
-                bn.beta.val().into_data().to_vec::<f32>().unwrap(),
-            ]
-            .concat(),
-        );
-        (
-            before,
-            after,
-            own,
-            running_bits(&bn.valid()),
-            params,
-            report,
-        )
+        let (params, stats) = (trained_bits(&bn), running_bits(&bn.valid()));
+        (before, after, own, stats, params, report)
     });
     Inner::close_communication_server(&device(0));
     let (rank0, rank1, rank2) = (&out[0], &out[1], &out[2]);
@@ -819,11 +808,7 @@ fn uneven_ranks_that_sync_buffers_and_finish_without_the_model_fail_together() {
             for k in 0..1 + r {
                 bn = sync_buffers::<B, _>(bn.clone(), BufferSync::Broadcast)
                     .map_err(|e| e.to_string())?;
-                let loss = bn.forward(norm_input(r, k, &d)).mean();
-                let grads = GradientsParams::from_grads(loss.backward(), &bn);
-                bn = SgdConfig::new()
-                    .init::<B, BatchNorm<B>>()
-                    .step(0.1, bn.clone(), grads);
+                bn = norm_step(bn.clone(), r, k, &d);
             }
             Ok::<_, String>(())
         }));
