@@ -245,9 +245,7 @@ impl<I: Backend> Session<I> {
             t.set(I::float_mul_scalar(g, scale));
         }
     }
-}
 
-impl<I: Backend> Session<I> {
     /// A buffer sync of `rank` ([`sync_buffers`](super::sync_buffers)): what it gives every
     /// rank. [`BufferSync::Broadcast`] is rank 0's values, and inside a join scope after a
     /// round, those of the lowest rank that trained the latest step (PyTorch's authoritative
