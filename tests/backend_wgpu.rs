@@ -253,57 +253,17 @@ fn buffers_are_made_alike_in_device_memory_on_fused_wgpu() {
     );
 }
 
-/// Uneven inputs with BatchNorm statistics on fused wgpu: rank 0 trains one step, rank 1 two,
-/// each syncing its buffers (`Broadcast`) before its forward pass. Rank 0, out of inputs, takes
-/// part in rank 1's second buffer sync and gradient sync (`finish_model`): there rank 1 takes
-/// rank 0's statistics (the lowest rank that trained the step before), and both ranks end with
-/// rank 1's parameters and statistics.
+/// Uneven inputs with BatchNorm statistics on fused wgpu
+/// (`common::join::assert_a_finished_rank_takes_part_in_the_buffer_sync`).
 #[test]
 fn a_finished_rank_takes_part_in_the_buffer_sync_on_fused_wgpu() {
-    use burn_core::module::AutodiffModule;
-    use collective_fusion::backend::join;
     if !adapter() {
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (devices, ctx) = start_fused(ReduceOperation::Mean);
-    let bits = |bn: &BatchNorm<Collective<Wgpu>>| -> Vec<u32> {
-        let mut v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
-        v.extend(bn.running_var.value().into_data().to_vec::<f32>().unwrap());
-        v.iter().map(|x| x.to_bits()).collect()
-    };
-    let out = common::ranks::on_threads(devices.iter().collect(), |r, d| {
-        let bn = BatchNormConfig::new(3).init::<A<Wgpu>>(d);
-        let mut bn = mark_distributed::<A<Wgpu>, _>(bn).expect("marking");
-        let scope = join::<Wgpu>(d);
-        let (mut before, mut synced) = (Vec::new(), Vec::new());
-        for k in 0..1 + r {
-            before.push(bits(&bn.valid()));
-            bn = sync_buffers::<A<Wgpu>, _>(bn, BufferSync::Broadcast).expect("syncing buffers");
-            synced.push(bits(&bn.valid()));
-            let (x, _) = synthetic_batch::<A<Wgpu>>(r * 10 + k, (0, 4), 15, 1, d);
-            let x = x.reshape([4, 3, 5]) * (r as f32 + 1.0);
-            let loss = (bn.forward(x) - 0.5).powf_scalar(2.0).mean();
-            let grads = GradientsParams::from_grads(loss.backward(), &bn);
-            bn = SgdConfig::new().init::<A<Wgpu>, _>().step(0.1, bn, grads);
-        }
-        let own = bits(&bn.valid());
-        let (bn, report) = scope
-            .finish_model::<A<Wgpu>, _>(bn)
-            .expect("finishing the scope");
-        let params: Vec<f32> = [bn.gamma.val(), bn.beta.val()]
-            .into_iter()
-            .flat_map(|t| t.into_data().to_vec::<f32>().unwrap())
-            .collect();
-        (before, synced, own, bits(&bn.valid()), params, report)
-    });
+    common::join::assert_a_finished_rank_takes_part_in_the_buffer_sync::<Wgpu>(&devices);
     drop(ctx);
-    let (rank0, rank1) = (&out[0], &out[1]);
-    assert_eq!(rank0.5.shadowed_steps, 1);
-    assert_ne!(rank0.2, rank1.0[1], "the ranks' own statistics differ");
-    assert_eq!(rank1.1[1], rank0.2, "step 1: rank 0's latest statistics");
-    assert_eq!(rank0.3, rank1.3, "statistics at the end");
-    assert_eq!(rank0.4, rank1.4, "parameters at the end");
 }
 
 /// Set in the child process that runs the f16 test.

@@ -727,7 +727,8 @@ mod training {
     use burn_nn::{Linear, LinearConfig};
     use burn_optim::{GradientsParams, Optimizer, SgdConfig};
     use collective_fusion::backend::{
-        Collective, CollectiveDevice, CollectiveOptions, Transport, mark_distributed, sync_stats,
+        Collective, CollectiveDevice, CollectiveOptions, JoinOptions, Transport, mark_distributed,
+        sync_stats,
     };
     use collective_fusion::train::{module_weights, synthetic_batch};
 
@@ -832,6 +833,71 @@ mod training {
         crate::common::threads::check_threads_sharing_a_rank::<Cuda>(|| {
             CollectiveDevice::new(CudaDevice::default(), 9)
         });
+    }
+
+    /// Two ranks sharing the GPU (the in-process communicator: NCCL takes one GPU a rank).
+    fn two_ranks_on_the_gpu() -> Vec<CollectiveDevice<CudaDevice>> {
+        (0..2)
+            .map(|r| CollectiveDevice::new(CudaDevice::default(), r))
+            .collect()
+    }
+
+    /// Uneven inputs on fused `Collective<Cuda>`: ranks of 2 and 3 batches train as one rank,
+    /// the finished rank's zero gradients packed on the device as the others' are (as many
+    /// device buckets); dividing the last step by the world, then by the one rank that trained.
+    #[test]
+    fn ranks_with_uneven_inputs_on_cuda_train_as_one_rank() {
+        if !gpu_or_skip("uneven inputs on Collective<Cuda>", 1, false) {
+            return;
+        }
+        let by_trained = JoinOptions {
+            divide_by_initial_world_size: false,
+        };
+        for join in [JoinOptions::default(), by_trained] {
+            let ended = crate::common::join::assert_uneven_ranks_train_as_one_rank::<Cuda>(
+                &two_ranks_on_the_gpu(),
+                &[2, 3],
+                CollectiveOptions::default(),
+                join,
+                1e-3,
+            );
+            let buckets: Vec<u64> = ended.iter().map(|e| e.stats.device_buckets).collect();
+            assert!(
+                buckets[0] > 0 && buckets[0] == buckets[1],
+                "{join:?}: {buckets:?}"
+            );
+        }
+    }
+
+    /// A finished rank takes part in the buffer sync on fused `Collective<Cuda>`
+    /// (`common::join::assert_a_finished_rank_takes_part_in_the_buffer_sync`).
+    #[test]
+    fn a_finished_rank_takes_part_in_the_buffer_sync_on_cuda() {
+        if !gpu_or_skip("uneven inputs with buffers on Collective<Cuda>", 1, false) {
+            return;
+        }
+        let devices = two_ranks_on_the_gpu();
+        crate::common::ranks::start_server::<Cuda>(
+            &devices,
+            CollectiveOptions::default(),
+            ReduceOperation::Mean,
+        );
+        crate::common::join::assert_a_finished_rank_takes_part_in_the_buffer_sync::<Cuda>(&devices);
+        Collective::<Cuda>::close_communication_server(&devices[0]);
+    }
+
+    /// `SyncBatchNorm` on fused `Collective<Cuda>`: two ranks end where one `BatchNorm` over
+    /// both ranks' rows ends (`common::sync_norm`).
+    #[test]
+    fn synchronized_batch_norm_on_cuda_trains_as_one_rank() {
+        if !gpu_or_skip("SyncBatchNorm on Collective<Cuda>", 1, false) {
+            return;
+        }
+        crate::common::sync_norm::assert_trains_as_one_rank::<Cuda>(
+            &two_ranks_on_the_gpu(),
+            CollectiveOptions::default(),
+            1e-3,
+        );
     }
 
     /// Burn's CUDA backend without its fusion layer (`Cuda` is Burn's default, fused).

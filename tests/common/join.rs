@@ -4,13 +4,14 @@
 use burn_autodiff::Autodiff;
 use burn_backend::Backend;
 use burn_backend::distributed::{DistributedBackend, ReduceOperation};
+use burn_core::module::AutodiffModule;
 use burn_core::tensor::Tensor;
 use burn_nn::loss::{MseLoss, Reduction};
-use burn_nn::{Linear, LinearConfig};
+use burn_nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn_optim::{GradientsParams, Optimizer, SgdConfig};
 use collective_fusion::backend::{
-    Collective, CollectiveDevice, CollectiveOptions, JoinOptions, JoinReport, SyncStats, join_with,
-    mark_distributed, sync_stats,
+    BufferSync, Collective, CollectiveDevice, CollectiveOptions, JoinOptions, JoinReport,
+    SyncStats, join, join_with, mark_distributed, sync_buffers, sync_stats,
 };
 use collective_fusion::train::{module_weights, synthetic_batch};
 
@@ -147,4 +148,51 @@ pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     }
     super::ranks::assert_ends_as_one_rank(&ended[authority].own, &one, &initial, rel, 1e-3);
     ended
+}
+
+/// Uneven inputs with BatchNorm statistics on two ranks of `devices` (a server running, the
+/// gradient sync's mean): rank 0 trains one step, rank 1 two, each syncing its buffers
+/// (`Broadcast`) before its forward pass. Rank 0, out of inputs, takes part in rank 1's second
+/// buffer sync and gradient sync (`finish_model`): there rank 1 takes rank 0's statistics (the
+/// lowest rank that trained the step before), and both ranks end with rank 1's parameters and
+/// statistics.
+pub fn assert_a_finished_rank_takes_part_in_the_buffer_sync<I: Backend>(
+    devices: &[CollectiveDevice<I::Device>],
+) {
+    let bits = |bn: &BatchNorm<Collective<I>>| -> Vec<u32> {
+        let mut v = bn.running_mean.value().into_data().to_vec::<f32>().unwrap();
+        v.extend(bn.running_var.value().into_data().to_vec::<f32>().unwrap());
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let out = super::ranks::on_threads(devices[..2].iter().collect(), |r, d| {
+        let bn = BatchNormConfig::new(3).init::<B<I>>(d);
+        let mut bn = mark_distributed::<B<I>, _>(bn).expect("marking");
+        let scope = join::<I>(d);
+        let (mut before, mut synced) = (Vec::new(), Vec::new());
+        for k in 0..1 + r {
+            before.push(bits(&bn.valid()));
+            bn = sync_buffers::<B<I>, _>(bn, BufferSync::Broadcast).expect("syncing buffers");
+            synced.push(bits(&bn.valid()));
+            let (x, _) = synthetic_batch::<B<I>>(r * 10 + k, (0, 4), 15, 1, d);
+            let x = x.reshape([4, 3, 5]) * (r as f32 + 1.0);
+            let loss = (bn.forward(x) - 0.5).powf_scalar(2.0).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &bn);
+            bn = SgdConfig::new().init::<B<I>, _>().step(0.1, bn, grads);
+        }
+        let own = bits(&bn.valid());
+        let (bn, report) = scope
+            .finish_model::<B<I>, _>(bn)
+            .expect("finishing the scope");
+        let params: Vec<f32> = [bn.gamma.val(), bn.beta.val()]
+            .into_iter()
+            .flat_map(|t| t.into_data().to_vec::<f32>().unwrap())
+            .collect();
+        (before, synced, own, bits(&bn.valid()), params, report)
+    });
+    let (rank0, rank1) = (&out[0], &out[1]);
+    assert_eq!(rank0.5.shadowed_steps, 1);
+    assert_ne!(rank0.2, rank1.0[1], "the ranks' own statistics differ");
+    assert_eq!(rank1.1[1], rank0.2, "step 1: rank 0's latest statistics");
+    assert_eq!(rank0.3, rank1.3, "statistics at the end");
+    assert_eq!(rank0.4, rank1.4, "parameters at the end");
 }
