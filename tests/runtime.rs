@@ -268,6 +268,26 @@ fn a_rank_that_never_arrives_is_a_timeout_naming_rank_bucket_and_op() {
     ));
 }
 
+/// `all_gather_u64` gives every rank every rank's 64-bit value whole, in rank order (each
+/// crosses as two 32-bit halves, exact in the f64 all-reduce), in one exchange.
+#[test]
+fn an_all_gather_of_fingerprints_keeps_all_64_bits() {
+    use collective_fusion::runtime::agree::all_gather_u64;
+    let mine = [u64::MAX, (1 << 53) + 1, 0x0123_4567_89ab_cdef];
+    let comms = InProcessGroup::ranks(3, Duration::from_secs(10));
+    let got: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(mine)
+            .map(|(c, m)| s.spawn(move || all_gather_u64(c, m, Duration::from_secs(10))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g, &mine, "rank {r}");
+    }
+}
+
 /// Each rank's communicator reports the CPU time its thread spent on a collective: what it
 /// takes from a backward on the same cores.
 #[test]

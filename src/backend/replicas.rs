@@ -64,7 +64,7 @@ use super::session::{Session, running};
 use super::{CTensor, Collective, CollectiveDevice};
 use crate::graph::{Fnv64, ReduceOp, TensorType};
 use crate::runtime::HostBuffer;
-use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes};
+use crate::runtime::agree::{WEIGHT_BROADCAST, all_gather_bytes, all_gather_u64};
 use crate::runtime::comm::{CollectiveDesc, CommError, Communicator, wait_bound};
 
 /// What marking a model does about the ranks' parameter values.
@@ -276,8 +276,7 @@ pub(super) fn replicate<I: Backend>(
     let timeout = session.options.timeout;
     let cap = session.options.config.bucket.cap_bytes;
     let result = (|| {
-        let all = all_gather_bytes(comm, &fingerprint.to_le_bytes(), timeout)?;
-        let prints: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+        let prints = all_gather_u64(comm, fingerprint, timeout)?;
         if prints.iter().any(|p| *p != prints[0]) {
             return Err(models_differ(comm, rank, &listing, &prints, timeout));
         }
@@ -417,7 +416,7 @@ fn models_differ(
     comm: &dyn Communicator,
     rank: usize,
     listing: &str,
-    prints: &[&[u8]],
+    prints: &[u64],
     timeout: std::time::Duration,
 ) -> ReplicaError {
     let other_rank = (0..prints.len())

@@ -31,11 +31,13 @@ const SHARE_ROOT: u32 = AGREE_LEN + 5;
 const BARRIER: u32 = AGREE_LEN + 6;
 /// [`start_join_round`]'s all-reduce.
 const JOIN_ROUND: u32 = AGREE_LEN + 7;
+/// [`all_gather_u64`]'s all-reduce.
+const GATHER_U64: u32 = AGREE_LEN + 8;
 
 /// Launch indices of the agreement's own all-reduces and of [`all_gather_bytes`]'s,
-/// [`gather_counts`]'s, [`share_from_root`]'s, [`barrier`]'s and [`start_join_round`]'s
-/// ([`Purpose::Agreement`]).
-pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=JOIN_ROUND;
+/// [`gather_counts`]'s, [`share_from_root`]'s, [`barrier`]'s, [`start_join_round`]'s and
+/// [`all_gather_u64`]'s ([`Purpose::Agreement`]).
+pub const AGREEMENT_IDS: std::ops::RangeInclusive<u32> = AGREE_LEN..=GATHER_U64;
 
 /// What the exchange of agreement-range launch index `collective` is, for messages.
 pub fn agreement_exchange(collective: u32) -> &'static str {
@@ -46,6 +48,7 @@ pub fn agreement_exchange(collective: u32) -> &'static str {
         SHARE_ROOT => "rank 0's share of a value",
         BARRIER => "a barrier",
         JOIN_ROUND => "the uneven-inputs round (which ranks still train)",
+        GATHER_U64 => "an all-gather of the ranks' fingerprints",
         _ => "an agreement exchange",
     }
 }
@@ -196,6 +199,28 @@ pub fn all_gather_bytes(
                 .map(|x| *x as u8)
                 .collect()
         })
+        .collect())
+}
+
+/// Every rank's `mine` (rank order), in one small all-reduce (each value as two 32-bit halves,
+/// exact in an f64): a fixed-size fingerprint, which [`all_gather_bytes`] would gather in two
+/// (the lengths, then the bytes). A rank that calls it waits for every rank.
+pub fn all_gather_u64(
+    comm: &dyn Communicator,
+    mine: u64,
+    timeout: std::time::Duration,
+) -> Result<Vec<u64>, CommError> {
+    let (rank, world) = (comm.rank(), comm.world());
+    if world <= 1 {
+        return Ok(vec![mine]);
+    }
+    let mut all = vec![0.0; 2 * world];
+    all[2 * rank] = (mine >> 32) as f64;
+    all[2 * rank + 1] = (mine & 0xffff_ffff) as f64;
+    let all = exchange(comm, GATHER_U64, all, timeout)?;
+    Ok(all
+        .chunks(2)
+        .map(|h| ((h[0] as u64) << 32) | h[1] as u64)
         .collect())
 }
 
