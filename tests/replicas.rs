@@ -50,6 +50,13 @@ fn model(widths: &[usize], seed: u64, rank: u32) -> Mlp {
     m.fork(&device(rank))
 }
 
+/// One model per rank of `world`, rank `r`'s seeded `seed + r`: ranks that built their own.
+fn seeded_models(world: u32, seed: u64) -> Vec<Mlp> {
+    (0..world)
+        .map(|r| model(&WIDTHS, seed + u64::from(r), r))
+        .collect()
+}
+
 fn weights(m: &Mlp) -> Vec<f32> {
     module_weights::<B, Mlp>(m)
 }
@@ -114,9 +121,7 @@ fn on_every_rank<T: Send>(
 fn ranks_that_build_their_own_models_start_from_rank_zero_weights() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let world = 3;
-    let models: Vec<Mlp> = (0..world)
-        .map(|r| model(&WIDTHS, 100 + r as u64, r))
-        .collect();
+    let models = seeded_models(world, 100);
     let rank0 = weights(&models[0]);
     assert_ne!(
         bits(&rank0),
@@ -158,9 +163,7 @@ fn ranks_that_build_their_own_models_start_from_rank_zero_weights() {
 fn any_rank_can_give_every_rank_its_weights() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let world = 3;
-    let models: Vec<Mlp> = (0..world)
-        .map(|r| model(&WIDTHS, 200 + r as u64, r))
-        .collect();
+    let models = seeded_models(world, 200);
     let rank2 = weights(&models[2]);
     let devices = start(world, InitialWeights::Broadcast, Duration::from_secs(20));
     let out = common::ranks::on_threads(models, |_, m| {
@@ -243,9 +246,7 @@ fn verified_weights_must_be_rank_zero_weights() {
         );
     }
     // Different weights: every rank fails, naming the first parameter.
-    let differ: Vec<Mlp> = (0..world)
-        .map(|r| model(&WIDTHS, 9 + r as u64, r))
-        .collect();
+    let differ = seeded_models(world, 9);
     let out = on_every_rank(differ, |_, _| ());
     Inner::close_communication_server(&devices[0]);
     for (r, o) in out.into_iter().enumerate() {
