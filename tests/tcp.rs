@@ -10,7 +10,7 @@ use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, CommError, Communicator};
 use collective_fusion::runtime::rendezvous::RendezvousConfig;
 use collective_fusion::runtime::synthetic::SplitMix64;
-use collective_fusion::runtime::tcp::TcpComm;
+use collective_fusion::runtime::tcp::{SHARDED_MIN_BYTES, TcpComm, TcpOptions};
 use collective_fusion::runtime::{HostBuffer, InProcessGroup};
 use common::free_port;
 
@@ -37,14 +37,24 @@ fn data(rank: usize, dtype: DType, n: usize, seed: u64) -> HostBuffer {
 
 /// Runs `f(comm)` on `world` TCP ranks, one thread each.
 fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(&TcpComm) -> T + Sync) -> Vec<T> {
+    on_tcp_with(world, timeout, |_| TcpOptions::default(), f)
+}
+
+/// [`on_tcp`], rank `r` with `options(r)`.
+fn on_tcp_with<T: Send>(
+    world: usize,
+    timeout: Duration,
+    options: impl Fn(usize) -> TcpOptions + Sync,
+    f: impl Fn(&TcpComm) -> T + Sync,
+) -> Vec<T> {
     let port = free_port();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
-                let f = &f;
+                let (f, options) = (&f, &options);
                 s.spawn(move || {
-                    let c = TcpComm::connect(&cfg(r, world, port), timeout)
-                        .unwrap_or_else(|e| panic!("{e}"));
+                    let c = TcpComm::connect_with(&cfg(r, world, port), timeout, options(r))
+                        .unwrap_or_else(|e| panic!("rank {r} of {world}: {e}"));
                     f(&c)
                 })
             })
@@ -53,12 +63,19 @@ fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(&TcpComm) -> T + 
     })
 }
 
-const CASES: [(ReduceOp, DType, usize); 5] = [
+/// Buffers below and from [`SHARDED_MIN_BYTES`]: in a group of three or more the large ones go
+/// through the mesh, each rank reducing a shard (sizes not a multiple of the group size among
+/// them), the small ones through rank 0.
+const CASES: [(ReduceOp, DType, usize); 9] = [
     (ReduceOp::Sum, DType::F32, 100_003),
     (ReduceOp::Mean, DType::F32, 7),
+    (ReduceOp::Sum, DType::F32, SHARDED_MIN_BYTES / 4 + 3),
     (ReduceOp::Mean, DType::BF16, 4099),
+    (ReduceOp::Mean, DType::BF16, SHARDED_MIN_BYTES / 2 + 1),
     (ReduceOp::Sum, DType::F64, 1),
+    (ReduceOp::Sum, DType::F64, SHARDED_MIN_BYTES / 8),
     (ReduceOp::Mean, DType::F16, 0),
+    (ReduceOp::Mean, DType::F32, 3 * SHARDED_MIN_BYTES / 4),
 ];
 
 /// Every case on `c`, all in flight at once, completed in order.
@@ -82,7 +99,7 @@ fn all_cases(c: &dyn Communicator) -> Vec<HostBuffer> {
 
 #[test]
 fn tcp_results_are_bitwise_those_of_the_in_process_group() {
-    for world in [1usize, 2, 3] {
+    for world in [1usize, 2, 3, 4] {
         let tcp = on_tcp(world, Duration::from_secs(20), |c| all_cases(c));
         let group = InProcessGroup::ranks(world, Duration::from_secs(20));
         let local: Vec<Vec<HostBuffer>> = std::thread::scope(|s| {
@@ -100,34 +117,38 @@ fn tcp_results_are_bitwise_those_of_the_in_process_group() {
     }
 }
 
+/// Through rank 0 (a small buffer) and through the mesh (a large one).
 #[test]
 fn a_peer_that_never_calls_is_a_timeout_naming_it() {
-    let t0 = Instant::now();
-    let out = on_tcp(3, Duration::from_millis(500), |c| {
-        if c.rank() == 2 {
-            // Joined, but never calls; it keeps its connection open past the others' timeout.
-            std::thread::sleep(Duration::from_secs(3));
-            return None;
+    for n in [8, SHARDED_MIN_BYTES / 4] {
+        let t0 = Instant::now();
+        let out = on_tcp(3, Duration::from_millis(500), |c| {
+            if c.rank() == 2 {
+                // Joined, but never calls; it keeps its connections open past the others'
+                // timeout.
+                std::thread::sleep(Duration::from_secs(3));
+                return None;
+            }
+            let p = c
+                .all_reduce(
+                    data(c.rank(), DType::F32, n, 1),
+                    desc(0, ReduceOp::Sum, DType::F32, n),
+                )
+                .unwrap();
+            Some(p.wait(Duration::from_secs(10)).unwrap_err())
+        });
+        match &out[0] {
+            Some(CommError::Timeout { missing, .. }) => assert_eq!(missing, &vec![2]),
+            e => panic!("{n}: rank 0: {e:?}"),
         }
-        let p = c
-            .all_reduce(
-                data(c.rank(), DType::F32, 8, 1),
-                desc(0, ReduceOp::Sum, DType::F32, 8),
-            )
-            .unwrap();
-        Some(p.wait(Duration::from_secs(10)).unwrap_err())
-    });
-    match &out[0] {
-        Some(CommError::Timeout { missing, .. }) => assert_eq!(missing, &vec![2]),
-        e => panic!("rank 0: {e:?}"),
+        let e1 = out[1].as_ref().unwrap().to_string();
+        assert!(
+            e1.contains("rank 1") && e1.contains("rank 0 reports"),
+            "{n}: {e1}"
+        );
+        assert!(e1.contains("ranks [2] never arrived"), "{n}: {e1}");
+        assert!(t0.elapsed() < Duration::from_secs(10));
     }
-    let e1 = out[1].as_ref().unwrap().to_string();
-    assert!(
-        e1.contains("rank 1") && e1.contains("rank 0 reports"),
-        "{e1}"
-    );
-    assert!(e1.contains("ranks [2] never arrived"), "{e1}");
-    assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
 /// Rank 2 calls 100 ms after the others, 64 MiB each. Every rank's span says the last rank
@@ -188,6 +209,100 @@ fn ranks_that_call_different_collectives_fail_with_a_mismatch() {
     assert!(out[0].contains("collective mismatch"), "{}", out[0]);
     assert!(out[0].contains("f32×9"), "{}", out[0]);
     assert!(out[1].contains("collective mismatch"), "{}", out[1]);
+}
+
+/// Ranks whose buffers would go different ways (one through rank 0, the others through the
+/// mesh) fail with rank 0's mismatch, whichever way rank 0's own goes.
+#[test]
+fn a_mismatch_between_the_star_and_the_mesh_fails_every_rank() {
+    let large = SHARDED_MIN_BYTES / 4;
+    for small_rank in [0, 2] {
+        let out = on_tcp(3, Duration::from_secs(5), |c| {
+            let n = if c.rank() == small_rank { 8 } else { large };
+            c.all_reduce(
+                data(c.rank(), DType::F32, n, 1),
+                desc(3, ReduceOp::Sum, DType::F32, n),
+            )
+            .unwrap()
+            .wait(Duration::from_secs(20))
+            .unwrap_err()
+            .to_string()
+        });
+        for (r, e) in out.iter().enumerate() {
+            assert!(
+                e.contains("collective mismatch"),
+                "small on {small_rank}, rank {r}: {e}"
+            );
+            assert!(e.contains("f32×8"), "small on {small_rank}, rank {r}: {e}");
+        }
+    }
+}
+
+/// Through rank 0 only, the large buffers too (`sharded_min_bytes: usize::MAX`), the results
+/// are the mesh's; ranks whose options send a buffer different ways fail it, saying so.
+#[test]
+fn ranks_agree_on_the_way_of_each_collective() {
+    let star = TcpOptions {
+        sharded_min_bytes: usize::MAX,
+    };
+    let through_rank_0 = on_tcp_with(3, Duration::from_secs(20), |_| star, |c| all_cases(c));
+    let meshed = on_tcp(3, Duration::from_secs(20), |c| all_cases(c));
+    for r in 0..3 {
+        for (i, (a, b)) in through_rank_0[r].iter().zip(&meshed[r]).enumerate() {
+            assert!(a.bits_eq(b), "rank {r} case {i}");
+        }
+    }
+    let n = SHARDED_MIN_BYTES / 4;
+    let out = on_tcp_with(
+        3,
+        Duration::from_secs(5),
+        |r| if r == 1 { star } else { TcpOptions::default() },
+        |c| {
+            c.all_reduce(
+                data(c.rank(), DType::F32, n, 1),
+                desc(0, ReduceOp::Sum, DType::F32, n),
+            )
+            .unwrap()
+            .wait(Duration::from_secs(20))
+            .unwrap_err()
+            .to_string()
+        },
+    );
+    for (r, e) in out.iter().enumerate() {
+        assert!(
+            e.contains("rank 1 reduces it through rank 0, rank 0 through the mesh")
+                && e.contains("sharded_min_bytes differ"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
+/// Rank 2 aborts the group while a 64 MiB all-reduce goes through the mesh: every rank fails
+/// at once (not at the timeout), the others naming rank 2 and its reason.
+#[test]
+fn a_rank_that_aborts_during_a_sharded_all_reduce_fails_every_rank_naming_it() {
+    const N: usize = 16 << 20;
+    let t0 = Instant::now();
+    let out = on_tcp(3, Duration::from_secs(20), |c| {
+        let p = c
+            .all_reduce(
+                HostBuffer::F32(vec![1.0; N]),
+                desc(0, ReduceOp::Sum, DType::F32, N),
+            )
+            .unwrap();
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(20));
+            c.abort("its loader failed");
+        }
+        p.wait(Duration::from_secs(30)).unwrap_err().to_string()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    for (r, e) in out.iter().enumerate().take(2) {
+        assert!(
+            e.contains("rank 2 aborted the group: its loader failed"),
+            "rank {r}: {e}"
+        );
+    }
 }
 
 #[test]

@@ -3,12 +3,16 @@
 //! tests). Start-up goes through the [`rendezvous`](super::rendezvous): rank 0 opens a data port
 //! and shares its number, every other rank connects to it and says which rank it is.
 //!
-//! Topology: a star through rank 0. Each collective, every peer sends its buffer to rank 0,
-//! which reduces all of them with the in-process group's arithmetic (every element summed in
-//! rank order, each contribution divided by the group size first for a mean) and sends the
-//! result back. The results are therefore bitwise those of the in-process communicator and
-//! independent of timing. Rank 0 moves `2·(world − 1)` buffers per collective, so this suits a
-//! few processes; it is not a ring.
+//! Topology: a star through rank 0, and in a group of three or more a mesh beside it. Each
+//! collective, every peer sends its header to rank 0, which checks that all ranks call the same
+//! collective. A small buffer then goes through rank 0 too: every peer sends it, rank 0 reduces
+//! all of them with the in-process group's arithmetic (every element summed in rank order, each
+//! contribution divided by the group size first for a mean) and sends the result back, moving
+//! `2·(world − 1)` buffers. A buffer of [`TcpOptions::sharded_min_bytes`] or more (1 MiB by
+//! default) goes through the mesh ([`mesh`]): each rank reduces one shard of it with the same
+//! arithmetic and sends it to every other, so each rank moves `2·(world − 1)/world` of a buffer
+//! whatever the group size, and rank 0 only settles the outcome. Either way the results are
+//! bitwise those of the in-process communicator and independent of timing.
 //!
 //! Every rank runs its collectives in the order they were enqueued, on its own communication
 //! thread (its stream). Nothing waits unbounded: rank 0 waits for each peer's buffer until the
@@ -23,10 +27,16 @@
 //!
 //! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`, the
 //! rendezvous token's tag `u64` (a connection whose hello is not a peer's of this group is
-//! logged and ignored). Per
-//! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, two zero bytes,
-//! count `u64`, bucket `u32` (`u32::MAX`: none), then the buffer's bytes (op and dtype as
-//! `ReduceOp::code` and `DType::code`); rank 0 → peer: status
+//! logged and ignored). With a mesh, each peer then sends rank 0 the address of its mesh port
+//! (length `u16`, then the text), rank 0 sends every peer all ranks' addresses, and each rank
+//! connects to the mesh ports of the ranks below it with the same hello but `b"CFTM"`. Per
+//! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, way `u8` (1:
+//! the mesh), a zero byte, count `u64`, bucket `u32` (`u32::MAX`: none), then, through rank 0,
+//! the buffer's bytes (op and dtype as `ReduceOp::code` and `DType::code`). Through the mesh:
+//! rank 0 → peer: status `u8` (0: go, then nanoseconds since the last rank joined `u64`; 1:
+//! failed, then a `u32` length and the message); the shards over the mesh; peer → rank 0: its
+//! verdict (`u8` 0, or 1, a `u32` length and why); rank 0 → peer: commit `u8` 0 once every rank
+//! succeeded, else a failure naming every rank's. Through rank 0: rank 0 → peer: status
 //! `u8` (0: ok, then nanoseconds since the last rank joined `u64` and the result's bytes; 1:
 //! failed, then a `u32` length and the message);
 //! peer → rank 0: acknowledgement `u8` 0 once the result is staged; rank 0 → peer, once every
@@ -50,6 +60,32 @@ use super::peer_watch::PeerWatch;
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous_watched};
 use crate::graph::{DType, ReduceOp};
 
+mod mesh;
+mod start;
+use mesh::{Mesh, run_peer_sharded, run_root_sharded};
+use start::{accept_ranks, connect_root};
+
+/// Bytes from which an all-reduce of a TCP group of three or more ranks goes through the mesh
+/// (every rank reducing one shard) instead of the star through rank 0, by default.
+pub const SHARDED_MIN_BYTES: usize = 1 << 20;
+
+/// How a TCP rank moves its collectives; every rank of a group has the same (rank 0 checks
+/// each collective's way: ranks that differ fail it with an error that says so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Bytes from which an all-reduce goes through the mesh in a group of three or more
+    /// ([`SHARDED_MIN_BYTES`] by default; `usize::MAX`: always through rank 0).
+    pub sharded_min_bytes: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            sharded_min_bytes: SHARDED_MIN_BYTES,
+        }
+    }
+}
+
 const HELLO: &[u8; 4] = b"CFTH";
 const CALL: &[u8; 4] = b"CFTC";
 const HEADER: usize = 24;
@@ -57,12 +93,14 @@ const HEADER: usize = 24;
 /// Largest failure message accepted from rank 0.
 const MAX_MESSAGE: u32 = 1 << 16;
 
-fn header(what: &CollectiveDesc) -> [u8; HEADER] {
+/// A collective's header; `sharded`: this rank reduces it through the mesh.
+fn header(what: &CollectiveDesc, sharded: bool) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
     h[..4].copy_from_slice(CALL);
     h[4..8].copy_from_slice(&what.collective.to_le_bytes());
     h[8] = what.op.code();
     h[9] = what.dtype.code();
+    h[10] = u8::from(sharded);
     h[12..20].copy_from_slice(&what.count.to_le_bytes());
     h[20..24].copy_from_slice(&what.bucket.unwrap_or(u32::MAX).to_le_bytes());
     h
@@ -108,10 +146,10 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 /// `read_exact` that ends by `deadline` however the bytes arrive: a socket timeout bounds one
 /// `read`, so a peer that trickles a byte at a time would otherwise hold the call for as many
 /// timeouts as the buffer has bytes.
-fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+fn read_by(s: &TcpStream, mut buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
     while !buf.is_empty() {
         s.set_read_timeout(Some(left(deadline)?))?;
-        match s.read(buf) {
+        match (&mut &*s).read(buf) {
             Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
             Ok(n) => buf = &mut buf[n..],
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -122,10 +160,10 @@ fn read_by(s: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> std::io:
 }
 
 /// `write_all` that ends by `deadline`, however slowly the other side reads.
-fn write_by(s: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+fn write_by(s: &TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
     while !buf.is_empty() {
         s.set_write_timeout(Some(left(deadline)?))?;
-        match s.write(buf) {
+        match (&mut &*s).write(buf) {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
             Ok(n) => buf = &buf[n..],
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -199,6 +237,15 @@ impl QueuedComm<TcpShared> {
     /// Joins the group `cfg` describes (the rendezvous, then the data connections), each step
     /// bounded by `cfg.timeout`; `timeout` then bounds every collective.
     pub fn connect(cfg: &RendezvousConfig, timeout: Duration) -> Result<Self, RendezvousError> {
+        Self::connect_with(cfg, timeout, TcpOptions::default())
+    }
+
+    /// [`connect`](Self::connect) with `options` (the same on every rank).
+    pub fn connect_with(
+        cfg: &RendezvousConfig,
+        timeout: Duration,
+        options: TcpOptions,
+    ) -> Result<Self, RendezvousError> {
         let start = Instant::now();
         let deadline = start + cfg.timeout;
         let (links, watch) = if cfg.rank == 0 {
@@ -214,7 +261,14 @@ impl QueuedComm<TcpShared> {
                 .port();
             let (_, watch) = rendezvous_watched(cfg, || port.to_le_bytes().to_vec())?;
             (
-                Links::Root(accept_peers(cfg, &listener, start, deadline)?),
+                Links::Root(accept_ranks(
+                    cfg,
+                    &listener,
+                    HELLO,
+                    1..cfg.world,
+                    (start, deadline),
+                    "data port",
+                )?),
                 watch,
             )
         } else {
@@ -230,11 +284,22 @@ impl QueuedComm<TcpShared> {
             };
             (Links::Peer(connect_root(cfg, port, deadline)?), watch)
         };
-        let streams = match &links {
-            Links::Root(peers) => peers.iter().map(TcpStream::try_clone).collect(),
-            Links::Peer(s) => s.try_clone().map(|s| vec![s]),
+        let star = match &links {
+            Links::Root(peers) => &peers[..],
+            Links::Peer(s) => std::slice::from_ref(s),
+        };
+        // A group of two moves as much through the star as through a mesh.
+        let mesh = (cfg.world >= 3)
+            .then(|| Mesh::open(cfg, star, (start, deadline)))
+            .transpose()?;
+        let mut streams: Vec<TcpStream> = star
+            .iter()
+            .map(TcpStream::try_clone)
+            .collect::<std::io::Result<_>>()
+            .map_err(io("cloning a connection"))?;
+        if let Some(m) = &mesh {
+            streams.extend(m.clones().map_err(io("cloning a mesh connection"))?);
         }
-        .map_err(io("cloning a connection"))?;
         let shared = Arc::new(TcpShared {
             rank: cfg.rank,
             aborted: Mutex::new(None),
@@ -252,8 +317,14 @@ impl QueuedComm<TcpShared> {
                     reply,
                 } = job;
                 let out = contribution.into_host(rank, &what).and_then(|mut buffer| {
-                    run(&sh, &mut links, world, timeout, &mut buffer, &what)
-                        .map(|span| (buffer, span))
+                    let group = Group {
+                        shared: &sh,
+                        mesh: mesh.as_ref(),
+                        sharded_min_bytes: options.sharded_min_bytes,
+                        world,
+                        timeout,
+                    };
+                    run(&group, &mut links, &mut buffer, &what).map(|span| (buffer, span))
                 });
                 if let Err(e) = &out {
                     sh.abort(e.to_string());
@@ -284,114 +355,6 @@ impl GroupState for TcpShared {
     }
 }
 
-/// Rank 0: accepts one connection per peer, each saying which rank it is.
-fn accept_peers(
-    cfg: &RendezvousConfig,
-    listener: &TcpListener,
-    start: Instant,
-    deadline: Instant,
-) -> Result<Vec<TcpStream>, RendezvousError> {
-    listener
-        .set_nonblocking(true)
-        .map_err(io("configuring the data port"))?;
-    let mut peers: Vec<Option<TcpStream>> = (1..cfg.world).map(|_| None).collect();
-    let hellos = super::rendezvous::HelloReader::<20>::new("data port");
-    let tag = super::rendezvous::token_tag(cfg.token.as_deref());
-    let mut refused: Vec<String> = Vec::new();
-    while peers.iter().any(Option::is_none) {
-        let now = Instant::now();
-        if now >= deadline {
-            let missing: Vec<usize> = (1..cfg.world).filter(|r| peers[r - 1].is_none()).collect();
-            let joined = (0..cfg.world).filter(|r| !missing.contains(r)).collect();
-            return Err(RendezvousError::Missing {
-                missing,
-                joined,
-                world: cfg.world,
-                addr: format!("{} (data port)", cfg.addr),
-                waited: now - start,
-                refused,
-            });
-        }
-        let (s, h) = match hellos.poll(listener, deadline) {
-            Ok(Some(x)) => x,
-            Ok(None) => continue,
-            Err(e) => return Err(io("accepting a peer's data connection")(e)),
-        };
-        if &h[..4] != HELLO {
-            tracing::warn!("data port: ignoring a connection whose hello is not ours");
-            continue;
-        }
-        let rank = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
-        let world = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
-        let theirs = u64::from_le_bytes([h[12], h[13], h[14], h[15], h[16], h[17], h[18], h[19]]);
-        let why = if theirs != tag {
-            Some("its rendezvous token is not rank 0's".to_string())
-        } else if world != cfg.world || rank == 0 || rank >= cfg.world {
-            Some(format!(
-                "it says it is rank {rank} of {world}, not a peer of this group of {}",
-                cfg.world
-            ))
-        } else if peers[rank - 1].is_some() {
-            Some(format!("rank {rank} is connected already"))
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            let peer = s
-                .peer_addr()
-                .map_or_else(|_| "?".to_string(), |a| a.to_string());
-            tracing::warn!("data port: ignoring a connection from {peer}: {why}");
-            refused.push(format!("a data connection from {peer}: {why}"));
-            continue;
-        }
-        s.set_nodelay(true)
-            .map_err(io("configuring a connection"))?;
-        peers[rank - 1] = Some(s);
-    }
-    Ok(peers.into_iter().flatten().collect())
-}
-
-/// A peer: connects to rank 0's data port and says which rank it is.
-fn connect_root(
-    cfg: &RendezvousConfig,
-    port: u16,
-    deadline: Instant,
-) -> Result<TcpStream, RendezvousError> {
-    let target = format!("{}:{port}", cfg.addr);
-    let what = || {
-        format!(
-            "rank {} connecting to rank 0's data port {target}",
-            cfg.rank
-        )
-    };
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(&target)
-        .map_err(io(what()))?
-        .next()
-        .ok_or_else(|| RendezvousError::Protocol(format!("{}: no address", what())))?;
-    // Bounded: a dropped SYN would otherwise take the system's two minutes.
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    let mut s = TcpStream::connect_timeout(&addr, left).map_err(io(what()))?;
-    let mut hello = Vec::with_capacity(20);
-    hello.extend_from_slice(HELLO);
-    hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
-    hello.extend_from_slice(&(cfg.world as u32).to_le_bytes());
-    hello.extend_from_slice(&super::rendezvous::token_tag(cfg.token.as_deref()).to_le_bytes());
-    s.set_write_timeout(Some(
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1)),
-    ))
-    .and_then(|_| s.write_all(&hello))
-    .and_then(|_| s.set_nodelay(true))
-    .map_err(io(format!(
-        "rank {} saying hello on the data port",
-        cfg.rank
-    )))?;
-    Ok(s)
-}
-
 fn failure(shared: &TcpShared, what: &CollectiveDesc, e: std::io::Error, peer: usize) -> CommError {
     CommError::Aborted {
         rank: shared.rank,
@@ -400,25 +363,46 @@ fn failure(shared: &TcpShared, what: &CollectiveDesc, e: std::io::Error, peer: u
     }
 }
 
-/// Runs one collective on this rank.
-fn run(
-    shared: &TcpShared,
-    links: &mut Links,
+/// What every collective of a rank's thread needs.
+struct Group<'a> {
+    shared: &'a TcpShared,
+    /// The mesh of a group of three or more.
+    mesh: Option<&'a Mesh>,
+    sharded_min_bytes: usize,
     world: usize,
     timeout: Duration,
+}
+
+impl Group<'_> {
+    /// The mesh, when `what` goes through it: a buffer of
+    /// [`TcpOptions::sharded_min_bytes`] or more in a group that has one. Ranks with the same
+    /// options decide alike for the same call; rank 0 checks that the calls and their ways are
+    /// the same before either way moves a buffer.
+    fn sharded(&self, what: &CollectiveDesc) -> Option<&Mesh> {
+        let bytes = what.count.saturating_mul(what.dtype.size());
+        self.mesh.filter(|_| bytes >= self.sharded_min_bytes as u64)
+    }
+}
+
+/// Runs one collective on this rank.
+fn run(
+    g: &Group,
+    links: &mut Links,
     buf: &mut HostBuffer,
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
-    if let Some(reason) = shared.aborted() {
+    if let Some(reason) = g.shared.aborted() {
         return Err(CommError::Aborted {
-            rank: shared.rank,
+            rank: g.shared.rank,
             what: what.clone(),
             reason,
         });
     }
-    match links {
-        Links::Root(peers) => run_root(shared, peers, world, timeout, buf, what),
-        Links::Peer(s) => run_peer(shared, s, timeout, buf, what),
+    match (links, g.sharded(what)) {
+        (Links::Root(peers), Some(mesh)) => run_root_sharded(g, mesh, peers, buf, what),
+        (Links::Root(peers), None) => run_root(g.shared, peers, g.world, g.timeout, buf, what),
+        (Links::Peer(s), Some(mesh)) => run_peer_sharded(g, mesh, s, buf, what),
+        (Links::Peer(s), None) => run_peer(g.shared, s, g.timeout, buf, what),
     }
 }
 
@@ -429,14 +413,83 @@ const FAILED: u8 = 1;
 
 /// Rank 0 tells every peer why the collective failed (best effort, a short wait each: they
 /// also see the connections close when the group aborts).
-fn tell_failure(peers: &mut [TcpStream], e: &CommError) {
+fn tell_failure(peers: &[TcpStream], e: &CommError) {
     let msg = e.to_string();
     let mut answer = vec![FAILED];
     answer.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     answer.extend_from_slice(msg.as_bytes());
-    for s in peers.iter_mut() {
+    for s in peers {
         let _ = write_by(s, &answer, Instant::now() + Duration::from_millis(200));
     }
+}
+
+/// What rank 0 reports when its connection with peer `r` failed with `e` during a collective
+/// it started at `t0`: a timeout naming the peer, or the loss and why.
+fn lost_peer(
+    shared: &TcpShared,
+    what: &CollectiveDesc,
+    t0: Instant,
+    e: std::io::Error,
+    r: usize,
+) -> CommError {
+    if timed_out(&e) {
+        CommError::Timeout {
+            rank: 0,
+            what: what.clone(),
+            waited: t0.elapsed(),
+            missing: vec![r],
+        }
+    } else {
+        failure(shared, what, e, r)
+    }
+}
+
+/// Rank 0 reads every peer's header of the collective it started at `t0` (by the collective's
+/// timeout) and checks that each peer calls the same collective; returns when the last header
+/// arrived: the last rank had joined by then (an upper bound: a header that waited in the
+/// socket while an earlier peer's header was read is counted when read).
+fn gather_headers(
+    shared: &TcpShared,
+    peers: &[TcpStream],
+    (what, sharded): (&CollectiveDesc, bool),
+    (t0, deadline): (Instant, Instant),
+) -> Result<Instant, CommError> {
+    let mut joined = t0;
+    for (i, s) in peers.iter().enumerate() {
+        let r = i + 1;
+        let mut h = [0u8; HEADER];
+        read_by(s, &mut h, deadline).map_err(|e| lost_peer(shared, what, t0, e, r))?;
+        joined = Instant::now();
+        let Some(theirs) = parse_header(&h) else {
+            return Err(failure(
+                shared,
+                what,
+                std::io::Error::other("it sent something that is not a collective"),
+                r,
+            ));
+        };
+        if !same_call(&theirs, what) {
+            return Err(CommError::Mismatch {
+                rank: 0,
+                mine: what.clone(),
+                other_rank: r,
+                theirs,
+            });
+        }
+        if (h[10] == 1) != sharded {
+            let way = |mesh: bool| if mesh { "the mesh" } else { "rank 0" };
+            return Err(CommError::Failed {
+                rank: 0,
+                what: what.clone(),
+                why: format!(
+                    "rank {r} reduces it through {}, rank 0 through {}: the ranks' TcpOptions::sharded_min_bytes differ",
+                    way(h[10] == 1),
+                    way(sharded)
+                ),
+            });
+        }
+    }
+    Ok(joined)
 }
 
 /// Rank 0's side: gather, reduce in rank order, then finish in two phases. Phase one sends the
@@ -455,21 +508,8 @@ fn run_root(
 ) -> Result<CommSpan, CommError> {
     let t0 = Instant::now();
     let cpu = thread_cpu_us();
-    // When the last header arrived: the last rank had joined by then (an upper bound: a header
-    // that waited in the socket while an earlier peer's header was read is counted when read).
+    let lost = |e: std::io::Error, r: usize| lost_peer(shared, what, t0, e, r);
     let mut joined = t0;
-    let lost = |e: std::io::Error, r: usize| {
-        if timed_out(&e) {
-            CommError::Timeout {
-                rank: 0,
-                what: what.clone(),
-                waited: t0.elapsed(),
-                missing: vec![r],
-            }
-        } else {
-            failure(shared, what, e, r)
-        }
-    };
     let mut bufs = Vec::with_capacity(world);
     bufs.push(std::mem::take(buf));
     let gathered = (|| {
@@ -477,28 +517,7 @@ fn run_root(
         // Every header first, then every buffer: a header's read returns when that peer
         // joined (its buffer waits behind it in the socket), not after the buffers of the
         // peers before it were read; and a mismatch fails before any buffer is read.
-        for (i, s) in peers.iter_mut().enumerate() {
-            let r = i + 1;
-            let mut h = [0u8; HEADER];
-            read_by(s, &mut h, deadline).map_err(|e| lost(e, r))?;
-            joined = Instant::now();
-            let Some(theirs) = parse_header(&h) else {
-                return Err(failure(
-                    shared,
-                    what,
-                    std::io::Error::other("it sent something that is not a collective"),
-                    r,
-                ));
-            };
-            if !same_call(&theirs, what) {
-                return Err(CommError::Mismatch {
-                    rank: 0,
-                    mine: what.clone(),
-                    other_rank: r,
-                    theirs,
-                });
-            }
-        }
+        joined = gather_headers(shared, peers, (what, false), (t0, deadline))?;
         for (i, s) in peers.iter_mut().enumerate() {
             let mut b = HostBuffer::zeros(what.dtype, what.count as usize).ok_or_else(|| {
                 CommError::Unsupported {
@@ -573,7 +592,7 @@ fn ok_since(joined: Instant) -> [u8; 9] {
 }
 
 /// Rank 0's failure message after a failure status byte.
-fn failure_message(s: &mut TcpStream) -> String {
+fn failure_message(s: &TcpStream) -> String {
     let deadline = Instant::now() + Duration::from_millis(500);
     let mut len = [0u8; 4];
     read_by(s, &mut len, deadline)
@@ -591,7 +610,7 @@ fn failure_message(s: &mut TcpStream) -> String {
 
 /// A failure status and message rank 0 sent before the connection broke, if one arrives
 /// within `wait`.
-fn failure_status(s: &mut TcpStream, wait: Duration) -> Option<String> {
+fn failure_status(s: &TcpStream, wait: Duration) -> Option<String> {
     let mut status = [OK];
     read_by(s, &mut status, Instant::now() + wait).ok()?;
     (status[0] != OK).then(|| failure_message(s))
@@ -628,8 +647,8 @@ fn run_peer(
         what: what.clone(),
         reason: failure_message(s),
     };
-    if let Err(e) =
-        write_by(s, &header(what), deadline).and_then(|_| write_by(s, buf.as_bytes(), deadline))
+    if let Err(e) = write_by(s, &header(what, false), deadline)
+        .and_then(|_| write_by(s, buf.as_bytes(), deadline))
     {
         // Rank 0 stops reading when the collective fails elsewhere (another peer died) and
         // tells every peer why before it closes: that reason names the rank at fault, a
@@ -698,16 +717,18 @@ mod tests {
             .port()
     }
 
-    /// A hand-written peer `rank` of `world`: joined, its data connection open, and its peer
-    /// watch (as a real rank keeps it).
-    fn raw_peer(rank: usize, world: usize, port: u16) -> (TcpStream, PeerWatch) {
+    /// A hand-written peer `rank` of `world`: joined, its data connection open, its peer
+    /// watch and, in a group of three or more, its mesh (as a real rank keeps them).
+    fn raw_peer(rank: usize, world: usize, port: u16) -> (TcpStream, PeerWatch, Option<Mesh>) {
         let c = cfg(rank, world, port);
+        let start = Instant::now();
         let (payload, watch) = rendezvous_watched(&c, Vec::new).unwrap();
         let data = u16::from_le_bytes([payload[0], payload[1]]);
-        (
-            connect_root(&c, data, Instant::now() + c.timeout).unwrap(),
-            watch,
-        )
+        let s = connect_root(&c, data, start + c.timeout).unwrap();
+        let mesh = (world >= 3).then(|| {
+            Mesh::open(&c, std::slice::from_ref(&s), (start, start + c.timeout)).unwrap()
+        });
+        (s, watch, mesh)
     }
 
     /// Rank 2 (by hand) sends its buffer and takes the result, then goes before acknowledging
@@ -720,8 +741,8 @@ mod tests {
         let timeout = Duration::from_secs(5);
         thread::scope(|sc| {
             sc.spawn(move || {
-                let (mut s, _watch) = raw_peer(2, 3, port);
-                s.write_all(&header(&desc(n))).unwrap();
+                let (mut s, _watch, _mesh) = raw_peer(2, 3, port);
+                s.write_all(&header(&desc(n), false)).unwrap();
                 s.write_all(HostBuffer::zeros(DType::F32, n).unwrap().as_bytes())
                     .unwrap();
                 let mut result = vec![0u8; 1 + 8 + 4 * n];
@@ -761,8 +782,8 @@ mod tests {
         thread::scope(|sc| {
             let stop = &stop;
             sc.spawn(move || {
-                let (mut s, _watch) = raw_peer(1, 2, port);
-                s.write_all(&header(&desc(n))).unwrap();
+                let (mut s, _watch, _mesh) = raw_peer(1, 2, port);
+                s.write_all(&header(&desc(n), false)).unwrap();
                 for _ in 0..n * 4 {
                     if stop.load(std::sync::atomic::Ordering::Relaxed) || s.write_all(&[7]).is_err()
                     {
