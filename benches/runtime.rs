@@ -1,7 +1,8 @@
 //! Runtime throughput, side by side with memcpy of the same bytes on the same machine:
 //! - `allreduce/{bytes}`: memcpy of the buffer vs the in-process all-reduce on 2 and 4 ranks and
-//!   the TCP all-reduce on 2 ranks over loopback (algorithm bandwidth: bytes of one rank's buffer
-//!   per unit time).
+//!   the TCP all-reduce over loopback on 2 ranks and on 4, through rank 0 (`tcp_star_4ranks`)
+//!   and, from 1 MiB, through the mesh (`tcp_4ranks`) (algorithm bandwidth: bytes of one rank's
+//!   buffer per unit time).
 //! - `pack/{bytes}`: memcpy vs the host pack and the CubeCL pack (wgpu) of a 16-member bucket,
 //!   and a device copy of the same bytes (a plain 16-byte-vector CubeCL copy kernel, with a new
 //!   output buffer per call as the pack has): the pack/copy ratio is the GPU check's metric.
@@ -26,7 +27,7 @@ use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
 use collective_fusion::runtime::rendezvous::RendezvousConfig;
-use collective_fusion::runtime::tcp::TcpComm;
+use collective_fusion::runtime::tcp::{TcpComm, TcpOptions};
 use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, Packed, host};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
@@ -67,7 +68,7 @@ fn memcpy_baseline(g: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
 }
 
 /// A TCP group of `world` ranks over loopback, each rank's connections its own.
-fn tcp_group(world: usize) -> Vec<Box<dyn Communicator>> {
+fn tcp_group(world: usize, options: TcpOptions) -> Vec<Box<dyn Communicator>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -78,8 +79,8 @@ fn tcp_group(world: usize) -> Vec<Box<dyn Communicator>> {
                 s.spawn(move || {
                     let cfg =
                         RendezvousConfig::loopback(rank, world, port, Duration::from_secs(30));
-                    Box::new(TcpComm::connect(&cfg, Duration::from_secs(60)).unwrap())
-                        as Box<dyn Communicator>
+                    let c = TcpComm::connect_with(&cfg, Duration::from_secs(60), options);
+                    Box::new(c.unwrap()) as Box<dyn Communicator>
                 })
             })
             .collect();
@@ -94,9 +95,21 @@ fn allreduce(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(bytes as u64));
         g.measurement_time(Duration::from_secs(3)).sample_size(20);
         memcpy_baseline(&mut g, n);
-        for (transport, world) in [("inprocess", 2usize), ("inprocess", 4), ("tcp", 2)] {
+        let star = TcpOptions {
+            sharded_min_bytes: usize::MAX,
+        };
+        let cases = [
+            ("inprocess", 2usize),
+            ("inprocess", 4),
+            ("tcp", 2),
+            ("tcp", 4),
+            ("tcp_star", 4),
+        ];
+        for (transport, world) in cases {
             let comms: Vec<Box<dyn Communicator>> = if transport == "tcp" {
-                tcp_group(world)
+                tcp_group(world, TcpOptions::default())
+            } else if transport == "tcp_star" {
+                tcp_group(world, star)
             } else {
                 InProcessGroup::ranks(world, Duration::from_secs(60))
                     .into_iter()
