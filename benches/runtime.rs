@@ -96,7 +96,7 @@ fn allreduce(c: &mut Criterion) {
         g.measurement_time(Duration::from_secs(3)).sample_size(20);
         memcpy_baseline(&mut g, n);
         let star = TcpOptions {
-            sharded_min_bytes: usize::MAX,
+            sharded_min_bytes: None,
         };
         let cases = [
             ("inprocess", 2usize),

@@ -238,12 +238,12 @@ fn a_mismatch_between_the_star_and_the_mesh_fails_every_rank() {
     }
 }
 
-/// Through rank 0 only, the large buffers too (`sharded_min_bytes: usize::MAX`), the results
-/// are the mesh's; ranks whose options send a buffer different ways fail it, saying so.
+/// Through rank 0 only, the large buffers too (`sharded_min_bytes: None`, no mesh made), the
+/// results are the mesh's; ranks whose options send a buffer different ways fail it, saying so.
 #[test]
 fn ranks_agree_on_the_way_of_each_collective() {
     let star = TcpOptions {
-        sharded_min_bytes: usize::MAX,
+        sharded_min_bytes: None,
     };
     let through_rank_0 = on_tcp_with(3, Duration::from_secs(20), |_| star, |c| all_cases(c));
     let meshed = on_tcp(3, Duration::from_secs(20), |c| all_cases(c));
@@ -253,10 +253,19 @@ fn ranks_agree_on_the_way_of_each_collective() {
         }
     }
     let n = SHARDED_MIN_BYTES / 4;
+    let higher = TcpOptions {
+        sharded_min_bytes: Some(2 * SHARDED_MIN_BYTES),
+    };
     let out = on_tcp_with(
         3,
         Duration::from_secs(5),
-        |r| if r == 1 { star } else { TcpOptions::default() },
+        |r| {
+            if r == 1 {
+                higher
+            } else {
+                TcpOptions::default()
+            }
+        },
         |c| {
             c.all_reduce(
                 data(c.rank(), DType::F32, n, 1),
@@ -271,10 +280,46 @@ fn ranks_agree_on_the_way_of_each_collective() {
     for (r, e) in out.iter().enumerate() {
         assert!(
             e.contains("rank 1 reduces it through rank 0, rank 0 through the mesh")
-                && e.contains("sharded_min_bytes differ"),
+                && e.contains("sharded_min_bytes"),
             "rank {r}: {e}"
         );
     }
+}
+
+/// A peer that makes no mesh (`sharded_min_bytes: None`) in a group whose rank 0 does is
+/// refused at start-up: rank 0's error names it and why.
+#[test]
+fn a_peer_without_the_mesh_is_refused_at_start_up_naming_the_option() {
+    let port = free_port();
+    let out: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                s.spawn(move || {
+                    let mut c = cfg(r, 3, port);
+                    c.timeout = Duration::from_secs(2);
+                    let options = TcpOptions {
+                        sharded_min_bytes: (r != 1).then_some(SHARDED_MIN_BYTES),
+                    };
+                    TcpComm::connect_with(&c, Duration::from_secs(5), options)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let e0 = out[0].as_ref().unwrap_err();
+    assert!(
+        e0.contains("[1]")
+            && e0.contains("never joined")
+            && e0.contains("rank 1's hello is not the one rank 0 expects")
+            && e0.contains("CF_TCP_SHARDED_MIN_BYTES"),
+        "{e0}"
+    );
+    assert!(
+        out[2].is_err(),
+        "rank 2 waits for the mesh addresses in vain"
+    );
 }
 
 /// Rank 2 aborts the group while a 64 MiB all-reduce goes through the mesh: every rank fails

@@ -69,24 +69,51 @@ use start::{accept_ranks, connect_root};
 /// (every rank reducing one shard) instead of the star through rank 0, by default.
 pub const SHARDED_MIN_BYTES: usize = 1 << 20;
 
-/// How a TCP rank moves its collectives; every rank of a group has the same (rank 0 checks
-/// each collective's way: ranks that differ fail it with an error that says so).
+/// How a TCP rank moves its collectives; every rank of a group has the same (rank 0 checks:
+/// a peer that makes a mesh when rank 0 does not, or the other way round, is refused at
+/// start-up, and ranks that would send one collective different ways fail it, saying why).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpOptions {
     /// Bytes from which an all-reduce goes through the mesh in a group of three or more
-    /// ([`SHARDED_MIN_BYTES`] by default; `usize::MAX`: always through rank 0).
-    pub sharded_min_bytes: usize,
+    /// ([`SHARDED_MIN_BYTES`] by default). `None`: every collective goes through rank 0 and
+    /// no mesh is made, so only rank 0's ports need to be reachable.
+    pub sharded_min_bytes: Option<usize>,
 }
 
 impl Default for TcpOptions {
     fn default() -> Self {
         Self {
-            sharded_min_bytes: SHARDED_MIN_BYTES,
+            sharded_min_bytes: Some(SHARDED_MIN_BYTES),
         }
     }
 }
 
+impl TcpOptions {
+    /// The options the launcher's environment gives: `CF_TCP_SHARDED_MIN_BYTES`, a number of
+    /// bytes or `never` (the default when it is unset or empty).
+    pub fn from_env() -> Result<Self, RendezvousError> {
+        const VAR: &str = "CF_TCP_SHARDED_MIN_BYTES";
+        let sharded_min_bytes = match std::env::var(VAR).ok().filter(|v| !v.is_empty()) {
+            None => Some(SHARDED_MIN_BYTES),
+            Some(v) if v == "never" => None,
+            Some(v) => Some(v.parse().map_err(|_| RendezvousError::Env {
+                var: VAR,
+                why: format!("is {v:?}, not a number of bytes or \"never\""),
+            })?),
+        };
+        Ok(Self { sharded_min_bytes })
+    }
+
+    /// Whether a group of `world` ranks makes a mesh.
+    fn mesh(self, world: usize) -> bool {
+        // A group of two moves as much through the star as through a mesh.
+        world >= 3 && self.sharded_min_bytes.is_some()
+    }
+}
+
+/// A peer's hello on rank 0's data port, and the one of a peer that also makes a mesh.
 const HELLO: &[u8; 4] = b"CFTH";
+const HELLO_MESH: &[u8; 4] = b"CFTS";
 const CALL: &[u8; 4] = b"CFTC";
 const HEADER: usize = 24;
 
@@ -233,6 +260,17 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError
     move |source| RendezvousError::Io { what, source }
 }
 
+/// The hello of a peer on rank 0's data port, for a group that makes a mesh or not, and the
+/// other one with why rank 0 refuses it (every rank must make the mesh, or none).
+fn star_hellos(mesh: bool) -> (&'static [u8; 4], (&'static [u8; 4], &'static str)) {
+    let differ = "the ranks' TcpOptions::sharded_min_bytes (CF_TCP_SHARDED_MIN_BYTES) differ";
+    if mesh {
+        (HELLO_MESH, (HELLO, differ))
+    } else {
+        (HELLO, (HELLO_MESH, differ))
+    }
+}
+
 impl QueuedComm<TcpShared> {
     /// Joins the group `cfg` describes (the rendezvous, then the data connections), each step
     /// bounded by `cfg.timeout`; `timeout` then bounds every collective.
@@ -260,11 +298,12 @@ impl QueuedComm<TcpShared> {
                 .map_err(io("reading the data port"))?
                 .port();
             let (_, watch) = rendezvous_watched(cfg, || port.to_le_bytes().to_vec())?;
+            let (hello, other) = star_hellos(options.mesh(cfg.world));
             (
                 Links::Root(accept_ranks(
                     cfg,
                     &listener,
-                    HELLO,
+                    (hello, Some(other)),
                     1..cfg.world,
                     (start, deadline),
                     "data port",
@@ -282,14 +321,18 @@ impl QueuedComm<TcpShared> {
                     )));
                 }
             };
-            (Links::Peer(connect_root(cfg, port, deadline)?), watch)
+            let hello = star_hellos(options.mesh(cfg.world)).0;
+            (
+                Links::Peer(connect_root(cfg, port, hello, deadline)?),
+                watch,
+            )
         };
         let star = match &links {
             Links::Root(peers) => &peers[..],
             Links::Peer(s) => std::slice::from_ref(s),
         };
-        // A group of two moves as much through the star as through a mesh.
-        let mesh = (cfg.world >= 3)
+        let mesh = options
+            .mesh(cfg.world)
             .then(|| Mesh::open(cfg, star, (start, deadline)))
             .transpose()?;
         let mut streams: Vec<TcpStream> = star
@@ -320,7 +363,7 @@ impl QueuedComm<TcpShared> {
                     let group = Group {
                         shared: &sh,
                         mesh: mesh.as_ref(),
-                        sharded_min_bytes: options.sharded_min_bytes,
+                        sharded_min_bytes: options.sharded_min_bytes.unwrap_or(usize::MAX),
                         world,
                         timeout,
                     };
@@ -724,10 +767,10 @@ mod tests {
         let start = Instant::now();
         let (payload, watch) = rendezvous_watched(&c, Vec::new).unwrap();
         let data = u16::from_le_bytes([payload[0], payload[1]]);
-        let s = connect_root(&c, data, start + c.timeout).unwrap();
-        let mesh = (world >= 3).then(|| {
-            Mesh::open(&c, std::slice::from_ref(&s), (start, start + c.timeout)).unwrap()
-        });
+        let hello = star_hellos(world >= 3).0;
+        let s = connect_root(&c, data, hello, start + c.timeout).unwrap();
+        let mesh = (world >= 3)
+            .then(|| Mesh::open(&c, std::slice::from_ref(&s), (start, start + c.timeout)).unwrap());
         (s, watch, mesh)
     }
 

@@ -141,7 +141,8 @@ pub fn communicators(
         }
         Transport::Tcp(cfg) => {
             one_rank(cfg, "TCP")?;
-            let c = super::tcp::TcpComm::connect(cfg, timeout)?;
+            let options = super::tcp::TcpOptions::from_env()?;
+            let c = super::tcp::TcpComm::connect_with(cfg, timeout, options)?;
             place(cfg.world, cfg.rank, Box::new(c))
         }
         #[cfg(feature = "cuda")]

@@ -116,7 +116,7 @@ impl Mesh {
         let above = accept_ranks(
             cfg,
             &listener,
-            MESH_HELLO,
+            (MESH_HELLO, None),
             cfg.rank + 1..cfg.world,
             (start, deadline),
             "mesh port",

@@ -4,17 +4,18 @@
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::{HELLO, io, write_by};
+use super::{io, write_by};
 use crate::runtime::rendezvous::{RendezvousConfig, RendezvousError};
 
 /// Accepts one connection on `listener` from each rank of `ranks`, each saying with a hello
 /// that starts with `magic` which rank of this group it is (rank 0's data port: every peer;
 /// a mesh port: the ranks above this one). A connection whose hello is not such a rank's is
-/// logged and ignored; ranks still missing at `deadline` are an error naming them.
+/// logged and ignored (one that starts with `other`'s magic, refused for `other`'s reason);
+/// ranks still missing at `deadline` are an error naming them, with the refusals.
 pub(super) fn accept_ranks(
     cfg: &RendezvousConfig,
     listener: &TcpListener,
-    magic: &[u8; 4],
+    (magic, other): (&[u8; 4], Option<(&[u8; 4], &str)>),
     ranks: std::ops::Range<usize>,
     (start, deadline): (Instant, Instant),
     port: &'static str,
@@ -51,14 +52,20 @@ pub(super) fn accept_ranks(
             Ok(None) => continue,
             Err(e) => return Err(io(format!("accepting a connection on the {port}"))(e)),
         };
-        if &h[..4] != magic {
+        let known_other = other.filter(|(m, _)| &h[..4] == *m);
+        if &h[..4] != magic && known_other.is_none() {
             tracing::warn!("{port}: ignoring a connection whose hello is not ours");
             continue;
         }
         let rank = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
         let world = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
         let theirs = u64::from_le_bytes([h[12], h[13], h[14], h[15], h[16], h[17], h[18], h[19]]);
-        let why = if theirs != tag {
+        let why = if let Some((_, why)) = known_other {
+            Some(format!(
+                "rank {rank}'s hello is not the one rank {} expects: {why}",
+                cfg.rank
+            ))
+        } else if theirs != tag {
             Some(format!("its rendezvous token is not rank {}'s", cfg.rank))
         } else if world != cfg.world || !ranks.contains(&rank) {
             Some(format!(
@@ -116,10 +123,11 @@ pub(super) fn connect_hello(
     Ok(s)
 }
 
-/// A peer: connects to rank 0's data port and says which rank it is.
+/// A peer: connects to rank 0's data port and says which rank it is (with `hello`'s magic).
 pub(super) fn connect_root(
     cfg: &RendezvousConfig,
     port: u16,
+    hello: &[u8; 4],
     deadline: Instant,
 ) -> Result<TcpStream, RendezvousError> {
     let target = format!("{}:{port}", cfg.addr);
@@ -131,5 +139,5 @@ pub(super) fn connect_root(
         .map_err(io(what.clone()))?
         .next()
         .ok_or_else(|| RendezvousError::Protocol(format!("{what}: no address")))?;
-    connect_hello(cfg, addr, HELLO, deadline, what)
+    connect_hello(cfg, addr, hello, deadline, what)
 }
