@@ -292,6 +292,26 @@ fn a_missing_launcher_variable_is_named() {
 }
 
 #[test]
+fn a_malformed_tcp_setting_is_named() {
+    let out = output_bounded(
+        Command::new(BIN)
+            .args(ARGS)
+            .args(["--transport", "tcp"])
+            .env("RANK", "0")
+            .env("WORLD_SIZE", "1")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", free_port().to_string())
+            .env("CF_TCP_SHARDED_MIN_BYTES", "1MB"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("CF_TCP_SHARDED_MIN_BYTES is \"1MB\", not a number of bytes or \"never\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_rank_killed_mid_run_fails_the_others_naming_it() {
     survivors_fail_naming(BIN, &["--transport", "tcp"], 3, 1);
 }
