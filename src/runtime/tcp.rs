@@ -25,12 +25,13 @@
 //! and a rank whose connection with another fails reports what the watch knows of that rank
 //! (aborted, with its reason; its process gone; left) rather than the socket's error alone.
 //!
-//! Wire format (little endian). Peer hello: `b"CFTH"`, rank `u32`, world `u32`, the
-//! rendezvous token's tag `u64` (a connection whose hello is not a peer's of this group is
-//! logged and ignored). With a mesh, each peer then sends rank 0 the address of its mesh port
-//! (length `u16`, then the text), rank 0 sends every peer all ranks' addresses, and each rank
-//! connects to the mesh ports of the ranks below it with the same hello but `b"CFTM"`. Per
-//! collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, way `u8` (1:
+//! Wire format (little endian). Peer hello: `b"CFTH"` (`b"CFTS"` in a group that makes a
+//! mesh), rank `u32`, world `u32`, the rendezvous token's tag `u64` (a connection whose hello
+//! is not a peer's of this group is logged and ignored; one of the other kind is refused, the
+//! refusal reported if the peer never joins). With a mesh, each peer then sends rank 0 the
+//! address of its mesh port (length `u16`, then the text), rank 0 sends every peer all ranks'
+//! addresses, and each rank connects to the mesh ports of the ranks below it with the same
+//! hello but `b"CFTM"`. Per collective, peer → rank 0: `b"CFTC"`, collective `u32`, op `u8`, dtype `u8`, way `u8` (1:
 //! the mesh), a zero byte, count `u64`, bucket `u32` (`u32::MAX`: none), then, through rank 0,
 //! the buffer's bytes (op and dtype as `ReduceOp::code` and `DType::code`). Through the mesh:
 //! rank 0 → peer: status `u8` (0: go, then nanoseconds since the last rank joined `u64`; 1:
@@ -613,14 +614,7 @@ fn run_root(
         tell_failure(peers, &e);
         return Err(e);
     }
-    for (i, s) in peers.iter_mut().enumerate() {
-        // Every peer holds the result: the collective is done. A peer that cannot take its
-        // commit byte has gone since it acknowledged; it fails on its own, and the next
-        // collective names it here.
-        if let Err(e) = write_by(s, &[OK], Instant::now() + timeout) {
-            tracing::warn!("rank 0: the commit of {what} to rank {} failed: {e}", i + 1);
-        }
-    }
+    commit_all(peers, what, timeout);
     *buf = result;
     Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
 }
@@ -668,28 +662,10 @@ fn run_peer(
     buf: &mut HostBuffer,
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
-    let t0 = Instant::now();
-    let cpu = thread_cpu_us();
+    let call = PeerCall::new(shared, what);
     // Rank 0 may start this collective up to `timeout` after us and then wait as long for
     // the slowest peer.
-    let deadline = t0 + super::comm::wait_bound(timeout);
-    let lost = |e: std::io::Error| {
-        if timed_out(&e) {
-            CommError::Timeout {
-                rank: shared.rank,
-                what: what.clone(),
-                waited: t0.elapsed(),
-                missing: vec![0],
-            }
-        } else {
-            failure(shared, what, e, 0)
-        }
-    };
-    let aborted = |s: &mut TcpStream| CommError::Aborted {
-        rank: shared.rank,
-        what: what.clone(),
-        reason: failure_message(s),
-    };
+    let deadline = call.t0 + super::comm::wait_bound(timeout);
     if let Err(e) = write_by(s, &header(what, false), deadline)
         .and_then(|_| write_by(s, buf.as_bytes(), deadline))
     {
@@ -705,30 +681,96 @@ fn run_peer(
                 reason,
             });
         }
-        return Err(lost(e));
+        return Err(call.lost(e));
     }
-    let mut status = [FAILED];
-    read_by(s, &mut status, deadline).map_err(lost)?;
-    let answered = Instant::now();
-    if status[0] != OK {
-        return Err(aborted(s));
-    }
-    let mut since = [0u8; 8];
-    read_by(s, &mut since, deadline).map_err(|e| failure(shared, what, e, 0))?;
-    // The last rank joined `since` before rank 0 answered (the answer's own trip, a few
-    // microseconds on a local network, is counted as link time), and not before this call.
-    let joined = answered
-        .checked_sub(Duration::from_nanos(u64::from_le_bytes(since)))
-        .map_or(t0, |j| j.max(t0));
+    let joined = call.answer(s, deadline)?;
     // Staged: `buf` is this thread's until the reply, and a failure below drops it.
     read_by(s, buf.as_bytes_mut(), deadline).map_err(|e| failure(shared, what, e, 0))?;
-    write_by(s, &[OK], deadline).map_err(lost)?;
-    let mut commit = [FAILED];
-    read_by(s, &mut commit, deadline).map_err(lost)?;
-    if commit[0] != OK {
-        return Err(aborted(s));
+    write_by(s, &[OK], deadline).map_err(|e| call.lost(e))?;
+    call.committed(s, deadline)?;
+    Ok(CommSpan::joined_until_now(joined, Some(joined), call.cpu))
+}
+
+/// A peer's side of one collective, whichever way it goes: what it reports when rank 0's
+/// answers fail or do not come.
+struct PeerCall<'a> {
+    shared: &'a TcpShared,
+    what: &'a CollectiveDesc,
+    t0: Instant,
+    cpu: Option<f64>,
+}
+
+impl<'a> PeerCall<'a> {
+    fn new(shared: &'a TcpShared, what: &'a CollectiveDesc) -> Self {
+        Self {
+            shared,
+            what,
+            t0: Instant::now(),
+            cpu: thread_cpu_us(),
+        }
     }
-    Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
+
+    /// The connection with rank 0 failed with `e`: a timeout naming rank 0, or the loss and
+    /// why.
+    fn lost(&self, e: std::io::Error) -> CommError {
+        if timed_out(&e) {
+            CommError::Timeout {
+                rank: self.shared.rank,
+                what: self.what.clone(),
+                waited: self.t0.elapsed(),
+                missing: vec![0],
+            }
+        } else {
+            failure(self.shared, self.what, e, 0)
+        }
+    }
+
+    /// Rank 0 sent a failure: its message.
+    fn aborted(&self, s: &TcpStream) -> CommError {
+        CommError::Aborted {
+            rank: self.shared.rank,
+            what: self.what.clone(),
+            reason: failure_message(s),
+        }
+    }
+
+    /// Rank 0's answer ([`ok_since`], or a failure); returns when the last rank joined, in
+    /// this rank's clock: `since` before rank 0 answered (the answer's own trip, a few
+    /// microseconds on a local network, is counted as link time), and not before this call.
+    fn answer(&self, s: &TcpStream, deadline: Instant) -> Result<Instant, CommError> {
+        let mut status = [FAILED];
+        read_by(s, &mut status, deadline).map_err(|e| self.lost(e))?;
+        let answered = Instant::now();
+        if status[0] != OK {
+            return Err(self.aborted(s));
+        }
+        let mut since = [0u8; 8];
+        read_by(s, &mut since, deadline).map_err(|e| failure(self.shared, self.what, e, 0))?;
+        Ok(answered
+            .checked_sub(Duration::from_nanos(u64::from_le_bytes(since)))
+            .map_or(self.t0, |j| j.max(self.t0)))
+    }
+
+    /// Rank 0's commit, or the group's failure.
+    fn committed(&self, s: &TcpStream, deadline: Instant) -> Result<(), CommError> {
+        let mut commit = [FAILED];
+        read_by(s, &mut commit, deadline).map_err(|e| self.lost(e))?;
+        if commit[0] != OK {
+            return Err(self.aborted(s));
+        }
+        Ok(())
+    }
+}
+
+/// Rank 0's commit to every peer, once every rank holds its result: the collective is done.
+/// A peer that cannot take its commit byte has gone since; it fails on its own, and the next
+/// collective names it here.
+fn commit_all(peers: &[TcpStream], what: &CollectiveDesc, timeout: Duration) {
+    for (i, s) in peers.iter().enumerate() {
+        if let Err(e) = write_by(s, &[OK], Instant::now() + timeout) {
+            tracing::warn!("rank 0: the commit of {what} to rank {} failed: {e}", i + 1);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -18,18 +18,18 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::start::{accept_ranks, connect_hello};
 use super::{
-    FAILED, Group, MAX_MESSAGE, OK, failure, failure_message, gather_headers, header, io,
-    lost_peer, ok_since, read_by, tell_failure, timed_out, write_by,
+    FAILED, Group, MAX_MESSAGE, OK, PeerCall, commit_all, gather_headers, header, io, lost_peer,
+    ok_since, read_by, tell_failure, timed_out, write_by,
 };
 use crate::runtime::buffer::HostBuffer;
 use crate::runtime::comm::{CollectiveDesc, CommError, CommSpan, thread_cpu_us};
 use crate::runtime::rendezvous::{RendezvousConfig, RendezvousError};
 
-/// The hello of a mesh connection (the star's is `CFTH`).
+/// The hello of a mesh connection (the data port's are `CFTH` and `CFTS`).
 pub(super) const MESH_HELLO: &[u8; 4] = b"CFTM";
 
 /// Largest address text accepted from another rank.
@@ -337,13 +337,7 @@ pub(super) fn run_root_sharded(
             reason,
         });
     }
-    for (i, s) in peers.iter().enumerate() {
-        // As in `run_root`: every rank holds its result; a peer gone since its verdict fails
-        // on its own, and the next collective names it here.
-        if let Err(e) = write_by(s, &[OK], Instant::now() + g.timeout) {
-            tracing::warn!("rank 0: the commit of {what} to rank {} failed: {e}", i + 1);
-        }
-    }
+    commit_all(peers, what, g.timeout);
     Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
 }
 
@@ -358,48 +352,15 @@ pub(super) fn run_peer_sharded(
     buf: &mut HostBuffer,
     what: &CollectiveDesc,
 ) -> Result<CommSpan, CommError> {
-    let t0 = Instant::now();
-    let cpu = thread_cpu_us();
-    let shared = g.shared;
-    let lost = |e: std::io::Error| {
-        if timed_out(&e) {
-            CommError::Timeout {
-                rank: shared.rank,
-                what: what.clone(),
-                waited: t0.elapsed(),
-                missing: vec![0],
-            }
-        } else {
-            failure(shared, what, e, 0)
-        }
-    };
-    let aborted = |s: &TcpStream| CommError::Aborted {
-        rank: shared.rank,
-        what: what.clone(),
-        reason: failure_message(s),
-    };
+    let call = PeerCall::new(g.shared, what);
     // As in `run_peer`: rank 0 may start up to a timeout after us, then wait as long.
-    let deadline = t0 + crate::runtime::comm::wait_bound(g.timeout);
-    write_by(s, &header(what, true), deadline).map_err(lost)?;
-    let mut status = [FAILED];
-    read_by(s, &mut status, deadline).map_err(lost)?;
-    let answered = Instant::now();
-    if status[0] != OK {
-        return Err(aborted(s));
-    }
-    let mut since = [0u8; 8];
-    read_by(s, &mut since, deadline).map_err(lost)?;
-    let joined = answered
-        .checked_sub(Duration::from_nanos(u64::from_le_bytes(since)))
-        .map_or(t0, |j| j.max(t0));
+    let deadline = call.t0 + crate::runtime::comm::wait_bound(g.timeout);
+    write_by(s, &header(what, true), deadline).map_err(|e| call.lost(e))?;
+    let joined = call.answer(s, deadline)?;
     let outcome = mesh.all_reduce(buf, what.op, Instant::now() + g.timeout);
     // Rank 0 reads the verdicts after its own exchange, then waits up to a timeout for them.
     let deadline = Instant::now() + crate::runtime::comm::wait_bound(g.timeout);
-    write_by(s, &verdict(&outcome), deadline).map_err(lost)?;
-    let mut commit = [FAILED];
-    read_by(s, &mut commit, deadline).map_err(lost)?;
-    if commit[0] != OK {
-        return Err(aborted(s));
-    }
-    Ok(CommSpan::joined_until_now(joined, Some(joined), cpu))
+    write_by(s, &verdict(&outcome), deadline).map_err(|e| call.lost(e))?;
+    call.committed(s, deadline)?;
+    Ok(CommSpan::joined_until_now(joined, Some(joined), call.cpu))
 }
