@@ -97,6 +97,18 @@ fn all_cases(c: &dyn Communicator) -> Vec<HostBuffer> {
         .collect()
 }
 
+/// The error of a sum of `n` f32 (collective `collective`) that must fail on `c`.
+fn failed_sum(c: &TcpComm, collective: u32, n: usize) -> String {
+    c.all_reduce(
+        data(c.rank(), DType::F32, n, 1),
+        desc(collective, ReduceOp::Sum, DType::F32, n),
+    )
+    .unwrap()
+    .wait(Duration::from_secs(20))
+    .unwrap_err()
+    .to_string()
+}
+
 #[test]
 fn tcp_results_are_bitwise_those_of_the_in_process_group() {
     for world in [1usize, 2, 3, 4] {
@@ -197,14 +209,7 @@ fn a_tcp_collective_reports_when_the_last_rank_joined() {
 fn ranks_that_call_different_collectives_fail_with_a_mismatch() {
     let out = on_tcp(2, Duration::from_secs(5), |c| {
         let n = if c.rank() == 0 { 8 } else { 9 };
-        c.all_reduce(
-            data(c.rank(), DType::F32, n, 1),
-            desc(3, ReduceOp::Sum, DType::F32, n),
-        )
-        .unwrap()
-        .wait(Duration::from_secs(20))
-        .unwrap_err()
-        .to_string()
+        failed_sum(c, 3, n)
     });
     assert!(out[0].contains("collective mismatch"), "{}", out[0]);
     assert!(out[0].contains("f32×9"), "{}", out[0]);
@@ -219,14 +224,7 @@ fn a_mismatch_between_the_star_and_the_mesh_fails_every_rank() {
     for small_rank in [0, 2] {
         let out = on_tcp(3, Duration::from_secs(5), |c| {
             let n = if c.rank() == small_rank { 8 } else { large };
-            c.all_reduce(
-                data(c.rank(), DType::F32, n, 1),
-                desc(3, ReduceOp::Sum, DType::F32, n),
-            )
-            .unwrap()
-            .wait(Duration::from_secs(20))
-            .unwrap_err()
-            .to_string()
+            failed_sum(c, 3, n)
         });
         for (r, e) in out.iter().enumerate() {
             assert!(
@@ -266,16 +264,7 @@ fn ranks_agree_on_the_way_of_each_collective() {
                 TcpOptions::default()
             }
         },
-        |c| {
-            c.all_reduce(
-                data(c.rank(), DType::F32, n, 1),
-                desc(0, ReduceOp::Sum, DType::F32, n),
-            )
-            .unwrap()
-            .wait(Duration::from_secs(20))
-            .unwrap_err()
-            .to_string()
-        },
+        |c| failed_sum(c, 0, n),
     );
     for (r, e) in out.iter().enumerate() {
         assert!(
