@@ -9,7 +9,7 @@
 //! all of them with the in-process group's arithmetic (every element summed in rank order, each
 //! contribution divided by the group size first for a mean) and sends the result back, moving
 //! `2·(world − 1)` buffers. A buffer of [`TcpOptions::sharded_min_bytes`] or more (1 MiB by
-//! default) goes through the mesh ([`mesh`]): each rank reduces one shard of it with the same
+//! default) goes through the mesh (module `mesh`): each rank reduces one shard of it with the same
 //! arithmetic and sends it to every other, so each rank moves `2·(world − 1)/world` of a buffer
 //! whatever the group size, and rank 0 only settles the outcome. Either way the results are
 //! bitwise those of the in-process communicator and independent of timing.
