@@ -111,7 +111,7 @@ impl Mesh {
                 "rank {} connecting to rank {r}'s mesh port {addr}",
                 cfg.rank
             );
-            links[r] = Some(connect_hello(cfg, *addr, MESH_HELLO, deadline, what)?);
+            links[r] = Some(connect_hello(cfg, *addr, MESH_HELLO, deadline, what).map_err(hint)?);
         }
         let above = accept_ranks(
             cfg,
@@ -120,7 +120,8 @@ impl Mesh {
             cfg.rank + 1..cfg.world,
             (start, deadline),
             "mesh port",
-        )?;
+        )
+        .map_err(hint)?;
         for (i, s) in above.into_iter().enumerate() {
             links[cfg.rank + 1 + i] = Some(s);
         }
@@ -236,6 +237,34 @@ impl Mesh {
         let own: &mut [u8] = std::mem::take(&mut parts[rank]);
         let own: &[u8] = own;
         self.exchange(|_| own, parts, deadline)
+    }
+}
+
+/// A mesh connection that failed says how to go without the mesh.
+fn hint(e: RendezvousError) -> RendezvousError {
+    const HINT: &str = "ranks that cannot reach each other need CF_TCP_SHARDED_MIN_BYTES=never \
+                        (TcpOptions::sharded_min_bytes: None) on every rank";
+    match e {
+        RendezvousError::Io { what, source } => RendezvousError::Io {
+            what: format!("{what} ({HINT})"),
+            source,
+        },
+        RendezvousError::Missing {
+            missing,
+            joined,
+            world,
+            addr,
+            waited,
+            refused,
+        } => RendezvousError::Missing {
+            missing,
+            joined,
+            world,
+            addr: format!("{addr} ({HINT})"),
+            waited,
+            refused,
+        },
+        e => e,
     }
 }
 
