@@ -855,6 +855,51 @@ mod tests {
         });
     }
 
+    /// Rank 1 (by hand) gives rank 0 a mesh address nobody listens on: rank 2, which connects
+    /// to it, fails its start-up at once, saying how to go without the mesh.
+    #[test]
+    fn an_unreachable_mesh_port_fails_the_start_up_saying_how_to_do_without() {
+        let port = free_port();
+        let dead = free_port();
+        thread::scope(|sc| {
+            sc.spawn(move || {
+                let mut c = cfg(1, 3, port);
+                c.timeout = Duration::from_secs(2);
+                let start = Instant::now();
+                let (payload, _watch) = rendezvous_watched(&c, Vec::new).unwrap();
+                let data = u16::from_le_bytes([payload[0], payload[1]]);
+                let s = connect_root(&c, data, HELLO_MESH, start + c.timeout).unwrap();
+                let nobody = std::net::SocketAddr::from(([127, 0, 0, 1], dead));
+                mesh::write_addr(&s, &nobody, start + c.timeout).unwrap();
+                for _ in 0..3 {
+                    mesh::read_addr(&s, start + c.timeout).unwrap();
+                }
+                thread::sleep(Duration::from_secs(3));
+            });
+            let others: Vec<_> = [0, 2]
+                .into_iter()
+                .map(|r| {
+                    sc.spawn(move || {
+                        let mut c = cfg(r, 3, port);
+                        c.timeout = Duration::from_secs(2);
+                        TcpComm::connect(&c, Duration::from_secs(5))
+                            .map(drop)
+                            .unwrap_err()
+                            .to_string()
+                    })
+                })
+                .collect();
+            let errors: Vec<String> = others.into_iter().map(|h| h.join().unwrap()).collect();
+            let e2 = &errors[1];
+            assert!(
+                e2.contains("rank 2 connecting to rank 1's mesh port")
+                    && e2.contains("CF_TCP_SHARDED_MIN_BYTES=never"),
+                "{e2}"
+            );
+            assert!(errors[0].contains("never joined"), "{}", errors[0]);
+        });
+    }
+
     /// Rank 1 speaks the protocol by hand: a proper hello and header, then its buffer a byte
     /// every 50 ms (it would take minutes). Rank 0 fails the collective within twice its
     /// timeout with a timeout naming rank 1; before, each byte restarted the socket timeout.

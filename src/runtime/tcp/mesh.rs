@@ -43,7 +43,11 @@ pub(super) struct Mesh {
 }
 
 /// Writes an address as its length (`u16`) and text.
-fn write_addr(s: &TcpStream, addr: &SocketAddr, deadline: Instant) -> std::io::Result<()> {
+pub(super) fn write_addr(
+    s: &TcpStream,
+    addr: &SocketAddr,
+    deadline: Instant,
+) -> std::io::Result<()> {
     let text = addr.to_string();
     let mut m = (text.len() as u16).to_le_bytes().to_vec();
     m.extend_from_slice(text.as_bytes());
@@ -51,7 +55,7 @@ fn write_addr(s: &TcpStream, addr: &SocketAddr, deadline: Instant) -> std::io::R
 }
 
 /// Reads an address [`write_addr`] wrote.
-fn read_addr(s: &TcpStream, deadline: Instant) -> std::io::Result<SocketAddr> {
+pub(super) fn read_addr(s: &TcpStream, deadline: Instant) -> std::io::Result<SocketAddr> {
     let mut len = [0u8; 2];
     read_by(s, &mut len, deadline)?;
     let len = usize::from(u16::from_le_bytes(len));
