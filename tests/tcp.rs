@@ -1,6 +1,7 @@
 //! The TCP communicator over loopback, ranks as threads here (each with its own connections, as
-//! separate processes would have): results bitwise those of the in-process group, and the
-//! failures (a peer that never calls, ranks that disagree) are typed errors, not hangs.
+//! separate processes would have): results bitwise those of the in-process group, through rank 0
+//! and through the mesh, and the failures (a peer that never calls, ranks that disagree, a rank
+//! that aborts mid-exchange) are typed errors, not hangs.
 
 mod common;
 
