@@ -255,19 +255,26 @@ fn a_process_with_an_extra_layer_fails_all_three_naming_it() {
     }
 }
 
-#[test]
-fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
+/// `run --transport tcp` as rank 0 of `world` on a free loopback port, with `env` added: its
+/// output and its stderr.
+fn rank_zero_over_tcp(world: usize, env: &[(&str, &str)]) -> (Output, String) {
     let out = output_bounded(
         Command::new(BIN)
             .args(ARGS)
             .args(["--transport", "tcp"])
             .env("RANK", "0")
-            .env("WORLD_SIZE", "2")
+            .env("WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", free_port().to_string())
-            .env("CF_RENDEZVOUS_TIMEOUT_MS", "500"),
+            .envs(env.iter().copied()),
     );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, err)
+}
+
+#[test]
+fn a_rank_that_never_starts_fails_rank_zero_with_its_number() {
+    let (out, err) = rank_zero_over_tcp(2, &[("CF_RENDEZVOUS_TIMEOUT_MS", "500")]);
     // An error, not a panic: exit code 1 and `error:`.
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("error: "), "{err}");
@@ -293,17 +300,7 @@ fn a_missing_launcher_variable_is_named() {
 
 #[test]
 fn a_malformed_tcp_setting_is_named() {
-    let out = output_bounded(
-        Command::new(BIN)
-            .args(ARGS)
-            .args(["--transport", "tcp"])
-            .env("RANK", "0")
-            .env("WORLD_SIZE", "1")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", free_port().to_string())
-            .env("CF_TCP_SHARDED_MIN_BYTES", "1MB"),
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (out, err) = rank_zero_over_tcp(1, &[("CF_TCP_SHARDED_MIN_BYTES", "1MB")]);
     assert!(!out.status.success());
     assert!(
         err.contains("CF_TCP_SHARDED_MIN_BYTES is \"1MB\", not a number of bytes or \"never\""),
