@@ -458,10 +458,7 @@ const FAILED: u8 = 1;
 /// Rank 0 tells every peer why the collective failed (best effort, a short wait each: they
 /// also see the connections close when the group aborts).
 fn tell_failure(peers: &[TcpStream], e: &CommError) {
-    let msg = e.to_string();
-    let mut answer = vec![FAILED];
-    answer.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-    answer.extend_from_slice(msg.as_bytes());
+    let answer = failed_with(&e.to_string());
     for s in peers {
         let _ = write_by(s, &answer, Instant::now() + Duration::from_millis(200));
     }
@@ -630,19 +627,29 @@ fn ok_since(joined: Instant) -> [u8; 9] {
 
 /// Rank 0's failure message after a failure status byte.
 fn failure_message(s: &TcpStream) -> String {
-    let deadline = Instant::now() + Duration::from_millis(500);
+    read_message(s, Instant::now() + Duration::from_millis(500)).map_or_else(
+        |_| "rank 0 failed the collective".to_string(),
+        |m| format!("rank 0 reports: {m}"),
+    )
+}
+
+/// A failure on the wire: [`FAILED`], then the message's length (`u32`) and bytes, at most
+/// [`MAX_MESSAGE`] of them.
+fn failed_with(msg: &str) -> Vec<u8> {
+    let msg = &msg.as_bytes()[..msg.len().min(MAX_MESSAGE as usize)];
+    let mut m = vec![FAILED];
+    m.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    m.extend_from_slice(msg);
+    m
+}
+
+/// The message after a [`FAILED`] status ([`failed_with`]).
+fn read_message(s: &TcpStream, deadline: Instant) -> std::io::Result<String> {
     let mut len = [0u8; 4];
-    read_by(s, &mut len, deadline)
-        .ok()
-        .map(|_| u32::from_le_bytes(len).min(MAX_MESSAGE))
-        .and_then(|n| {
-            let mut m = vec![0u8; n as usize];
-            read_by(s, &mut m, deadline).ok().map(|_| m)
-        })
-        .map_or_else(
-            || "rank 0 failed the collective".to_string(),
-            |m| format!("rank 0 reports: {}", String::from_utf8_lossy(&m)),
-        )
+    read_by(s, &mut len, deadline)?;
+    let mut m = vec![0u8; u32::from_le_bytes(len).min(MAX_MESSAGE) as usize];
+    read_by(s, &mut m, deadline)?;
+    Ok(String::from_utf8_lossy(&m).into_owned())
 }
 
 /// A failure status and message rank 0 sent before the connection broke, if one arrives

@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use super::start::{accept_ranks, connect_hello};
 use super::{
-    FAILED, Group, MAX_MESSAGE, OK, PeerCall, commit_all, gather_headers, header, io, lost_peer,
-    ok_since, read_by, tell_failure, timed_out, write_by,
+    FAILED, Group, OK, PeerCall, commit_all, failed_with, gather_headers, header, io, lost_peer,
+    ok_since, read_by, read_message, tell_failure, timed_out, write_by,
 };
 use crate::runtime::buffer::HostBuffer;
 use crate::runtime::comm::{CollectiveDesc, CommError, CommSpan, thread_cpu_us};
@@ -283,13 +283,7 @@ pub(crate) fn shard(count: usize, world: usize, j: usize) -> Range<usize> {
 fn verdict(outcome: &Result<(), String>) -> Vec<u8> {
     match outcome {
         Ok(()) => vec![OK],
-        Err(why) => {
-            let mut m = vec![FAILED];
-            let why = &why.as_bytes()[..why.len().min(MAX_MESSAGE as usize)];
-            m.extend_from_slice(&(why.len() as u32).to_le_bytes());
-            m.extend_from_slice(why);
-            m
-        }
+        Err(why) => failed_with(why),
     }
 }
 
@@ -300,11 +294,7 @@ fn read_verdict(s: &TcpStream, deadline: Instant) -> std::io::Result<Option<Stri
     if status[0] == OK {
         return Ok(None);
     }
-    let mut len = [0u8; 4];
-    read_by(s, &mut len, deadline)?;
-    let mut m = vec![0u8; u32::from_le_bytes(len).min(MAX_MESSAGE) as usize];
-    read_by(s, &mut m, deadline)?;
-    Ok(Some(String::from_utf8_lossy(&m).into_owned()))
+    read_message(s, deadline).map(Some)
 }
 
 /// Rank 0's side of a sharded all-reduce ([`mesh`]): every header checked as in
