@@ -382,24 +382,7 @@ unsafe fn reduce_blocked<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: 
         for (r, p) in ptrs.iter().enumerate() {
             // SAFETY: in bounds and exclusively ours (the caller's contract).
             let src = unsafe { std::slice::from_raw_parts(p.0.cast::<E>().add(start), n) };
-            match (r, op) {
-                (0, ReduceOp::Sum) => acc.copy_from_slice(src),
-                (0, ReduceOp::Mean) => {
-                    for (a, x) in acc.iter_mut().zip(src) {
-                        *a = x.scale_div(div);
-                    }
-                }
-                (_, ReduceOp::Sum) => {
-                    for (a, x) in acc.iter_mut().zip(src) {
-                        *a = a.add(*x);
-                    }
-                }
-                (_, ReduceOp::Mean) => {
-                    for (a, x) in acc.iter_mut().zip(src) {
-                        *a = a.add(x.scale_div(div));
-                    }
-                }
-            }
+            fold_term(acc, src, r == 0, op, div);
         }
         for p in ptrs {
             // SAFETY: as above; the reads of this block are done.
@@ -407,6 +390,93 @@ unsafe fn reduce_blocked<E: Element>(ptrs: &[RawBuf], lo: usize, hi: usize, op: 
             dst.copy_from_slice(acc);
         }
         start += n;
+    }
+}
+
+/// One term of the rank-order reduction: `src` folded into `acc` (`acc = src` for the first
+/// rank, `acc = acc + src` after it; each term divided by the group size `div` first for a
+/// mean).
+#[inline]
+fn fold_term<E: Element>(acc: &mut [E], src: &[E], first: bool, op: ReduceOp, div: u32) {
+    match (first, op) {
+        (true, ReduceOp::Sum) => acc.copy_from_slice(src),
+        (true, ReduceOp::Mean) => {
+            for (a, x) in acc.iter_mut().zip(src) {
+                *a = x.scale_div(div);
+            }
+        }
+        (false, ReduceOp::Sum) => {
+            for (a, x) in acc.iter_mut().zip(src) {
+                *a = a.add(*x);
+            }
+        }
+        (false, ReduceOp::Mean) => {
+            for (a, x) in acc.iter_mut().zip(src) {
+                *a = a.add(x.scale_div(div));
+            }
+        }
+    }
+}
+
+/// A term of [`fold_bytes`].
+#[derive(Clone, Copy)]
+pub(crate) enum Term<'a> {
+    /// The accumulator's own values are the first rank's term.
+    Own,
+    /// The first rank's values.
+    First(&'a [u8]),
+    /// A later rank's values.
+    Next(&'a [u8]),
+}
+
+/// One term of the rank-order reduction of a group of `world` ranks folded into `acc`, both
+/// little-endian bytes of `dtype` (as [`HostBuffer::as_bytes`]): the terms of every rank, in
+/// rank order, give the bits of the in-process group's reduction (a transport that reads the
+/// ranks' values off the wire folds them as they come, without holding every rank's buffer). `false` (and `acc` unchanged) for a dtype that is not reduced, lengths that
+/// differ or bytes not aligned to the element.
+pub(crate) fn fold_bytes(
+    dtype: crate::graph::DType,
+    acc: &mut [u8],
+    term: Term<'_>,
+    op: ReduceOp,
+    world: usize,
+) -> bool {
+    fn fold<E: Element + bytemuck::Pod>(
+        acc: &mut [u8],
+        term: Term<'_>,
+        op: ReduceOp,
+        div: u32,
+    ) -> bool {
+        let Ok(acc) = bytemuck::try_cast_slice_mut::<u8, E>(acc) else {
+            return false;
+        };
+        let (src, first) = match term {
+            Term::Own => {
+                if op == ReduceOp::Mean {
+                    for a in acc.iter_mut() {
+                        *a = a.scale_div(div);
+                    }
+                }
+                return true;
+            }
+            Term::First(src) => (src, true),
+            Term::Next(src) => (src, false),
+        };
+        match bytemuck::try_cast_slice::<u8, E>(src) {
+            Ok(src) if src.len() == acc.len() => {
+                fold_term(acc, src, first, op, div);
+                true
+            }
+            _ => false,
+        }
+    }
+    let div = world as u32;
+    match dtype {
+        crate::graph::DType::F32 => fold::<f32>(acc, term, op, div),
+        crate::graph::DType::F64 => fold::<f64>(acc, term, op, div),
+        crate::graph::DType::F16 => fold::<half::f16>(acc, term, op, div),
+        crate::graph::DType::BF16 => fold::<half::bf16>(acc, term, op, div),
+        _ => false,
     }
 }
 
@@ -480,30 +550,117 @@ impl GroupState for InProcessShared {
     }
 }
 
-/// Reduces `bufs` (one per rank, in rank order) into `bufs[0]` with the in-process group's
-/// arithmetic: every element summed in rank order, each contribution divided by the group size
-/// first for a mean. Other transports that gather the buffers in one place use it, so their
-/// results are bitwise those of the in-process group. `false` (nothing changed) when the
-/// buffers differ in dtype or length.
-pub(crate) fn reduce_in_rank_order(bufs: &mut [HostBuffer], op: ReduceOp) -> bool {
-    let Some(first) = bufs.first() else {
-        return true;
-    };
-    let (dtype, count) = (first.dtype(), first.len());
-    if bufs.iter().any(|b| b.dtype() != dtype || b.len() != count) {
-        return false;
-    }
-    let ptrs: Vec<RawBuf> = bufs.iter_mut().map(with_buf_ptr).collect();
-    // SAFETY: every buffer holds `count` elements of `dtype` (checked above), they are distinct
-    // allocations, and the exclusive borrow of `bufs` keeps anyone else off them.
-    unsafe {
-        match dtype {
-            crate::graph::DType::F32 => reduce_chunk::<f32>(&ptrs, 0, count, op),
-            crate::graph::DType::F64 => reduce_chunk::<f64>(&ptrs, 0, count, op),
-            crate::graph::DType::F16 => reduce_chunk::<half::f16>(&ptrs, 0, count, op),
-            crate::graph::DType::BF16 => reduce_chunk::<half::bf16>(&ptrs, 0, count, op),
-            _ => return false,
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::DType;
+
+    /// Every buffer reduced in place by the group's own kernel ([`reduce_chunk`]).
+    fn reduced_by_the_group(bufs: &mut [HostBuffer], op: ReduceOp) {
+        let ptrs: Vec<RawBuf> = bufs.iter_mut().map(with_buf_ptr).collect();
+        let count = bufs[0].len();
+        // SAFETY: every buffer holds `count` elements of one dtype (made so below), they are
+        // distinct allocations, and the exclusive borrow keeps anyone else off them.
+        unsafe {
+            match bufs[0].dtype() {
+                DType::F32 => reduce_chunk::<f32>(&ptrs, 0, count, op),
+                DType::F64 => reduce_chunk::<f64>(&ptrs, 0, count, op),
+                DType::F16 => reduce_chunk::<half::f16>(&ptrs, 0, count, op),
+                DType::BF16 => reduce_chunk::<half::bf16>(&ptrs, 0, count, op),
+                d => panic!("{d} is not reduced"),
+            }
         }
     }
-    true
+
+    #[test]
+    fn folded_terms_give_the_bits_of_the_group() {
+        // Worlds reduced by the fused kernel (up to 8) and by the blocked one, lengths past
+        // and short of a block, every float dtype, both ops.
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            // Magnitudes from 1e-6 to 1e6, either sign: sums that round.
+            let m = (seed >> 11) as f64 / (1u64 << 53) as f64;
+            let e = (seed % 13) as i32 - 6;
+            if seed & 1 == 0 {
+                m * 10f64.powi(e)
+            } else {
+                -m * 10f64.powi(e)
+            }
+        };
+        for world in [1, 2, 3, 5, 8, 9, 11] {
+            for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+                for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                    for len in [1, 7, BLOCK + 3] {
+                        let mut bufs: Vec<HostBuffer> = (0..world)
+                            .map(|_| {
+                                let v: Vec<f64> = (0..len).map(|_| next()).collect();
+                                HostBuffer::from_f64(dtype, &v).unwrap()
+                            })
+                            .collect();
+                        let terms = bufs.clone();
+                        reduced_by_the_group(&mut bufs, op);
+                        let mut acc = terms[0].clone();
+                        let bytes = acc.as_bytes_mut();
+                        assert!(fold_bytes(dtype, bytes, Term::Own, op, world));
+                        for t in &terms[1..] {
+                            assert!(fold_bytes(
+                                dtype,
+                                bytes,
+                                Term::Next(t.as_bytes()),
+                                op,
+                                world
+                            ));
+                        }
+                        let mut first = terms[1 % world].clone();
+                        let bytes2 = first.as_bytes_mut();
+                        assert!(fold_bytes(
+                            dtype,
+                            bytes2,
+                            Term::First(terms[0].as_bytes()),
+                            op,
+                            world
+                        ));
+                        for t in &terms[1..] {
+                            assert!(fold_bytes(
+                                dtype,
+                                bytes2,
+                                Term::Next(t.as_bytes()),
+                                op,
+                                world
+                            ));
+                        }
+                        let case = format!("{world} ranks, {dtype}, {op:?}, {len} elements");
+                        assert!(acc.bits_eq(&bufs[0]), "own first: {case}");
+                        assert!(first.bits_eq(&bufs[0]), "first read: {case}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_term_of_another_length_or_dtype_is_refused() {
+        let mut acc = HostBuffer::from_f64(DType::F32, &[1.0, 2.0]).unwrap();
+        let short = HostBuffer::from_f64(DType::F32, &[1.0]).unwrap();
+        let before = acc.clone();
+        let (sum, mean) = (ReduceOp::Sum, ReduceOp::Mean);
+        assert!(!fold_bytes(
+            DType::F32,
+            acc.as_bytes_mut(),
+            Term::Next(short.as_bytes()),
+            sum,
+            2
+        ));
+        assert!(!fold_bytes(
+            DType::I32,
+            acc.as_bytes_mut(),
+            Term::Own,
+            mean,
+            2
+        ));
+        assert!(acc.bits_eq(&before));
+    }
 }

@@ -61,8 +61,10 @@ use super::peer_watch::PeerWatch;
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous_watched};
 use crate::graph::{DType, ReduceOp};
 
+mod fold;
 mod mesh;
 mod start;
+use fold::Fold;
 use mesh::{Mesh, run_peer_sharded, run_root_sharded};
 use start::{accept_ranks, connect_root};
 
@@ -551,24 +553,26 @@ fn run_root(
     let cpu = thread_cpu_us();
     let lost = |e: std::io::Error, r: usize| lost_peer(shared, what, t0, e, r);
     let mut joined = t0;
-    let mut bufs = Vec::with_capacity(world);
-    bufs.push(std::mem::take(buf));
+    // Rank 0's own values are the first term; each peer's are folded in as they arrive.
+    let mut result = std::mem::take(buf);
     let gathered = (|| {
         let deadline = t0 + timeout;
         // Every header first, then every buffer: a header's read returns when that peer
         // joined (its buffer waits behind it in the socket), not after the buffers of the
         // peers before it were read; and a mismatch fails before any buffer is read.
         joined = gather_headers(shared, peers, (what, false), (t0, deadline))?;
+        let unsupported = |why: String| CommError::Unsupported {
+            rank: 0,
+            what: what.clone(),
+            why,
+        };
+        let mut fold = Fold::new(what.dtype, what.op, world, result.len())
+            .ok_or_else(|| unsupported(format!("{} is not reduced", what.dtype)))?;
+        let acc = result.as_bytes_mut();
+        fold.own(acc).map_err(|e| unsupported(e.to_string()))?;
         for (i, s) in peers.iter_mut().enumerate() {
-            let mut b = HostBuffer::zeros(what.dtype, what.count as usize).ok_or_else(|| {
-                CommError::Unsupported {
-                    rank: 0,
-                    what: what.clone(),
-                    why: format!("{} is not reduced", what.dtype),
-                }
-            })?;
-            read_by(s, b.as_bytes_mut(), deadline).map_err(|e| lost(e, i + 1))?;
-            bufs.push(b);
+            fold.read(s, acc, false, deadline)
+                .map_err(|e| lost(e, i + 1))?;
         }
         Ok(())
     })();
@@ -576,16 +580,6 @@ fn run_root(
         tell_failure(peers, &e);
         return Err(e);
     }
-    if !super::inprocess::reduce_in_rank_order(&mut bufs, what.op) {
-        let e = CommError::Unsupported {
-            rank: 0,
-            what: what.clone(),
-            why: "the ranks' buffers differ in dtype or length".into(),
-        };
-        tell_failure(peers, &e);
-        return Err(e);
-    }
-    let result = bufs.swap_remove(0);
     let staged = (|| {
         let deadline = Instant::now() + timeout;
         for (i, s) in peers.iter_mut().enumerate() {

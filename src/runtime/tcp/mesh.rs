@@ -20,6 +20,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::time::Instant;
 
+use super::fold::Fold;
 use super::start::{accept_ranks, connect_hello};
 use super::{
     FAILED, Group, OK, PeerCall, commit_all, failed_with, gather_headers, header, io, lost_peer,
@@ -150,14 +151,15 @@ impl Mesh {
         }
     }
 
-    /// Sends `send(r)` to every other rank `r` and receives from it into `recv[r]` at once:
-    /// one thread writes to each rank while this one reads from them in rank order, so no
-    /// two ranks wait for each other's reads. On the first failure every connection of this
-    /// rank is shut (the others' calls end too) and the error names the rank.
+    /// Sends `send(r)` to every other rank `r` and receives from it at once (`recv(r, link)`,
+    /// called for every rank in rank order, this rank's own with no link): one thread writes
+    /// to each rank while this one reads from them in rank order, so no two ranks wait for
+    /// each other's reads. On the first failure every connection of this rank is shut (the
+    /// others' calls end too) and the error names the rank.
     fn exchange<'a>(
         &self,
         send: impl Fn(usize) -> &'a [u8],
-        mut recv: Vec<&mut [u8]>,
+        mut recv: impl FnMut(usize, Option<&TcpStream>) -> std::io::Result<()>,
         deadline: Instant,
     ) -> Result<(), String> {
         std::thread::scope(|scope| {
@@ -175,10 +177,12 @@ impl Mesh {
                 .collect();
             let mut failed = None;
             for (r, s) in self.links.iter().enumerate() {
-                let Some(s) = s else { continue };
-                if let Err(e) = read_by(s, recv[r], deadline) {
+                if let Err(e) = recv(r, s.as_ref()) {
                     self.shut();
-                    failed = Some(format!("receiving from rank {r}: {e}"));
+                    failed = Some(match s {
+                        Some(_) => format!("receiving from rank {r}: {e}"),
+                        None => format!("folding in its own shard: {e}"),
+                    });
                     break;
                 }
             }
@@ -204,43 +208,41 @@ impl Mesh {
     ) -> Result<(), String> {
         let (world, rank) = (self.links.len(), self.rank);
         let (dtype, count) = (buf.dtype(), buf.len());
-        let size = dtype.size() as usize;
-        let bytes = |r: usize| {
-            let e = shard(count, world, r);
-            e.start * size..e.end * size
-        };
-        let mine = bytes(rank);
-        // Shard `rank` of every rank, this one's own at its place: reduced in rank order.
-        let mut shards: Vec<HostBuffer> = (0..world)
-            .map(|_| HostBuffer::zeros(dtype, mine.len() / size))
-            .collect::<Option<_>>()
-            .ok_or_else(|| format!("{dtype} is not reduced"))?;
-        shards[rank]
-            .as_bytes_mut()
-            .copy_from_slice(&buf.as_bytes()[mine.clone()]);
-        {
-            // This rank's own place is not received into (it has no connection with itself).
-            let all = buf.as_bytes();
-            let places = shards.iter_mut().map(HostBuffer::as_bytes_mut).collect();
-            self.exchange(|r| &all[bytes(r)], places, deadline)?;
-        }
-        if !crate::runtime::inprocess::reduce_in_rank_order(&mut shards, op) {
-            return Err("the ranks' shards differ in dtype or length".into());
-        }
-        let reduced = &shards[rank];
-        let all = buf.as_bytes_mut();
-        all[mine.clone()].copy_from_slice(reduced.as_bytes());
-        // Every other rank's reduced shard, into its place in `buf`, while this one's goes out.
+        let not_reduced = || format!("{dtype} is not reduced");
+        let mut fold =
+            Fold::new(dtype, op, world, shard(count, world, rank).len()).ok_or_else(not_reduced)?;
+        // The buffer as its shards; this rank's own is where the reduced shard accumulates.
         let mut parts: Vec<&mut [u8]> = Vec::with_capacity(world);
-        let mut rest = all;
+        let mut rest = buf.as_bytes_mut();
         for r in 0..world {
-            let (part, tail) = rest.split_at_mut(bytes(r).len());
+            let (part, tail) =
+                rest.split_at_mut(shard(count, world, r).len() * dtype.size() as usize);
             parts.push(part);
             rest = tail;
         }
-        let own: &mut [u8] = std::mem::take(&mut parts[rank]);
-        let own: &[u8] = own;
-        self.exchange(|_| own, parts, deadline)
+        let acc: &mut [u8] = std::mem::take(&mut parts[rank]);
+        // Rank 0's shard is the first term, folded where it lies; a later rank's own term is
+        // folded at its place in rank order, from a copy (the first rank's term overwrites it).
+        let own = match rank {
+            0 => None,
+            _ => Some(HostBuffer::from_le_bytes(dtype, acc).ok_or_else(not_reduced)?),
+        };
+        {
+            let sends: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
+            let recv = |r: usize, s: Option<&TcpStream>| match (s, &own) {
+                (Some(s), _) => fold.read(s, acc, r == 0, deadline),
+                (None, None) => fold.own(acc),
+                (None, Some(own)) => fold.next(acc, own.as_bytes()),
+            };
+            self.exchange(|r| sends[r], recv, deadline)?;
+        }
+        // Every other rank's reduced shard, into its place in `buf`, while this one's goes out.
+        let reduced: &[u8] = acc;
+        let recv = |r: usize, s: Option<&TcpStream>| match s {
+            Some(s) => read_by(s, parts[r], deadline),
+            None => Ok(()),
+        };
+        self.exchange(|_| reduced, recv, deadline)
     }
 }
 
