@@ -11,8 +11,9 @@
 //! `2·(world − 1)` buffers. A buffer of [`TcpOptions::sharded_min_bytes`] or more (1 MiB by
 //! default) goes through the mesh (module `mesh`): each rank reduces one shard of it with the same
 //! arithmetic and sends it to every other, so each rank moves `2·(world − 1)/world` of a buffer
-//! whatever the group size, and rank 0 only settles the outcome. Either way the results are
-//! bitwise those of the in-process communicator and independent of timing.
+//! whatever the group size, and rank 0 only settles the outcome. Either way a rank folds the
+//! values it receives into the result as they arrive, a chunk at a time (module `fold`), and the
+//! results are bitwise those of the in-process communicator and independent of timing.
 //!
 //! Every rank runs its collectives in the order they were enqueued, on its own communication
 //! thread (its stream). Nothing waits unbounded: rank 0 waits for each peer's buffer until the
