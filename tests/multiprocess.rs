@@ -303,7 +303,7 @@ fn a_malformed_tcp_setting_is_named() {
     let (out, err) = rank_zero_over_tcp(1, &[("CF_TCP_SHARDED_MIN_BYTES", "1MB")]);
     assert!(!out.status.success());
     assert!(
-        err.contains("CF_TCP_SHARDED_MIN_BYTES is \"1MB\", not a number of bytes or \"never\""),
+        err.contains("CF_TCP_SHARDED_MIN_BYTES=\"1MB\": a number of bytes, or \"never\""),
         "{err}"
     );
 }

@@ -12,6 +12,7 @@ use collective_fusion::runtime::comm::{CollectiveDesc, CommError, Communicator};
 use collective_fusion::runtime::rendezvous::RendezvousConfig;
 use collective_fusion::runtime::synthetic::SplitMix64;
 use collective_fusion::runtime::tcp::{SHARDED_MIN_BYTES, TcpComm, TcpOptions};
+use collective_fusion::runtime::transport::{Transport, communicators};
 use collective_fusion::runtime::{HostBuffer, InProcessGroup};
 use common::free_port;
 
@@ -277,7 +278,8 @@ fn ranks_agree_on_the_way_of_each_collective() {
 }
 
 /// A peer that makes no mesh (`sharded_min_bytes: None`) in a group whose rank 0 does is
-/// refused at start-up: rank 0's error names it and why.
+/// refused at start-up: rank 0's error names it and why. The ranks start as a server does,
+/// from the transport and `CollectiveOptions::tcp`.
 #[test]
 fn a_peer_without_the_mesh_is_refused_at_start_up_naming_the_option() {
     let port = free_port();
@@ -290,9 +292,17 @@ fn a_peer_without_the_mesh_is_refused_at_start_up_naming_the_option() {
                     let options = TcpOptions {
                         sharded_min_bytes: (r != 1).then_some(SHARDED_MIN_BYTES),
                     };
-                    TcpComm::connect_with(&c, Duration::from_secs(5), options)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
+                    let transport = Transport::Tcp(c);
+                    let timeout = Duration::from_secs(5);
+                    communicators(
+                        (&transport, options),
+                        &[r as u32],
+                        &|_| None,
+                        "cpu",
+                        timeout,
+                    )
+                    .map(drop)
+                    .map_err(|e| e.to_string())
                 })
             })
             .collect();

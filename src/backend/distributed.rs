@@ -222,7 +222,7 @@ fn communicators<D: 'static>(
         super::device::cuda_index(&d.inner as &dyn std::any::Any)
     };
     crate::runtime::transport::communicators(
-        &options.transport,
+        (&options.transport, options.tcp),
         &given,
         &cuda_index,
         std::any::type_name::<D>(),

@@ -10,6 +10,7 @@ use hashbrown::HashMap;
 
 use super::replicas::InitialWeights;
 use crate::config::{CompileConfig, ConfigError};
+pub use crate::runtime::tcp::TcpOptions;
 pub use crate::runtime::transport::Transport;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -41,6 +42,12 @@ pub struct CollectiveOptions {
     pub device_buckets: bool,
     /// How the ranks talk: threads of this process, or one rank per process.
     pub transport: Transport,
+    /// How a TCP group ([`Transport::Tcp`]) moves its all-reduces: from how many bytes through
+    /// a mesh of every rank, each reducing one shard, rather than through rank 0 (or never,
+    /// which makes no mesh: for a network where only rank 0's ports are reachable). Every rank
+    /// has the same (rank 0 checks at start-up and in every collective).
+    /// [`from_env`](Self::from_env) reads `CF_TCP_SHARDED_MIN_BYTES` (bytes, or `never`).
+    pub tcp: TcpOptions,
     /// What `mark_distributed` does about the ranks' parameter values: give every rank rank
     /// 0's (the default), or check that they already are.
     pub initial_weights: InitialWeights,
@@ -146,6 +153,7 @@ impl Default for CollectiveOptions {
             unused: UnusedParameters::Error,
             device_buckets: true,
             transport: Transport::InProcess,
+            tcp: TcpOptions::default(),
             initial_weights: InitialWeights::default(),
             coalesce_user_collectives: true,
             single_rank: SingleRank::default(),
@@ -157,11 +165,12 @@ impl Default for CollectiveOptions {
 }
 
 impl CollectiveOptions {
-    /// The defaults with the compiler options the `CF_*` environment variables set; a value
-    /// that does not parse is an error naming the variable.
+    /// The defaults with the compiler and TCP options the `CF_*` environment variables set; a
+    /// value that does not parse is an error naming the variable.
     pub fn from_env() -> Result<Self, ConfigError> {
         Ok(CollectiveOptions {
             config: CompileConfig::from_env()?,
+            tcp: TcpOptions::from_env()?,
             ..CollectiveOptions::default()
         })
     }

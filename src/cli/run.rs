@@ -220,6 +220,7 @@ pub(crate) fn run_cmd(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             timeout,
             trace: a.trace.is_some() || a.svg.is_some(),
             transport,
+            tcp: collective_fusion::runtime::tcp::TcpOptions::from_env()?,
             initial_weights: match a.initial_weights {
                 InitialWeightsArg::Broadcast => InitialWeights::Broadcast,
                 InitialWeightsArg::Verify => InitialWeights::Verify,

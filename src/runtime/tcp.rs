@@ -60,6 +60,7 @@ use super::comm::{CollectiveDesc, CommError, CommSpan, Job, thread_cpu_us};
 use super::comm_thread::{CommThread, GroupState, QueuedComm};
 use super::peer_watch::PeerWatch;
 use super::rendezvous::{RendezvousConfig, RendezvousError, rendezvous_watched};
+use crate::config::ConfigError;
 use crate::graph::{DType, ReduceOp};
 
 mod fold;
@@ -94,15 +95,17 @@ impl Default for TcpOptions {
 
 impl TcpOptions {
     /// The options the launcher's environment gives: `CF_TCP_SHARDED_MIN_BYTES`, a number of
-    /// bytes or `never` (the default when it is unset or empty).
-    pub fn from_env() -> Result<Self, RendezvousError> {
+    /// bytes or `never` (the default when it is unset or empty);
+    /// [`CollectiveOptions::from_env`](crate::backend::CollectiveOptions::from_env) reads it.
+    pub fn from_env() -> Result<Self, ConfigError> {
         const VAR: &str = "CF_TCP_SHARDED_MIN_BYTES";
         let sharded_min_bytes = match std::env::var(VAR).ok().filter(|v| !v.is_empty()) {
             None => Some(SHARDED_MIN_BYTES),
             Some(v) if v == "never" => None,
-            Some(v) => Some(v.parse().map_err(|_| RendezvousError::Env {
+            Some(v) => Some(v.trim().parse().map_err(|_| ConfigError::BadEnv {
                 var: VAR,
-                why: format!("is {v:?}, not a number of bytes or \"never\""),
+                value: v.clone(),
+                expected: "a number of bytes, or \"never\"",
             })?),
         };
         Ok(Self { sharded_min_bytes })

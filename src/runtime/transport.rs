@@ -90,14 +90,15 @@ pub enum StartError {
 /// This process's communicators, by rank (`None` for the ranks of other processes).
 pub type ByRank = Vec<Option<Box<dyn Communicator>>>;
 
-/// The group's size and this process's communicators by rank, as `transport` says. `given` are
-/// the ranks of the devices this process was given; `cuda_index` maps a rank to its CUDA device
+/// The group's size and this process's communicators by rank, as `transport` says (with `tcp`,
+/// how a TCP group moves its all-reduces). `given` are the ranks of the devices this process
+/// was given; `cuda_index` maps a rank to its CUDA device
 /// index, where its device is a CUDA device (in-process NCCL only), and `device` names the
 /// device type for the error when it is not.
 // Only in-process NCCL (feature `cuda`) asks for CUDA devices.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn communicators(
-    transport: &Transport,
+    (transport, tcp): (&Transport, super::tcp::TcpOptions),
     given: &[u32],
     cuda_index: &dyn Fn(u32) -> Option<usize>,
     device: &str,
@@ -141,8 +142,7 @@ pub fn communicators(
         }
         Transport::Tcp(cfg) => {
             one_rank(cfg, "TCP")?;
-            let options = super::tcp::TcpOptions::from_env()?;
-            let c = super::tcp::TcpComm::connect_with(cfg, timeout, options)?;
+            let c = super::tcp::TcpComm::connect_with(cfg, timeout, tcp)?;
             place(cfg.world, cfg.rank, Box::new(c))
         }
         #[cfg(feature = "cuda")]
