@@ -69,6 +69,23 @@ fn ranks_with_uneven_inputs_train_as_one_rank_and_end_alike() {
     );
 }
 
+/// PyTorch's `throw_on_early_termination`, as a value: ranks of 2, 4 and 3 batches that stop
+/// once `finished_ranks` names a rank all stop after step 2 (in which rank 0, out of inputs,
+/// took part with zeros), and end as ranks of 2, 3 and 3 batches do.
+#[test]
+fn ranks_that_stop_when_one_runs_out_stop_after_the_same_step() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let options = options(Duration::from_secs(60));
+    let ended = common::join::assert_ranks_that_stop_at_the_first_finish_train_as_one_rank::<NdArray>(
+        &devices(3),
+        &[2, 4, 3],
+        options,
+        1e-4,
+    );
+    let shadowed: Vec<u64> = ended.iter().map(|e| e.report.shadowed_steps).collect();
+    assert_eq!(shadowed, [1, 0, 0]);
+}
+
 /// PyTorch's `divide_by_initial_world_size=False`: the same ranks of 2, 4 and 3 batches end
 /// where one rank ends that steps on the losses of the ranks that had a batch divided by their
 /// number (3, 3, 2, then 1), not by the world.

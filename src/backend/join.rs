@@ -16,6 +16,9 @@
 //! gradients of such a step are scaled by `world / trained` at its sync point. A loop that makes
 //! its buffers alike before each forward pass ([`sync_buffers`](super::sync_buffers)) finishes
 //! with [`Join::finish_model`], which syncs the model's buffers before each round as well.
+//! [`Join::finished_ranks`] tells every training rank, after each step, which ranks have run
+//! out, so that a loop can stop every rank at the first (PyTorch's
+//! `throw_on_early_termination`).
 //!
 //! Requires: every rank enters the scope before the same step and calls `finish` (or
 //! `finish_model`) after its own last step; every rank synced at least one step before it
@@ -292,6 +295,22 @@ fn training(counts: &[u64]) -> Vec<usize> {
 impl<I: Backend> Join<I> {
     fn rank(&self) -> usize {
         self.device.rank as usize
+    }
+
+    /// The ranks that had run out of inputs in this rank's latest synced step (its round, read
+    /// at the step's sync point, so known once its backward returns); empty before the first
+    /// and while every rank trains. Every rank of a step sees the same, so a loop that stops
+    /// when this is not empty stops every rank after the same step (the one in which the first
+    /// rank out of inputs took part with zeros) and their `finish` returns at once: PyTorch's
+    /// `throw_on_early_termination`, as a value instead of an exception.
+    pub fn finished_ranks(&self) -> Vec<usize> {
+        let s = &self.session;
+        match s.state(self.rank(), "finished_ranks").join.as_ref() {
+            Some(j) if j.rounds > 0 => (0..s.world)
+                .filter(|r| !j.last_trained.contains(r))
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// After this rank's last step: takes part in every step the other ranks still sync, with

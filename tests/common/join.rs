@@ -80,6 +80,35 @@ pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     join: JoinOptions,
     rel: f64,
 ) -> Vec<Ended> {
+    uneven_ranks::<I>(devices, steps, false, options, join, rel)
+}
+
+/// [`assert_uneven_ranks_train_as_one_rank`] with ranks that stop after the first step in which
+/// some rank had run out of inputs (`Join::finished_ranks` not empty): every rank ends as if the
+/// ranks had at most one batch more than the one with the fewest.
+pub fn assert_ranks_that_stop_at_the_first_finish_train_as_one_rank<I: Backend>(
+    devices: &[CollectiveDevice<I::Device>],
+    steps: &[usize],
+    options: CollectiveOptions,
+    rel: f64,
+) -> Vec<Ended> {
+    uneven_ranks::<I>(devices, steps, true, options, JoinOptions::default(), rel)
+}
+
+fn uneven_ranks<I: Backend>(
+    devices: &[CollectiveDevice<I::Device>],
+    batches: &[usize],
+    stop: bool,
+    options: CollectiveOptions,
+    join: JoinOptions,
+    rel: f64,
+) -> Vec<Ended> {
+    // The steps each rank trains: with `stop`, up to the step after the fewest batches.
+    let fewest = *batches.iter().min().expect("a rank");
+    let steps: Vec<usize> = batches
+        .iter()
+        .map(|b| if stop { (*b).min(fewest + 1) } else { *b })
+        .collect();
     let world = devices.len();
     let d0 = &devices[0];
     let longest = *steps.iter().max().expect("a rank");
@@ -108,9 +137,17 @@ pub fn assert_uneven_ranks_train_as_one_rank<I: Backend>(
     let ended = super::ranks::forked_per_rank::<B<I>, _, _>(devices, &net::<I>(d0), |m, d, r| {
         let mut net = mark_distributed::<B<I>, Net<I>>(m).expect("marking the model");
         let scope = join_with::<I>(d, join);
-        for s in 0..steps[r] {
+        for s in 0..batches[r] {
             let l = loss::<I>(&net, r, s, d);
             net = step::<I>(net, l);
+            let finished = scope.finished_ranks();
+            // Every rank trains at step `s` up to the fewest batches; at that step the ranks
+            // with the fewest ran out.
+            let want: Vec<usize> = (0..world).filter(|q| batches[*q] <= s).collect();
+            assert_eq!(finished, want, "rank {r}, step {s}");
+            if stop && !finished.is_empty() {
+                break;
+            }
         }
         let own = module_weights::<B<I>, Net<I>>(&net);
         let (net, report) = scope
