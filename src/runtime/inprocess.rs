@@ -572,69 +572,51 @@ mod tests {
         }
     }
 
+    /// `terms` folded in rank order: into a copy of rank 0's (`own`), or into another buffer
+    /// that rank 0's is read into.
+    fn folded(terms: &[HostBuffer], own: bool, op: ReduceOp) -> HostBuffer {
+        let (dtype, world) = (terms[0].dtype(), terms.len());
+        let mut acc = terms[if own { 0 } else { world - 1 }].clone();
+        let bytes = acc.as_bytes_mut();
+        let first = if own {
+            Term::Own
+        } else {
+            Term::First(terms[0].as_bytes())
+        };
+        assert!(fold_bytes(dtype, bytes, first, op, world));
+        for t in &terms[1..] {
+            assert!(fold_bytes(
+                dtype,
+                bytes,
+                Term::Next(t.as_bytes()),
+                op,
+                world
+            ));
+        }
+        acc
+    }
+
     #[test]
     fn folded_terms_give_the_bits_of_the_group() {
         // Worlds reduced by the fused kernel (up to 8) and by the blocked one, lengths past
         // and short of a block, every float dtype, both ops.
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            // Magnitudes from 1e-6 to 1e6, either sign: sums that round.
-            let m = (seed >> 11) as f64 / (1u64 << 53) as f64;
-            let e = (seed % 13) as i32 - 6;
-            if seed & 1 == 0 {
-                m * 10f64.powi(e)
-            } else {
-                -m * 10f64.powi(e)
-            }
-        };
+        let mut rng = crate::runtime::synthetic::SplitMix64(7);
         for world in [1, 2, 3, 5, 8, 9, 11] {
             for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
                 for op in [ReduceOp::Sum, ReduceOp::Mean] {
                     for len in [1, 7, BLOCK + 3] {
                         let mut bufs: Vec<HostBuffer> = (0..world)
                             .map(|_| {
-                                let v: Vec<f64> = (0..len).map(|_| next()).collect();
+                                let v: Vec<f64> = (0..len).map(|_| rng.next_value()).collect();
                                 HostBuffer::from_f64(dtype, &v).unwrap()
                             })
                             .collect();
                         let terms = bufs.clone();
                         reduced_by_the_group(&mut bufs, op);
-                        let mut acc = terms[0].clone();
-                        let bytes = acc.as_bytes_mut();
-                        assert!(fold_bytes(dtype, bytes, Term::Own, op, world));
-                        for t in &terms[1..] {
-                            assert!(fold_bytes(
-                                dtype,
-                                bytes,
-                                Term::Next(t.as_bytes()),
-                                op,
-                                world
-                            ));
-                        }
-                        let mut first = terms[1 % world].clone();
-                        let bytes2 = first.as_bytes_mut();
-                        assert!(fold_bytes(
-                            dtype,
-                            bytes2,
-                            Term::First(terms[0].as_bytes()),
-                            op,
-                            world
-                        ));
-                        for t in &terms[1..] {
-                            assert!(fold_bytes(
-                                dtype,
-                                bytes2,
-                                Term::Next(t.as_bytes()),
-                                op,
-                                world
-                            ));
-                        }
+                        let (own, read) = (folded(&terms, true, op), folded(&terms, false, op));
                         let case = format!("{world} ranks, {dtype}, {op:?}, {len} elements");
-                        assert!(acc.bits_eq(&bufs[0]), "own first: {case}");
-                        assert!(first.bits_eq(&bufs[0]), "first read: {case}");
+                        assert!(own.bits_eq(&bufs[0]), "own first: {case}");
+                        assert!(read.bits_eq(&bufs[0]), "first read: {case}");
                     }
                 }
             }
