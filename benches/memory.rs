@@ -12,7 +12,8 @@
 //! in an order that moves from one process to the next), a host row once. Run with
 //! `cargo bench --bench memory` (`-- STEPS` for another number of measured steps than 3;
 //! `-- STEPS WORD` for the models whose name contains WORD; `-- STEPS WORD RUNS` for another
-//! number of runs of a device row).
+//! number of runs of a device row). First, a table of what one 32 MiB all-reduce of a TCP group
+//! allocates beyond the ranks' buffers (`-- STEPS tcp` for that table alone).
 
 mod common;
 
@@ -125,6 +126,68 @@ fn tables(
     }
 }
 
+/// The host heap one all-reduce of a TCP group takes beyond the ranks' buffers, all ranks of the
+/// group together (threads of this process over loopback): what the transport allocates for a
+/// call, through rank 0 and through the mesh.
+fn tcp_table() {
+    use collective_fusion::graph::{DType, ReduceOp};
+    use collective_fusion::runtime::HostBuffer;
+    use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
+    use collective_fusion::runtime::tcp::{TcpComm, TcpOptions};
+    use collective_fusion::train::memory::MemoryProbe;
+    use std::time::Duration;
+
+    const BYTES: usize = 32 << 20;
+    let n = BYTES / 4;
+    let what = CollectiveDesc {
+        collective: 0,
+        bucket: Some(0),
+        op: ReduceOp::Sum,
+        dtype: DType::F32,
+        count: n as u64,
+        params: Vec::new(),
+    };
+    let star = TcpOptions {
+        sharded_min_bytes: None,
+    };
+    println!(
+        "\nTCP all-reduce of {} MiB over loopback: heap beyond the ranks' buffers",
+        BYTES >> 20
+    );
+    println!("| ranks | way | during the call, all ranks together |");
+    println!("|---|---|---|");
+    for (world, way, options) in [
+        (2, "rank 0", TcpOptions::default()),
+        (4, "rank 0", star),
+        (4, "mesh", TcpOptions::default()),
+    ] {
+        let timeout = Duration::from_secs(60);
+        let comms = TcpComm::loopback_group(world, timeout, options).expect("a TCP group");
+        let mut bufs: Vec<HostBuffer> = (0..world).map(|_| HostBuffer::F32(vec![1.0; n])).collect();
+        let call = |bufs: Vec<HostBuffer>| -> Vec<HostBuffer> {
+            let pending: Vec<_> = comms
+                .iter()
+                .zip(bufs)
+                .map(|(c, b)| c.all_reduce(b, what.clone()).expect("a launch"))
+                .collect();
+            pending
+                .into_iter()
+                .map(|p| p.wait(timeout).expect("an all-reduce").0)
+                .collect()
+        };
+        // The first call starts whatever the threads keep; the second is measured.
+        bufs = call(bufs);
+        let mut heap = HeapProbe;
+        heap.reset();
+        let before = heap.sample().in_use;
+        bufs = call(bufs);
+        let beyond = heap.sample().held - before;
+        drop(bufs);
+        let mib = beyond as f64 / (1 << 20) as f64;
+        println!("| {world} | {way} | {mib:.2} MiB |");
+    }
+}
+
 fn main() {
     if let Ok(row) = std::env::var(MEMORY_CHILD) {
         child(&row);
@@ -138,6 +201,9 @@ fn main() {
     let steps: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(3);
     let only = args.get(1).map(String::as_str);
     let runs: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(3);
+    if only.is_none_or(|o| o == "tcp") {
+        tcp_table();
+    }
     println!(
         "what one training step holds in memory on one rank; ratios to each table's first row"
     );

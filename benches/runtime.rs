@@ -26,7 +26,6 @@ use collective_fusion::codegen::layout::BucketLayout;
 use collective_fusion::graph::{DType, ReduceOp};
 use collective_fusion::runtime::comm::{CollectiveDesc, Communicator};
 use collective_fusion::runtime::cube::{self, CubeGrad, DeviceMember};
-use collective_fusion::runtime::rendezvous::RendezvousConfig;
 use collective_fusion::runtime::tcp::{TcpComm, TcpOptions};
 use collective_fusion::runtime::{DeviceGrad, HostBuffer, InProcessGroup, Packed, host};
 use criterion::measurement::WallTime;
@@ -69,23 +68,11 @@ fn memcpy_baseline(g: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
 
 /// A TCP group of `world` ranks over loopback, each rank's connections its own.
 fn tcp_group(world: usize, options: TcpOptions) -> Vec<Box<dyn Communicator>> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let cfg =
-                        RendezvousConfig::loopback(rank, world, port, Duration::from_secs(30));
-                    let c = TcpComm::connect_with(&cfg, Duration::from_secs(60), options);
-                    Box::new(c.unwrap()) as Box<dyn Communicator>
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    TcpComm::loopback_group(world, Duration::from_secs(60), options)
+        .expect("a TCP group over loopback")
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect()
 }
 
 fn allreduce(c: &mut Criterion) {

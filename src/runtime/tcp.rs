@@ -285,6 +285,31 @@ impl QueuedComm<TcpShared> {
         Self::connect_with(cfg, timeout, TcpOptions::default())
     }
 
+    /// A whole group of `world` ranks in this process, over loopback (each rank's start-up on
+    /// a thread of its own, on a free port): for benches and tests that measure the transport
+    /// itself. `None` when the port or any rank's start-up fails.
+    pub fn loopback_group(
+        world: usize,
+        timeout: Duration,
+        options: TcpOptions,
+    ) -> Option<Vec<Self>> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .ok()?
+            .port();
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..world)
+                .map(|rank| {
+                    s.spawn(move || {
+                        let cfg = RendezvousConfig::loopback(rank, world, port, timeout);
+                        Self::connect_with(&cfg, timeout, options).ok()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().ok().flatten()).collect()
+        })
+    }
+
     /// [`connect`](Self::connect) with `options` (the same on every rank).
     pub fn connect_with(
         cfg: &RendezvousConfig,
