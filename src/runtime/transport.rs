@@ -92,9 +92,9 @@ pub type ByRank = Vec<Option<Box<dyn Communicator>>>;
 
 /// The group's size and this process's communicators by rank, as `transport` says (with `tcp`,
 /// how a TCP group moves its all-reduces). `given` are the ranks of the devices this process
-/// was given; `cuda_index` maps a rank to its CUDA device
-/// index, where its device is a CUDA device (in-process NCCL only), and `device` names the
-/// device type for the error when it is not.
+/// was given; `cuda_index` maps a rank to its CUDA device index, where its device is a CUDA
+/// device (in-process NCCL only), and `device` names the device type for the error when it is
+/// not.
 // Only in-process NCCL (feature `cuda`) asks for CUDA devices.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn communicators(
