@@ -421,8 +421,6 @@ fn fold_term<E: Element>(acc: &mut [E], src: &[E], first: bool, op: ReduceOp, di
 /// A term of [`fold_bytes`].
 #[derive(Clone, Copy)]
 pub(crate) enum Term<'a> {
-    /// The accumulator's own values are the first rank's term.
-    Own,
     /// The first rank's values.
     First(&'a [u8]),
     /// A later rank's values.
@@ -451,14 +449,6 @@ pub(crate) fn fold_bytes(
             return false;
         };
         let (src, first) = match term {
-            Term::Own => {
-                if op == ReduceOp::Mean {
-                    for a in acc.iter_mut() {
-                        *a = a.scale_div(div);
-                    }
-                }
-                return true;
-            }
             Term::First(src) => (src, true),
             Term::Next(src) => (src, false),
         };
@@ -572,18 +562,18 @@ mod tests {
         }
     }
 
-    /// `terms` folded in rank order: into a copy of rank 0's (`own`), or into another buffer
-    /// that rank 0's is read into.
-    fn folded(terms: &[HostBuffer], own: bool, op: ReduceOp) -> HostBuffer {
+    /// `terms` folded in rank order into a buffer that held other values.
+    fn folded(terms: &[HostBuffer], op: ReduceOp) -> HostBuffer {
         let (dtype, world) = (terms[0].dtype(), terms.len());
-        let mut acc = terms[if own { 0 } else { world - 1 }].clone();
+        let mut acc = terms[world - 1].clone();
         let bytes = acc.as_bytes_mut();
-        let first = if own {
-            Term::Own
-        } else {
-            Term::First(terms[0].as_bytes())
-        };
-        assert!(fold_bytes(dtype, bytes, first, op, world));
+        assert!(fold_bytes(
+            dtype,
+            bytes,
+            Term::First(terms[0].as_bytes()),
+            op,
+            world
+        ));
         for t in &terms[1..] {
             assert!(fold_bytes(
                 dtype,
@@ -613,10 +603,9 @@ mod tests {
                             .collect();
                         let terms = bufs.clone();
                         reduced_by_the_group(&mut bufs, op);
-                        let (own, read) = (folded(&terms, true, op), folded(&terms, false, op));
+                        let sum = folded(&terms, op);
                         let case = format!("{world} ranks, {dtype}, {op:?}, {len} elements");
-                        assert!(own.bits_eq(&bufs[0]), "own first: {case}");
-                        assert!(read.bits_eq(&bufs[0]), "first read: {case}");
+                        assert!(sum.bits_eq(&bufs[0]), "{case}");
                     }
                 }
             }
@@ -628,19 +617,19 @@ mod tests {
         let mut acc = HostBuffer::from_f64(DType::F32, &[1.0, 2.0]).unwrap();
         let short = HostBuffer::from_f64(DType::F32, &[1.0]).unwrap();
         let before = acc.clone();
-        let (sum, mean) = (ReduceOp::Sum, ReduceOp::Mean);
+        let (short, same) = (Term::Next(short.as_bytes()), Term::First(before.as_bytes()));
         assert!(!fold_bytes(
             DType::F32,
             acc.as_bytes_mut(),
-            Term::Next(short.as_bytes()),
-            sum,
+            short,
+            ReduceOp::Sum,
             2
         ));
         assert!(!fold_bytes(
             DType::I32,
             acc.as_bytes_mut(),
-            Term::Own,
-            mean,
+            same,
+            ReduceOp::Mean,
             2
         ));
         assert!(acc.bits_eq(&before));

@@ -597,13 +597,9 @@ fn run_root(
         };
         let mut fold = Fold::new(what.dtype, what.op, world, result.len())
             .ok_or_else(|| unsupported(format!("{} is not reduced", what.dtype)))?;
-        let acc = result.as_bytes_mut();
-        fold.own(acc).map_err(|e| unsupported(e.to_string()))?;
-        for (i, s) in peers.iter_mut().enumerate() {
-            fold.read(s, acc, false, deadline)
-                .map_err(|e| lost(e, i + 1))?;
-        }
-        Ok(())
+        let peer = |r: usize| r.checked_sub(1).and_then(|i| peers.get(i));
+        fold.reduce(result.as_bytes_mut(), 0, peer, deadline)
+            .map_err(|(r, e)| lost(e, r))
     })();
     if let Err(e) = gathered {
         tell_failure(peers, &e);

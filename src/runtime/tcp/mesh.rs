@@ -151,15 +151,14 @@ impl Mesh {
         }
     }
 
-    /// Sends `send(r)` to every other rank `r` and receives from it at once (`recv(r, link)`,
-    /// called for every rank in rank order, this rank's own with no link): one thread writes
-    /// to each rank while this one reads from them in rank order, so no two ranks wait for
-    /// each other's reads. On the first failure every connection of this rank is shut (the
-    /// others' calls end too) and the error names the rank.
+    /// Sends `send(r)` to every other rank `r` while `recv` reads what they send: one thread
+    /// writes to each rank while this one reads, so no two ranks wait for each other's reads.
+    /// On the first failure every connection of this rank is shut (the others' calls end too)
+    /// and the error names the rank.
     fn exchange<'a>(
         &self,
         send: impl Fn(usize) -> &'a [u8],
-        mut recv: impl FnMut(usize, Option<&TcpStream>) -> std::io::Result<()>,
+        recv: impl FnOnce() -> Result<(), String>,
         deadline: Instant,
     ) -> Result<(), String> {
         std::thread::scope(|scope| {
@@ -175,16 +174,9 @@ impl Mesh {
                     })
                 })
                 .collect();
-            let mut failed = None;
-            for (r, s) in self.links.iter().enumerate() {
-                if let Err(e) = recv(r, s.as_ref()) {
-                    self.shut();
-                    failed = Some(match s {
-                        Some(_) => format!("receiving from rank {r}: {e}"),
-                        None => format!("folding in its own shard: {e}"),
-                    });
-                    break;
-                }
+            let mut failed = recv().err();
+            if failed.is_some() {
+                self.shut();
             }
             for w in writers {
                 let wrote = w
@@ -208,10 +200,9 @@ impl Mesh {
     ) -> Result<(), String> {
         let (world, rank) = (self.links.len(), self.rank);
         let (dtype, count) = (buf.dtype(), buf.len());
-        let not_reduced = || format!("{dtype} is not reduced");
-        let mut fold =
-            Fold::new(dtype, op, world, shard(count, world, rank).len()).ok_or_else(not_reduced)?;
-        // The buffer as its shards; this rank's own is where the reduced shard accumulates.
+        let mut fold = Fold::new(dtype, op, world, shard(count, world, rank).len())
+            .ok_or_else(|| format!("{dtype} is not reduced"))?;
+        // The buffer as its shards; this rank's own is where its reduced shard goes.
         let mut parts: Vec<&mut [u8]> = Vec::with_capacity(world);
         let mut rest = buf.as_bytes_mut();
         for r in 0..world {
@@ -220,27 +211,23 @@ impl Mesh {
             parts.push(part);
             rest = tail;
         }
-        let acc: &mut [u8] = std::mem::take(&mut parts[rank]);
-        // Rank 0's shard is the first term, folded where it lies; a later rank's own term is
-        // folded at its place in rank order, from a copy (the first rank's term overwrites it).
-        let own = match rank {
-            0 => None,
-            _ => Some(HostBuffer::from_le_bytes(dtype, acc).ok_or_else(not_reduced)?),
-        };
+        let mine: &mut [u8] = std::mem::take(&mut parts[rank]);
+        let received = |(r, e): (usize, std::io::Error)| format!("receiving from rank {r}: {e}");
         {
             let sends: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
-            let recv = |r: usize, s: Option<&TcpStream>| match (s, &own) {
-                (Some(s), _) => fold.read(s, acc, r == 0, deadline),
-                (None, None) => fold.own(acc),
-                (None, Some(own)) => fold.next(acc, own.as_bytes()),
-            };
+            let link = |r: usize| self.links[r].as_ref();
+            let recv = || fold.reduce(mine, rank, link, deadline).map_err(received);
             self.exchange(|r| sends[r], recv, deadline)?;
         }
         // Every other rank's reduced shard, into its place in `buf`, while this one's goes out.
-        let reduced: &[u8] = acc;
-        let recv = |r: usize, s: Option<&TcpStream>| match s {
-            Some(s) => read_by(s, parts[r], deadline),
-            None => Ok(()),
+        let reduced: &[u8] = mine;
+        let recv = || {
+            for (r, s) in self.links.iter().enumerate() {
+                if let Some(s) = s {
+                    read_by(s, parts[r], deadline).map_err(|e| received((r, e)))?;
+                }
+            }
+            Ok(())
         };
         self.exchange(|_| reduced, recv, deadline)
     }
