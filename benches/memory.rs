@@ -139,14 +139,7 @@ fn tcp_table() {
 
     const BYTES: usize = 32 << 20;
     let n = BYTES / 4;
-    let what = CollectiveDesc {
-        collective: 0,
-        bucket: Some(0),
-        op: ReduceOp::Sum,
-        dtype: DType::F32,
-        count: n as u64,
-        params: Vec::new(),
-    };
+    let what = CollectiveDesc::of_bucket(0, ReduceOp::Sum, DType::F32, n as u64);
     let star = TcpOptions {
         sharded_min_bytes: None,
     };

@@ -44,14 +44,7 @@ fn copy_kernel<F: Float, N: Size>(src: &Array<Vector<F, N>>, dst: &mut Array<Vec
 }
 
 fn desc(count: usize) -> CollectiveDesc {
-    CollectiveDesc {
-        collective: 0,
-        bucket: Some(0),
-        op: ReduceOp::Sum,
-        dtype: DType::F32,
-        count: count as u64,
-        params: Vec::new(),
-    }
+    CollectiveDesc::of_bucket(0, ReduceOp::Sum, DType::F32, count as u64)
 }
 
 /// The baseline of every group: a copy of `n` f32 between two buffers.

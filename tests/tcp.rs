@@ -21,14 +21,7 @@ fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
 }
 
 fn desc(collective: u32, op: ReduceOp, dtype: DType, count: usize) -> CollectiveDesc {
-    CollectiveDesc {
-        collective,
-        bucket: Some(collective),
-        op,
-        dtype,
-        count: count as u64,
-        params: Vec::new(),
-    }
+    CollectiveDesc::of_bucket(collective, op, dtype, count as u64)
 }
 
 fn data(rank: usize, dtype: DType, n: usize, seed: u64) -> HostBuffer {

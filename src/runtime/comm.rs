@@ -68,6 +68,19 @@ impl Purpose {
 }
 
 impl CollectiveDesc {
+    /// The all-reduce of bucket `bucket`, launched as collective `bucket`, naming no parameter
+    /// (benches and tests of a communicator).
+    pub fn of_bucket(bucket: u32, op: ReduceOp, dtype: DType, count: u64) -> Self {
+        CollectiveDesc {
+            collective: bucket,
+            bucket: Some(bucket),
+            op,
+            dtype,
+            count,
+            params: Vec::new(),
+        }
+    }
+
     /// What it is for, from its launch index.
     pub fn purpose(&self) -> Purpose {
         Purpose::of(self.collective)

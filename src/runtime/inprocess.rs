@@ -421,6 +421,8 @@ fn fold_term<E: Element>(acc: &mut [E], src: &[E], first: bool, op: ReduceOp, di
 /// A term of [`fold_bytes`].
 #[derive(Clone, Copy)]
 pub(crate) enum Term<'a> {
+    /// The accumulator's own values are the first rank's term.
+    Own,
     /// The first rank's values.
     First(&'a [u8]),
     /// A later rank's values.
@@ -449,6 +451,14 @@ pub(crate) fn fold_bytes(
             return false;
         };
         let (src, first) = match term {
+            Term::Own => {
+                if op == ReduceOp::Mean {
+                    for a in acc.iter_mut() {
+                        *a = a.scale_div(div);
+                    }
+                }
+                return true;
+            }
             Term::First(src) => (src, true),
             Term::Next(src) => (src, false),
         };
@@ -562,18 +572,17 @@ mod tests {
         }
     }
 
-    /// `terms` folded in rank order into a buffer that held other values.
-    fn folded(terms: &[HostBuffer], op: ReduceOp) -> HostBuffer {
+    /// `terms` folded in rank order: into a copy of rank 0's (`own`), or into a buffer that held
+    /// other values.
+    fn folded(terms: &[HostBuffer], own: bool, op: ReduceOp) -> HostBuffer {
         let (dtype, world) = (terms[0].dtype(), terms.len());
-        let mut acc = terms[world - 1].clone();
+        let mut acc = terms[if own { 0 } else { world - 1 }].clone();
         let bytes = acc.as_bytes_mut();
-        assert!(fold_bytes(
-            dtype,
-            bytes,
-            Term::First(terms[0].as_bytes()),
-            op,
-            world
-        ));
+        let first = match own {
+            true => Term::Own,
+            false => Term::First(terms[0].as_bytes()),
+        };
+        assert!(fold_bytes(dtype, bytes, first, op, world));
         for t in &terms[1..] {
             assert!(fold_bytes(
                 dtype,
@@ -603,9 +612,9 @@ mod tests {
                             .collect();
                         let terms = bufs.clone();
                         reduced_by_the_group(&mut bufs, op);
-                        let sum = folded(&terms, op);
                         let case = format!("{world} ranks, {dtype}, {op:?}, {len} elements");
-                        assert!(sum.bits_eq(&bufs[0]), "{case}");
+                        assert!(folded(&terms, false, op).bits_eq(&bufs[0]), "{case}");
+                        assert!(folded(&terms, true, op).bits_eq(&bufs[0]), "own: {case}");
                     }
                 }
             }

@@ -287,26 +287,29 @@ impl QueuedComm<TcpShared> {
 
     /// A whole group of `world` ranks in this process, over loopback (each rank's start-up on
     /// a thread of its own, on a free port): for benches and tests that measure the transport
-    /// itself. `None` when the port or any rank's start-up fails.
+    /// itself. An error is the first rank's that failed to start.
     pub fn loopback_group(
         world: usize,
         timeout: Duration,
         options: TcpOptions,
-    ) -> Option<Vec<Self>> {
+    ) -> Result<Vec<Self>, RendezvousError> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
-            .ok()?
+            .map_err(io("finding a free loopback port"))?
             .port();
         std::thread::scope(|s| {
             let ranks: Vec<_> = (0..world)
                 .map(|rank| {
                     s.spawn(move || {
                         let cfg = RendezvousConfig::loopback(rank, world, port, timeout);
-                        Self::connect_with(&cfg, timeout, options).ok()
+                        Self::connect_with(&cfg, timeout, options)
                     })
                 })
                 .collect();
-            ranks.into_iter().map(|r| r.join().ok().flatten()).collect()
+            ranks
+                .into_iter()
+                .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
         })
     }
 
@@ -595,10 +598,10 @@ fn run_root(
             what: what.clone(),
             why,
         };
-        let mut fold = Fold::new(what.dtype, what.op, world, result.len())
+        let mut fold = Fold::new(what.dtype, what.op, (0, world), result.len())
             .ok_or_else(|| unsupported(format!("{} is not reduced", what.dtype)))?;
         let peer = |r: usize| r.checked_sub(1).and_then(|i| peers.get(i));
-        fold.reduce(result.as_bytes_mut(), 0, peer, deadline)
+        fold.reduce(result.as_bytes_mut(), peer, deadline)
             .map_err(|(r, e)| lost(e, r))
     })();
     if let Err(e) = gathered {

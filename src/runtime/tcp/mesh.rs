@@ -200,7 +200,7 @@ impl Mesh {
     ) -> Result<(), String> {
         let (world, rank) = (self.links.len(), self.rank);
         let (dtype, count) = (buf.dtype(), buf.len());
-        let mut fold = Fold::new(dtype, op, world, shard(count, world, rank).len())
+        let mut fold = Fold::new(dtype, op, (rank, world), shard(count, world, rank).len())
             .ok_or_else(|| format!("{dtype} is not reduced"))?;
         // The buffer as its shards; this rank's own is where its reduced shard goes.
         let mut parts: Vec<&mut [u8]> = Vec::with_capacity(world);
@@ -216,7 +216,7 @@ impl Mesh {
         {
             let sends: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
             let link = |r: usize| self.links[r].as_ref();
-            let recv = || fold.reduce(mine, rank, link, deadline).map_err(received);
+            let recv = || fold.reduce(mine, link, deadline).map_err(received);
             self.exchange(|r| sends[r], recv, deadline)?;
         }
         // Every other rank's reduced shard, into its place in `buf`, while this one's goes out.

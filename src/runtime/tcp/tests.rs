@@ -10,14 +10,7 @@ fn cfg(rank: usize, world: usize, port: u16) -> RendezvousConfig {
 }
 
 fn desc(count: usize) -> CollectiveDesc {
-    CollectiveDesc {
-        collective: 0,
-        bucket: Some(0),
-        op: ReduceOp::Sum,
-        dtype: DType::F32,
-        count: count as u64,
-        params: Vec::new(),
-    }
+    CollectiveDesc::of_bucket(0, ReduceOp::Sum, DType::F32, count as u64)
 }
 
 fn free_port() -> u16 {
