@@ -34,6 +34,8 @@ use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
 const SIZES: [usize; 3] = [256 << 10, 4 << 20, 32 << 20];
+/// The all-reduce's sizes: `SIZES` and 1 MiB, where the TCP mesh starts (`SHARDED_MIN_BYTES`).
+const ALLREDUCE_SIZES: [usize; 4] = [256 << 10, 1 << 20, 4 << 20, 32 << 20];
 
 /// The device-copy baseline of the pack bench: one vector per unit.
 #[cube(launch_unchecked)]
@@ -69,7 +71,7 @@ fn tcp_group(world: usize, options: TcpOptions) -> Vec<Box<dyn Communicator>> {
 }
 
 fn allreduce(c: &mut Criterion) {
-    for bytes in SIZES {
+    for bytes in ALLREDUCE_SIZES {
         let n = bytes / 4;
         let mut g = c.benchmark_group(format!("allreduce/{}KiB", bytes >> 10));
         g.throughput(Throughput::Bytes(bytes as u64));

@@ -66,6 +66,7 @@ use crate::graph::{DType, ReduceOp};
 mod fold;
 mod mesh;
 mod start;
+mod writer;
 use fold::Fold;
 use mesh::{Mesh, run_peer_sharded, run_root_sharded};
 use start::{accept_ranks, connect_root};

@@ -19,7 +19,7 @@ use crate::runtime::buffer::HostBuffer;
 use crate::runtime::inprocess::{Term, fold_bytes};
 
 /// Bytes folded at a time: small enough for the read and the sum to stay in a core's cache.
-const CHUNK_BYTES: usize = 256 * 1024;
+pub(super) const CHUNK_BYTES: usize = 256 * 1024;
 
 /// The scratch and arithmetic of one rank's reduction (see the module doc).
 pub(super) struct Fold {

@@ -20,8 +20,9 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::time::Instant;
 
-use super::fold::Fold;
+use super::fold::{CHUNK_BYTES, Fold};
 use super::start::{accept_ranks, connect_hello};
+use super::writer::{Writer, interleave};
 use super::{
     FAILED, Group, OK, PeerCall, commit_all, failed_with, gather_headers, header, io, lost_peer,
     ok_since, read_by, read_message, tell_failure, timed_out, write_by,
@@ -41,6 +42,8 @@ pub(super) struct Mesh {
     rank: usize,
     /// The connection with rank `r` at `r` (`None` at this rank's own index).
     links: Vec<Option<TcpStream>>,
+    /// The thread that writes this rank's side of each exchange.
+    writer: Writer,
 }
 
 /// Writes an address as its length (`u16`) and text.
@@ -130,9 +133,17 @@ impl Mesh {
         for (i, s) in above.into_iter().enumerate() {
             links[cfg.rank + 1 + i] = Some(s);
         }
+        let clones = links
+            .iter()
+            .map(|s| s.as_ref().map(TcpStream::try_clone).transpose())
+            .collect::<std::io::Result<_>>()
+            .map_err(io("cloning a mesh connection"))?;
+        let writer =
+            Writer::spawn(cfg.rank, clones).map_err(io("spawning the mesh's writing thread"))?;
         Ok(Mesh {
             rank: cfg.rank,
             links,
+            writer,
         })
     }
 
@@ -151,43 +162,24 @@ impl Mesh {
         }
     }
 
-    /// Sends `send(r)` to every other rank `r` while `recv` reads what they send: one thread
-    /// writes to each rank while this one reads, so no two ranks wait for each other's reads.
-    /// On the first failure every connection of this rank is shut (the others' calls end too)
-    /// and the error names the rank.
+    /// The other ranks, in rank order.
+    fn peers(&self) -> impl Iterator<Item = (usize, &TcpStream)> {
+        (self.links.iter().enumerate()).filter_map(|(r, s)| s.as_ref().map(|s| (r, s)))
+    }
+
+    /// Sends `send(r)` to every other rank `r` (on the writing thread) while `recv` reads what
+    /// they send, both chunk by chunk in rank order (module `writer`), so no two ranks wait for
+    /// each other's reads. On the first failure every connection of this rank is shut (the
+    /// others' calls end too) and the error names the rank.
     fn exchange<'a>(
         &self,
         send: impl Fn(usize) -> &'a [u8],
         recv: impl FnOnce() -> Result<(), String>,
         deadline: Instant,
     ) -> Result<(), String> {
-        std::thread::scope(|scope| {
-            let writers: Vec<_> = (0..self.links.len())
-                .filter_map(|r| self.links[r].as_ref().map(|s| (r, s)))
-                .map(|(r, s)| {
-                    let bytes = send(r);
-                    scope.spawn(move || {
-                        write_by(s, bytes, deadline).map_err(|e| {
-                            self.shut();
-                            format!("sending to rank {r}: {e}")
-                        })
-                    })
-                })
-                .collect();
-            let mut failed = recv().err();
-            if failed.is_some() {
-                self.shut();
-            }
-            for w in writers {
-                let wrote = w
-                    .join()
-                    .unwrap_or_else(|_| Err("a sending thread panicked".into()));
-                if let (None, Err(e)) = (&failed, wrote) {
-                    failed = Some(e);
-                }
-            }
-            failed.map_or(Ok(()), Err)
-        })
+        let parts = self.peers().map(|(r, _)| (r, send(r)));
+        self.writer
+            .send_while(parts, deadline, recv, &|| self.shut())
     }
 
     /// The sharded all-reduce of `buf` (see the module doc), by `deadline`; an error says what
@@ -222,10 +214,12 @@ impl Mesh {
         // Every other rank's reduced shard, into its place in `buf`, while this one's goes out.
         let reduced: &[u8] = mine;
         let recv = || {
-            for (r, s) in self.links.iter().enumerate() {
-                if let Some(s) = s {
-                    read_by(s, parts[r], deadline).map_err(|e| received((r, e)))?;
-                }
+            let shards = parts.iter_mut().enumerate().filter_map(|(r, part)| {
+                let s = self.links[r].as_ref()?;
+                Some(((r, s), part.chunks_mut(CHUNK_BYTES)))
+            });
+            for ((r, s), chunk) in interleave(shards.collect()) {
+                read_by(s, chunk, deadline).map_err(|e| received((r, e)))?;
             }
             Ok(())
         };
