@@ -162,11 +162,6 @@ impl Mesh {
         }
     }
 
-    /// The other ranks, in rank order.
-    fn peers(&self) -> impl Iterator<Item = (usize, &TcpStream)> {
-        (self.links.iter().enumerate()).filter_map(|(r, s)| s.as_ref().map(|s| (r, s)))
-    }
-
     /// Sends `send(r)` to every other rank `r` (on the writing thread) while `recv` reads what
     /// they send, both chunk by chunk in rank order (module `writer`), so no two ranks wait for
     /// each other's reads. On the first failure every connection of this rank is shut (the
@@ -177,7 +172,8 @@ impl Mesh {
         recv: impl FnOnce() -> Result<(), String>,
         deadline: Instant,
     ) -> Result<(), String> {
-        let parts = self.peers().map(|(r, _)| (r, send(r)));
+        let peers = (0..self.links.len()).filter(|&r| self.links[r].is_some());
+        let parts = peers.map(|r| (r, send(r)));
         self.writer
             .send_while(parts, deadline, recv, &|| self.shut())
     }

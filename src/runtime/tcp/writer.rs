@@ -17,12 +17,12 @@
 
 use std::net::{Shutdown, TcpStream};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::thread::JoinHandle;
+use std::sync::mpsc::{Receiver, channel};
 use std::time::Instant;
 
 use super::fold::CHUNK_BYTES;
 use super::write_by;
+use crate::runtime::comm_thread::CommThread;
 
 /// `len` bytes at `ptr`, for rank `to`.
 struct Part {
@@ -42,39 +42,33 @@ struct Job {
 // meanwhile: the thread reads live, unchanging memory.
 unsafe impl Send for Job {}
 
-/// The two ends this rank's thread holds: jobs out, answers back.
-type Ends = (Sender<Job>, Receiver<Result<(), String>>);
-
-/// The writing thread of one rank's mesh.
+/// The writing thread of one rank's mesh (dropping it closes the queue and joins the thread).
 pub(super) struct Writer {
-    /// `None` once dropping: the thread's loop ends when its job channel closes.
-    ends: Mutex<Option<Ends>>,
-    thread: Option<JoinHandle<()>>,
+    thread: CommThread<Job>,
+    /// The thread's answer for each job, in order; held for a whole exchange.
+    answers: Mutex<Receiver<Result<(), String>>>,
 }
 
 impl Writer {
     /// Starts rank `rank`'s thread over `links` (the connection with rank `r` at `r`).
     pub(super) fn spawn(rank: usize, links: Vec<Option<TcpStream>>) -> std::io::Result<Writer> {
-        let (jobs, todo) = channel::<Job>();
         let (answer, answers) = channel();
-        let thread = std::thread::Builder::new()
-            .name(format!("cf-tcp-r{rank}-mesh"))
-            .spawn(move || {
-                for job in todo {
-                    let outcome = write(&links, &job);
-                    if outcome.is_err() {
-                        for s in links.iter().flatten() {
-                            let _ = s.shutdown(Shutdown::Both);
-                        }
-                    }
-                    if answer.send(outcome).is_err() {
-                        break;
+        let thread = CommThread::spawn(rank, format!("cf-tcp-r{rank}-mesh"), move |todo| {
+            for job in todo {
+                let outcome = write(&links, &job);
+                if outcome.is_err() {
+                    for s in links.iter().flatten() {
+                        let _ = s.shutdown(Shutdown::Both);
                     }
                 }
-            })?;
+                if answer.send(outcome).is_err() {
+                    break;
+                }
+            }
+        })?;
         Ok(Writer {
-            ends: Mutex::new(Some((jobs, answers))),
-            thread: Some(thread),
+            thread,
+            answers: Mutex::new(answers),
         })
     }
 
@@ -88,10 +82,7 @@ impl Writer {
         recv: impl FnOnce() -> Result<(), String>,
         shut: &dyn Fn(),
     ) -> Result<(), String> {
-        let ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((jobs, answers)) = ends.as_ref() else {
-            return Err("the mesh is closing".into());
-        };
+        let answers = self.answers.lock().unwrap_or_else(|e| e.into_inner());
         let parts = parts
             .map(|(to, b)| Part {
                 to,
@@ -99,12 +90,12 @@ impl Writer {
                 len: b.len(),
             })
             .collect();
-        if jobs.send(Job { parts, deadline }).is_err() {
+        if !self.thread.send(Job { parts, deadline }) {
             shut();
             return Err("the mesh's writing thread has ended".into());
         }
         let mut answer = Answer {
-            answers,
+            answers: &answers,
             shut,
             taken: false,
         };
@@ -114,15 +105,6 @@ impl Writer {
         }
         let wrote = answer.take();
         read.and(wrote)
-    }
-}
-
-impl Drop for Writer {
-    fn drop(&mut self) {
-        *self.ends.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
