@@ -5,10 +5,10 @@
 //!
 //! Requires: `acc` is this rank's own values, and every other rank sends as many bytes of the
 //! same dtype. Rank 0's sum runs in `acc` itself; a later rank's runs in a second chunk, since
-//! rank 0's term comes before its own. Guarantees: `acc` ends with the bits of the in-process group's reduction of the
-//! same values (every element summed in rank order, each term divided by the group size first
-//! for a mean); a read that fails leaves `acc` partly folded, and the caller then returns no
-//! result.
+//! rank 0's term comes before its own. Guarantees: `acc` ends with the bits of the in-process
+//! group's reduction of the same values (every element summed in rank order, each term divided
+//! by the group size first for a mean); a read that fails leaves `acc` partly folded, and the
+//! caller then returns no result.
 
 use std::net::TcpStream;
 use std::time::Instant;
