@@ -54,7 +54,11 @@ fn ops_run_only_when_a_value_is_read_and_then_in_record_order() {
     assert!(prim(&c).is_pending());
     let got = s.into_data();
     let after = lazy_stats(101);
-    assert_eq!(after.executed - mid.executed, 5);
+    assert_eq!(
+        after.executed - mid.executed,
+        7,
+        "the two uploads (recorded before `before`) and the five ops"
+    );
     assert_eq!(
         after.forced_by_value - mid.forced_by_value,
         1,
@@ -81,8 +85,8 @@ fn a_node_dropped_before_its_turn_never_runs() {
     assert_eq!(after.recorded - before.recorded, 3);
     assert_eq!(
         after.executed - before.executed,
-        1,
-        "only the kept node ran"
+        2,
+        "only the upload and the kept node ran"
     );
     assert_eq!(after.skipped - before.skipped, 2, "exp and log never ran");
     assert_eq!(after.forced_by_sync - before.forced_by_sync, 1);

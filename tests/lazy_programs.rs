@@ -12,6 +12,8 @@
 //! (macerator's `VRecip`, `align_to_mut`), so which elements are approximated follows the
 //! buffer's address, and two runs of NdArray alone in one process read different bits.
 
+mod common;
+
 use burn_backend::Backend;
 use burn_core::tensor::activation::{gelu, relu, sigmoid, softmax};
 use burn_core::tensor::{Int, Tensor, TensorData};
@@ -395,4 +397,41 @@ proptest! {
         let got = two_threads::<Collective<NdArray>>(&start, &left, &right, &device);
         prop_assert_eq!(got, want);
     }
+}
+
+/// The pick of the largest value of a row through `argmax` and `select`, with a tensor uploaded
+/// and used after it, under `Collective` over Burn's fused wgpu backend. Burn 0.21's fusion
+/// layer returns the row's first value instead when the upload reaches it between the `argmax`
+/// and the `select` (it does so without `Collective` too: `docs/burn.md`). Uploads used to run at
+/// once, ahead of the ops queued before them, and made that order here; they are recorded now,
+/// so the inner backend sees this program in its own order.
+#[test]
+fn an_upload_reaches_fused_wgpu_in_program_order() {
+    if common::cube::wgpu_client().is_none() {
+        return;
+    }
+    type W = burn_wgpu::Wgpu;
+    set_lazy_window(2);
+    let device = CollectiveDevice::new(burn_wgpu::WgpuDevice::DefaultDevice, RANK + 2);
+    let a: Tensor<Collective<W>, 2> =
+        Tensor::from_data(TensorData::new(values(9, 798_618_331), [3, 3]), &device);
+    let s = a.sum_dim(0);
+    let x = s.clone().exp();
+    let c1 = s.clone().cumsum(0);
+    let c2 = x.clone().cumsum(0);
+    let picked: Tensor<Collective<W>, 1, Int> = c2.clone().argmax(1).flatten(0, 1);
+    let y = c2.clone().select(1, picked.clone());
+    let e: Tensor<Collective<W>, 2> =
+        Tensor::from_data(TensorData::new(values(2, 0), [1, 2]), &device);
+    let m = e.clone().add_scalar(1.0).mul(e);
+    let read = |t: Tensor<Collective<W>, 2>| t.into_data().to_vec::<f32>().expect("f32");
+    let row = read(x);
+    let (_, _, _) = (read(s), read(c1), read(c2));
+    let largest = row.iter().copied().fold(f32::MIN, f32::max);
+    assert!(
+        row[0] < largest,
+        "the row's first value is not its largest: {row:?}"
+    );
+    assert_eq!(read(y), vec![largest], "the largest of {row:?}");
+    assert_eq!(read(m).len(), 2);
 }

@@ -15,8 +15,8 @@
 
 #![allow(clippy::ptr_arg)]
 
-use burn_backend::Scalar;
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
+use burn_backend::{Scalar, TensorData};
 use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape, Slice, SliceOps};
 
 use super::rules::{self, Meta, Rule};
@@ -63,6 +63,15 @@ pub(crate) fn int_full<D>(
     dtype: &IntDType,
 ) -> Rule {
     fill(shape, (*dtype).into())
+}
+
+// A float tensor made from host data: recorded for the same reason (the data is kept until the
+// node runs). Run at once, its upload reached the inner backend ahead of the ops queued before
+// it: Burn 0.21's fusion layer then picked the wrong index in a `select` after an `argmax` (see
+// `docs/burn.md`, random programs), where the same ops in program order were right.
+
+pub(crate) fn float_from_data<D>(data: &TensorData, _device: &D) -> Rule {
+    fill(&data.shape, data.dtype)
 }
 
 // Elementwise, shaped like the input.

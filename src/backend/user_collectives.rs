@@ -555,8 +555,10 @@ pub(super) fn all_reduce<I: Backend>(
     };
     let shape = tensor.shape();
     let input = tensor.seq();
-    // Runs what produces the tensor (queued on the device; a host backend computes it now).
-    let inner = tensor.inner_for("all_reduce");
+    // Runs what produces the tensor (queued on the device; a host backend computes it now), and
+    // only that: the thread's other queued nodes, the results of its earlier all-reduces among
+    // them, stay queued, so all-reduces issued back to back still launch together.
+    let inner = tensor.inner_hoisted("all_reduce", u64::MAX);
     let device = I::float_device(&inner);
     let grad = match s
         .options

@@ -19,7 +19,10 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::float_from_data(data, &device.inner), rank)
+        let rule = op_table::float_from_data(&data, device);
+        let node = rule.record("float_from_data", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::float_from_data(data, &device))
     }
     fn float_random(shape: Shape, distribution: Distribution, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         settings::inherit_settings::<I>(device);
