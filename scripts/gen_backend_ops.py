@@ -317,7 +317,14 @@ def method(trait, name, gen, raw_args, ret, lazy):
                 call.append(f"&{n}")
             else:
                 call.append(convert_arg(n, t, None))
-        body.append(f"CTensor::lazy(rank, node, move || I::{name}({', '.join(call)}))")
+        # The rank read in place (a `Copy` field, read before the closure takes its tensor),
+        # unless its source is shadowed above by an owned copy.
+        shadowed = {n for n, t in args if t in OWNED}
+        rank_arg = "rank"
+        if rank.split(".")[0] not in shadowed:
+            body.remove(f"let rank = {rank};")
+            rank_arg = rank
+        body.append(f"CTensor::lazy({rank_arg}, node, move || I::{name}({', '.join(call)}))")
     else:
         logged = bool(tensors) and re.search(r"(Float|Int|Bool)Tensor<B>", ret_t) is not None
         if logged:

@@ -17,107 +17,93 @@ use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, set
 
 impl<I: Backend> ActivationOps<Self> for Collective<I> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::leaky_relu(tensor.meta(), &negative_slope);
         let node = rule.record("leaky_relu", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::leaky_relu(tensor.into_inner(), negative_slope))
+        CTensor::lazy(tensor.rank, node, move || I::leaky_relu(tensor.into_inner(), negative_slope))
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::relu(tensor.meta());
         let node = rule.record("relu", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::relu(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::relu(tensor.into_inner()))
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = output.rank;
         let rule = op_table::relu_backward(output.meta(), grad.meta());
         let node = rule.record(
             "relu_backward",
             output.device_handle(|p| I::float_device(p)),
             rules::inputs([output.input(), grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::relu_backward(output.into_inner(), grad.into_inner()))
+        CTensor::lazy(output.rank, node, move || I::relu_backward(output.into_inner(), grad.into_inner()))
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::gelu(tensor.meta());
         let node = rule.record("gelu", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::gelu(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::gelu(tensor.into_inner()))
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::prelu(tensor.meta(), alpha.meta());
         let node = rule.record(
             "prelu",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), alpha.input()]),
         );
-        CTensor::lazy(rank, node, move || I::prelu(tensor.into_inner(), alpha.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::prelu(tensor.into_inner(), alpha.into_inner()))
     }
     fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::gelu_backward(x.meta(), grad.meta());
         let node = rule.record(
             "gelu_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::gelu_backward(x.into_inner(), grad.into_inner()))
+        CTensor::lazy(x.rank, node, move || I::gelu_backward(x.into_inner(), grad.into_inner()))
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::sigmoid(tensor.meta());
         let node = rule.record("sigmoid", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::sigmoid(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::sigmoid(tensor.into_inner()))
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = output.rank;
         let rule = op_table::sigmoid_backward(output.meta(), grad.meta());
         let node = rule.record(
             "sigmoid_backward",
             output.device_handle(|p| I::float_device(p)),
             rules::inputs([output.input(), grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::sigmoid_backward(output.into_inner(), grad.into_inner()))
+        CTensor::lazy(output.rank, node, move || I::sigmoid_backward(output.into_inner(), grad.into_inner()))
     }
     fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::hard_sigmoid(tensor.meta(), &alpha, &beta);
         let node = rule.record("hard_sigmoid", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::hard_sigmoid(tensor.into_inner(), alpha, beta))
+        CTensor::lazy(tensor.rank, node, move || I::hard_sigmoid(tensor.into_inner(), alpha, beta))
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::log_sigmoid(tensor.meta());
         let node = rule.record("log_sigmoid", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::log_sigmoid(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::log_sigmoid(tensor.into_inner()))
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::softmax(tensor.meta(), &dim);
         let node = rule.record("softmax", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::softmax(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::softmax(tensor.into_inner(), dim))
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::log_softmax(tensor.meta(), &dim);
         let node = rule.record("log_softmax", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::log_softmax(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::log_softmax(tensor.into_inner(), dim))
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::softmin(tensor.meta(), &dim);
         let node = rule.record("softmin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::softmin(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::softmin(tensor.into_inner(), dim))
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::log_sigmoid_backward(x.meta(), grad.meta());
         let node = rule.record(
             "log_sigmoid_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::log_sigmoid_backward(x.into_inner(), grad.into_inner()))
+        CTensor::lazy(x.rank, node, move || I::log_sigmoid_backward(x.into_inner(), grad.into_inner()))
     }
 }

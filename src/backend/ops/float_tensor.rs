@@ -84,116 +84,102 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_repeat_dim(tensor.into_inner_for("float_repeat_dim"), dim, times))
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_add(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_add",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_add(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_add(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_add_scalar(lhs.meta(), &rhs);
         let node = rule.record("float_add_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_add_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_add_scalar(lhs.into_inner(), rhs))
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_clamp_min(tensor.meta(), &min);
         let node = rule.record("float_clamp_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_clamp_min(tensor.into_inner(), min))
+        CTensor::lazy(tensor.rank, node, move || I::float_clamp_min(tensor.into_inner(), min))
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_clamp_max(tensor.meta(), &max);
         let node = rule.record("float_clamp_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_clamp_max(tensor.into_inner(), max))
+        CTensor::lazy(tensor.rank, node, move || I::float_clamp_max(tensor.into_inner(), max))
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_clamp(tensor.meta(), &min, &max);
         let node = rule.record("float_clamp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_clamp(tensor.into_inner(), min, max))
+        CTensor::lazy(tensor.rank, node, move || I::float_clamp(tensor.into_inner(), min, max))
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_sub(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_sub",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_sub(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_sub(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_sub_scalar(lhs.meta(), &rhs);
         let node = rule.record("float_sub_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_sub_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_sub_scalar(lhs.into_inner(), rhs))
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_mul(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_mul",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_mul(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_mul(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_mul_scalar(lhs.meta(), &rhs);
         let node = rule.record("float_mul_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_mul_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_mul_scalar(lhs.into_inner(), rhs))
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_div(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_div",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_div(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_div(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_div_scalar(lhs.meta(), &rhs);
         let node = rule.record("float_div_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_div_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_div_scalar(lhs.into_inner(), rhs))
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_remainder(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_remainder",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_remainder(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_remainder(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_remainder_scalar(lhs.meta(), &rhs);
         let node = rule.record(
             "float_remainder_scalar",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_remainder_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_remainder_scalar(lhs.into_inner(), rhs))
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_matmul(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_matmul",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_matmul(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_matmul(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_cross(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = lhs.rank;
@@ -201,35 +187,30 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_cross(lhs.into_inner_for("float_cross"), rhs.into_inner_for("float_cross"), dim))
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_neg(tensor.meta());
         let node = rule.record("float_neg", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_neg(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_neg(tensor.into_inner()))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_recip(tensor.meta());
         let node = rule.record("float_recip", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_recip(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_recip(tensor.into_inner()))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_transpose(tensor.meta());
         let node = rule.record("float_transpose", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_transpose(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_transpose(tensor.into_inner()))
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_swap_dims(tensor.meta(), &dim1, &dim2);
         let node = rule.record("float_swap_dims", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_swap_dims(tensor.into_inner(), dim1, dim2))
+        CTensor::lazy(tensor.rank, node, move || I::float_swap_dims(tensor.into_inner(), dim1, dim2))
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_permute(tensor.meta(), axes);
         let node = rule.record("float_permute", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         let axes = axes.to_vec();
-        CTensor::lazy(rank, node, move || I::float_permute(tensor.into_inner(), &axes))
+        CTensor::lazy(tensor.rank, node, move || I::float_permute(tensor.into_inner(), &axes))
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         let rank = tensor.rank;
@@ -237,30 +218,27 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_flip(tensor.into_inner_for("float_flip"), axes))
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_reshape(tensor.meta(), &shape);
         let node = rule.record("float_reshape", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_reshape(tensor.into_inner(), shape))
+        CTensor::lazy(tensor.rank, node, move || I::float_reshape(tensor.into_inner(), shape))
     }
     fn float_gather(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_gather(&dim, tensor.meta(), indices.meta());
         let node = rule.record(
             "float_gather",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), indices.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_gather(dim, tensor.into_inner(), indices.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_gather(dim, tensor.into_inner(), indices.into_inner()))
     }
     fn float_scatter_add(dim: usize, tensor: FloatTensor<Self>, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_scatter_add(&dim, tensor.meta(), indices.meta(), value.meta());
         let node = rule.record(
             "float_scatter_add",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), indices.input(), value.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(tensor.rank, node, move || {
             I::float_scatter_add(dim, tensor.into_inner(), indices.into_inner(), value.into_inner())
         })
     }
@@ -291,36 +269,32 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         )
     }
     fn float_select(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_select(tensor.meta(), &dim, indices.meta());
         let node = rule.record(
             "float_select",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), indices.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_select(tensor.into_inner(), dim, indices.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_select(tensor.into_inner(), dim, indices.into_inner()))
     }
     fn float_select_add(tensor: FloatTensor<Self>, dim: usize, indices: IntTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_select_add(tensor.meta(), &dim, indices.meta(), value.meta());
         let node = rule.record(
             "float_select_add",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), indices.input(), value.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(tensor.rank, node, move || {
             I::float_select_add(tensor.into_inner(), dim, indices.into_inner(), value.into_inner())
         })
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_slice(tensor.meta(), slices);
         let node = rule.record("float_slice", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
         let slices = slices.to_vec();
-        CTensor::lazy(rank, node, move || I::float_slice(tensor.into_inner(), &slices))
+        CTensor::lazy(tensor.rank, node, move || I::float_slice(tensor.into_inner(), &slices))
     }
     fn float_slice_assign(tensor: FloatTensor<Self>, slices: &[Slice], value: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_slice_assign(tensor.meta(), slices, value.meta());
         let node = rule.record(
             "float_slice_assign",
@@ -328,133 +302,121 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
             rules::inputs([tensor.input(), value.input()]),
         );
         let slices = slices.to_vec();
-        CTensor::lazy(rank, node, move || I::float_slice_assign(tensor.into_inner(), &slices, value.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || {
+            I::float_slice_assign(tensor.into_inner(), &slices, value.into_inner())
+        })
     }
     fn float_mask_where(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_mask_where(tensor.meta(), mask.meta(), value.meta());
         let node = rule.record(
             "float_mask_where",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), mask.input(), value.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(tensor.rank, node, move || {
             I::float_mask_where(tensor.into_inner(), mask.into_inner(), value.into_inner())
         })
     }
     fn float_mask_fill(tensor: FloatTensor<Self>, mask: BoolTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_mask_fill(tensor.meta(), mask.meta(), &value);
         let node = rule.record(
             "float_mask_fill",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), mask.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value))
+        CTensor::lazy(tensor.rank, node, move || I::float_mask_fill(tensor.into_inner(), mask.into_inner(), value))
     }
     fn float_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_equal(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_equal",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_not_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_not_equal(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_not_equal",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_not_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_not_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_equal_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record("float_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_not_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_not_equal_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record("float_not_equal_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_not_equal_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_not_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_greater(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_greater(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_greater",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_greater(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_greater_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_greater_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record("float_greater_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_greater_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_greater_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_greater_equal(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_greater_equal",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_greater_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_greater_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_greater_equal_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record(
             "float_greater_equal_elem",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_greater_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_lower(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_lower(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_lower",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_lower(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_lower_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_lower_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record("float_lower_elem", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_lower_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_lower_equal(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_lower_equal(lhs.meta(), rhs.meta(), &out_dtype);
         let node = rule.record(
             "float_lower_equal",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_lower_equal(lhs.into_inner(), rhs.into_inner(), out_dtype))
     }
     fn float_lower_equal_elem(lhs: FloatTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_lower_equal_elem(lhs.meta(), &rhs, &out_dtype);
         let node = rule.record(
             "float_lower_equal_elem",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype))
+        CTensor::lazy(lhs.rank, node, move || I::float_lower_equal_elem(lhs.into_inner(), rhs, out_dtype))
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let rank = tensor.rank;
@@ -470,52 +432,44 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         I::float_is_require_grad(&_tensor.inner_for("float_is_require_grad"))
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sum(tensor.meta());
         let node = rule.record("float_sum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sum(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_sum(tensor.into_inner()))
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sum_dim(tensor.meta(), &dim);
         let node = rule.record("float_sum_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sum_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_sum_dim(tensor.into_inner(), dim))
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_prod(tensor.meta());
         let node = rule.record("float_prod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_prod(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_prod(tensor.into_inner()))
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_prod_dim(tensor.meta(), &dim);
         let node = rule.record("float_prod_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_prod_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_prod_dim(tensor.into_inner(), dim))
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_mean(tensor.meta());
         let node = rule.record("float_mean", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_mean(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_mean(tensor.into_inner()))
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_mean_dim(tensor.meta(), &dim);
         let node = rule.record("float_mean_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_mean_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_mean_dim(tensor.into_inner(), dim))
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_cumsum(tensor.meta(), &dim);
         let node = rule.record("float_cumsum", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_cumsum(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_cumsum(tensor.into_inner(), dim))
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_cumprod(tensor.meta(), &dim);
         let node = rule.record("float_cumprod", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_cumprod(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_cumprod(tensor.into_inner(), dim))
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let rank = tensor.rank;
@@ -528,224 +482,194 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_cummax(tensor.into_inner_for("float_cummax"), dim))
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_cast(tensor.meta(), &dtype);
         let node = rule.record("float_cast", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_cast(tensor.into_inner(), dtype))
+        CTensor::lazy(tensor.rank, node, move || I::float_cast(tensor.into_inner(), dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_exp(tensor.meta());
         let node = rule.record("float_exp", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_exp(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_exp(tensor.into_inner()))
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_log(tensor.meta());
         let node = rule.record("float_log", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_log(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_log(tensor.into_inner()))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_log1p(tensor.meta());
         let node = rule.record("float_log1p", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_log1p(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_log1p(tensor.into_inner()))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_powf(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_powf",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_powf(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_powf(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_powi(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_powi",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_powi(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_powi(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_powi_scalar(lhs.meta(), &rhs);
         let node = rule.record("float_powi_scalar", lhs.device_handle(|p| I::float_device(p)), rules::inputs([lhs.input()]));
-        CTensor::lazy(rank, node, move || I::float_powi_scalar(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_powi_scalar(lhs.into_inner(), rhs))
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_powi_scalar_impl(lhs.meta(), &rhs);
         let node = rule.record(
             "float_powi_scalar_impl",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_powi_scalar_impl(lhs.into_inner(), rhs))
+        CTensor::lazy(lhs.rank, node, move || I::float_powi_scalar_impl(lhs.into_inner(), rhs))
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_powf_scalar(tensor.meta(), &value);
         let node = rule.record(
             "float_powf_scalar",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_powf_scalar(tensor.into_inner(), value))
+        CTensor::lazy(tensor.rank, node, move || I::float_powf_scalar(tensor.into_inner(), value))
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_powf_scalar_impl(tensor.meta(), &value);
         let node = rule.record(
             "float_powf_scalar_impl",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_powf_scalar_impl(tensor.into_inner(), value))
+        CTensor::lazy(tensor.rank, node, move || I::float_powf_scalar_impl(tensor.into_inner(), value))
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sqrt(tensor.meta());
         let node = rule.record("float_sqrt", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sqrt(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_sqrt(tensor.into_inner()))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_abs(tensor.meta());
         let node = rule.record("float_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_abs(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_abs(tensor.into_inner()))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_cos(tensor.meta());
         let node = rule.record("float_cos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_cos(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_cos(tensor.into_inner()))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sin(tensor.meta());
         let node = rule.record("float_sin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sin(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_sin(tensor.into_inner()))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_tan(tensor.meta());
         let node = rule.record("float_tan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_tan(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_tan(tensor.into_inner()))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_cosh(tensor.meta());
         let node = rule.record("float_cosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_cosh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_cosh(tensor.into_inner()))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sinh(tensor.meta());
         let node = rule.record("float_sinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sinh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_sinh(tensor.into_inner()))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_tanh(tensor.meta());
         let node = rule.record("float_tanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_tanh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_tanh(tensor.into_inner()))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_acos(tensor.meta());
         let node = rule.record("float_acos", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_acos(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_acos(tensor.into_inner()))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_acosh(tensor.meta());
         let node = rule.record("float_acosh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_acosh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_acosh(tensor.into_inner()))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_asin(tensor.meta());
         let node = rule.record("float_asin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_asin(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_asin(tensor.into_inner()))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_asinh(tensor.meta());
         let node = rule.record("float_asinh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_asinh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_asinh(tensor.into_inner()))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_atan(tensor.meta());
         let node = rule.record("float_atan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_atan(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_atan(tensor.into_inner()))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_atanh(tensor.meta());
         let node = rule.record("float_atanh", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_atanh(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_atanh(tensor.into_inner()))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = lhs.rank;
         let rule = op_table::float_atan2(lhs.meta(), rhs.meta());
         let node = rule.record(
             "float_atan2",
             lhs.device_handle(|p| I::float_device(p)),
             rules::inputs([lhs.input(), rhs.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_atan2(lhs.into_inner(), rhs.into_inner()))
+        CTensor::lazy(lhs.rank, node, move || I::float_atan2(lhs.into_inner(), rhs.into_inner()))
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_round(tensor.meta());
         let node = rule.record("float_round", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_round(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_round(tensor.into_inner()))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_floor(tensor.meta());
         let node = rule.record("float_floor", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_floor(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_floor(tensor.into_inner()))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_ceil(tensor.meta());
         let node = rule.record("float_ceil", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_ceil(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_ceil(tensor.into_inner()))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_trunc(tensor.meta());
         let node = rule.record("float_trunc", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_trunc(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_trunc(tensor.into_inner()))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_erf(tensor.meta());
         let node = rule.record("float_erf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_erf(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_erf(tensor.into_inner()))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
-        let rank = forward::rank_of(&tensors);
         let rule = op_table::float_cat(tensors.iter().map(CTensor::meta).collect(), &dim);
         let node = rule.record(
             "float_cat",
             forward::first_device(&tensors, |p| I::float_device(p)),
             rules::inputs(tensors.iter().map(CTensor::input)),
         );
-        CTensor::lazy(rank, node, move || I::float_cat(tensors.into_iter().map(|t| t.into_inner()).collect(), dim))
+        CTensor::lazy(forward::rank_of(&tensors), node, move || {
+            I::float_cat(tensors.into_iter().map(|t| t.into_inner()).collect(), dim)
+        })
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_argmax(tensor.meta(), &dim, &out_dtype);
         let node = rule.record("float_argmax", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_argmax(tensor.into_inner(), dim, out_dtype))
+        CTensor::lazy(tensor.rank, node, move || I::float_argmax(tensor.into_inner(), dim, out_dtype))
     }
     fn float_argtopk(tensor: FloatTensor<Self>, dim: usize, k: usize, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -758,22 +682,19 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_topk(tensor.into_inner_for("float_topk"), dim, k))
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_argmin(tensor.meta(), &dim, &out_dtype);
         let node = rule.record("float_argmin", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_argmin(tensor.into_inner(), dim, out_dtype))
+        CTensor::lazy(tensor.rank, node, move || I::float_argmin(tensor.into_inner(), dim, out_dtype))
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_max(tensor.meta());
         let node = rule.record("float_max", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_max(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_max(tensor.into_inner()))
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_max_dim(tensor.meta(), &dim);
         let node = rule.record("float_max_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_max_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_max_dim(tensor.into_inner(), dim))
     }
     fn float_max_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
@@ -784,16 +705,14 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         }
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_min(tensor.meta());
         let node = rule.record("float_min", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_min(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_min(tensor.into_inner()))
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_min_dim(tensor.meta(), &dim);
         let node = rule.record("float_min_dim", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_min_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_min_dim(tensor.into_inner(), dim))
     }
     fn float_min_dim_with_indices(tensor: FloatTensor<Self>, dim: usize, indices_dtype: IntDType) -> (FloatTensor<Self>, IntTensor<Self>) {
         let rank = tensor.rank;
@@ -804,20 +723,18 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         }
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_max_abs(tensor.meta());
         let node = rule.record("float_max_abs", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_max_abs(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_max_abs(tensor.into_inner()))
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_max_abs_dim(tensor.meta(), &dim);
         let node = rule.record(
             "float_max_abs_dim",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input()]),
         );
-        CTensor::lazy(rank, node, move || I::float_max_abs_dim(tensor.into_inner(), dim))
+        CTensor::lazy(tensor.rank, node, move || I::float_max_abs_dim(tensor.into_inner(), dim))
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
@@ -840,16 +757,14 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.bool::<I>(rank, I::float_all_dim(tensor.into_inner_for("float_all_dim"), dim, out_dtype))
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_sign(tensor.meta());
         let node = rule.record("float_sign", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_sign(tensor.into_inner()))
+        CTensor::lazy(tensor.rank, node, move || I::float_sign(tensor.into_inner()))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_expand(tensor.meta(), &shape);
         let node = rule.record("float_expand", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_expand(tensor.into_inner(), shape))
+        CTensor::lazy(tensor.rank, node, move || I::float_expand(tensor.into_inner(), shape))
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
         let rank = tensor.rank;
@@ -887,15 +802,13 @@ impl<I: Backend> FloatTensorOps<Self> for Collective<I> {
         log.float::<I>(rank, I::float_unfold(tensor.into_inner_for("float_unfold"), dim, size, step))
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_is_nan(tensor.meta(), &out_dtype);
         let node = rule.record("float_is_nan", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_is_nan(tensor.into_inner(), out_dtype))
+        CTensor::lazy(tensor.rank, node, move || I::float_is_nan(tensor.into_inner(), out_dtype))
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::float_is_inf(tensor.meta(), &out_dtype);
         let node = rule.record("float_is_inf", tensor.device_handle(|p| I::float_device(p)), rules::inputs([tensor.input()]));
-        CTensor::lazy(rank, node, move || I::float_is_inf(tensor.into_inner(), out_dtype))
+        CTensor::lazy(tensor.rank, node, move || I::float_is_inf(tensor.into_inner(), out_dtype))
     }
 }

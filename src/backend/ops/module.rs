@@ -17,160 +17,148 @@ use crate::backend::{CTensor, Collective, CollectiveDevice, op_table, rules, set
 
 impl<I: Backend> ModuleOps<Self> for Collective<I> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        let rank = weights.rank;
         let rule = op_table::embedding(weights.meta(), indices.meta());
         let node = rule.record(
             "embedding",
             weights.device_handle(|p| I::float_device(p)),
             rules::inputs([weights.input(), indices.input()]),
         );
-        CTensor::lazy(rank, node, move || I::embedding(weights.into_inner(), indices.into_inner()))
+        CTensor::lazy(weights.rank, node, move || I::embedding(weights.into_inner(), indices.into_inner()))
     }
     fn embedding_backward(weights: FloatTensor<Self>, output_grad: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        let rank = weights.rank;
         let rule = op_table::embedding_backward(weights.meta(), output_grad.meta(), indices.meta());
         let node = rule.record(
             "embedding_backward",
             weights.device_handle(|p| I::float_device(p)),
             rules::inputs([weights.input(), output_grad.input(), indices.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(weights.rank, node, move || {
             I::embedding_backward(weights.into_inner(), output_grad.into_inner(), indices.into_inner())
         })
     }
     fn linear(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::linear(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta));
         let node = rule.record(
             "linear",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || I::linear(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner())))
+        CTensor::lazy(x.rank, node, move || {
+            I::linear(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()))
+        })
     }
     fn linear_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = weight.rank;
         let rule = op_table::linear_x_backward(weight.meta(), output_grad.meta());
         let node = rule.record(
             "linear_x_backward",
             weight.device_handle(|p| I::float_device(p)),
             rules::inputs([weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::linear_x_backward(weight.into_inner(), output_grad.into_inner()))
+        CTensor::lazy(weight.rank, node, move || I::linear_x_backward(weight.into_inner(), output_grad.into_inner()))
     }
     fn linear_weight_backward(x: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::linear_weight_backward(x.meta(), output_grad.meta());
         let node = rule.record(
             "linear_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::linear_weight_backward(x.into_inner(), output_grad.into_inner()))
+        CTensor::lazy(x.rank, node, move || I::linear_weight_backward(x.into_inner(), output_grad.into_inner()))
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = output_grad.rank;
         let rule = op_table::linear_bias_backward(output_grad.meta());
         let node = rule.record(
             "linear_bias_backward",
             output_grad.device_handle(|p| I::float_device(p)),
             rules::inputs([output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || I::linear_bias_backward(output_grad.into_inner()))
+        CTensor::lazy(output_grad.rank, node, move || I::linear_bias_backward(output_grad.into_inner()))
     }
     fn conv1d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv1d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv1d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv1d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv1d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv1d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv1d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv1d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<1>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv1d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv1d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv1d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
     fn conv2d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv2d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv2d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv2d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv2d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv2d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv2d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv2d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<2>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv2d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv2d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv2d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv2d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
@@ -229,50 +217,46 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         )
     }
     fn conv3d(x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: Option<FloatTensor<Self>>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv3d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv3d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv3d_x_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv3d_x_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv3d_x_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv3d_x_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv3d_weight_backward(x: FloatTensor<Self>, weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvOptions<3>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv3d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv3d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv3d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv3d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
@@ -282,26 +266,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose1d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose1d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose1d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv_transpose1d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<1>) -> FloatTensor<Self> {
-        let rank = weight.rank;
         let rule = op_table::conv_transpose1d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose1d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
             rules::inputs([weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(weight.rank, node, move || {
             I::conv_transpose1d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
         })
     }
@@ -311,26 +293,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose1d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose1d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose1d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv_transpose1d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose1d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose1d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose1d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
@@ -340,26 +320,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose2d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose2d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose2d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv_transpose2d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<2>) -> FloatTensor<Self> {
-        let rank = weight.rank;
         let rule = op_table::conv_transpose2d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose2d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
             rules::inputs([weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(weight.rank, node, move || {
             I::conv_transpose2d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
         })
     }
@@ -369,26 +347,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose2d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose2d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose2d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv_transpose2d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose2d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose2d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose2d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
@@ -398,26 +374,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose3d(x.meta(), weight.meta(), bias.as_ref().map(CTensor::meta), &options);
         let node = rule.record(
             "conv_transpose3d",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), bias.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose3d(x.into_inner(), weight.into_inner(), bias.map(|t| t.into_inner()), options)
         })
     }
     fn conv_transpose3d_x_backward(weight: FloatTensor<Self>, output_grad: FloatTensor<Self>, options: ConvTransposeOptions<3>) -> FloatTensor<Self> {
-        let rank = weight.rank;
         let rule = op_table::conv_transpose3d_x_backward(weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose3d_x_backward",
             weight.device_handle(|p| I::float_device(p)),
             rules::inputs([weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(weight.rank, node, move || {
             I::conv_transpose3d_x_backward(weight.into_inner(), output_grad.into_inner(), options)
         })
     }
@@ -427,26 +401,24 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose3d_weight_backward(x.meta(), weight.meta(), output_grad.meta(), &options);
         let node = rule.record(
             "conv_transpose3d_weight_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), weight.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose3d_weight_backward(x.into_inner(), weight.into_inner(), output_grad.into_inner(), options)
         })
     }
     fn conv_transpose3d_bias_backward(x: FloatTensor<Self>, bias: FloatTensor<Self>, output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let rank = x.rank;
         let rule = op_table::conv_transpose3d_bias_backward(x.meta(), bias.meta(), output_grad.meta());
         let node = rule.record(
             "conv_transpose3d_bias_backward",
             x.device_handle(|p| I::float_device(p)),
             rules::inputs([x.input(), bias.input(), output_grad.input()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(x.rank, node, move || {
             I::conv_transpose3d_bias_backward(x.into_inner(), bias.into_inner(), output_grad.into_inner())
         })
     }
@@ -709,14 +681,13 @@ impl<I: Backend> ModuleOps<Self> for Collective<I> {
         )
     }
     fn layer_norm(tensor: FloatTensor<Self>, gamma: FloatTensor<Self>, beta: Option<FloatTensor<Self>>, epsilon: f64) -> FloatTensor<Self> {
-        let rank = tensor.rank;
         let rule = op_table::layer_norm(tensor.meta(), gamma.meta(), beta.as_ref().map(CTensor::meta), &epsilon);
         let node = rule.record(
             "layer_norm",
             tensor.device_handle(|p| I::float_device(p)),
             rules::inputs([tensor.input(), gamma.input(), beta.as_ref().map(CTensor::input).unwrap_or_default()]),
         );
-        CTensor::lazy(rank, node, move || {
+        CTensor::lazy(tensor.rank, node, move || {
             I::layer_norm(tensor.into_inner(), gamma.into_inner(), beta.map(|t| t.into_inner()), epsilon)
         })
     }
