@@ -65,12 +65,22 @@ pub(crate) fn int_full<D>(
     fill(shape, (*dtype).into())
 }
 
-// A float tensor made from host data: recorded for the same reason (the data is kept until the
-// node runs). Run at once, its upload reached the inner backend ahead of the ops queued before
-// it: Burn 0.21's fusion layer then picked the wrong index in a `select` after an `argmax` (see
-// `docs/burn.md`, random programs), where the same ops in program order were right.
+// Tensors made from host data (float, int and bool): recorded for the same reason (the data is
+// kept until the node runs). Run at once, an upload reached the inner backend ahead of the ops
+// queued before it, and Burn 0.21's fusion layer computed some such orders wrong or panicked
+// where the same ops in program order were right (`docs/burn.md`, random programs): a float
+// upload made a `select` after an `argmax` pick the wrong index; an index upload ahead of an
+// `exp` made its fuser panic; a mask upload gave wrong values.
 
 pub(crate) fn float_from_data<D>(data: &TensorData, _device: &D) -> Rule {
+    fill(&data.shape, data.dtype)
+}
+
+pub(crate) fn int_from_data<D>(data: &TensorData, _device: &D) -> Rule {
+    fill(&data.shape, data.dtype)
+}
+
+pub(crate) fn bool_from_data<D>(data: &TensorData, _device: &D) -> Rule {
     fill(&data.shape, data.dtype)
 }
 
@@ -386,6 +396,17 @@ pub(crate) fn float_permute(tensor: Meta, axes: &[usize]) -> Rule {
 }
 
 pub(crate) fn float_reshape(tensor: Meta, shape: &Shape) -> Rule {
+    Rule::layout(Some(shape.clone()), tensor.dtype)
+}
+
+// Index and mask tensors are most often reshaped right after their upload (an embedding's
+// tokens, a loss's targets); recorded, the reshape does not run the queue the upload is in.
+
+pub(crate) fn int_reshape(tensor: Meta, shape: &Shape) -> Rule {
+    Rule::layout(Some(shape.clone()), tensor.dtype)
+}
+
+pub(crate) fn bool_reshape(tensor: Meta, shape: &Shape) -> Rule {
     Rule::layout(Some(shape.clone()), tensor.dtype)
 }
 

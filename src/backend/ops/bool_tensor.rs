@@ -37,7 +37,10 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::bool_from_data(data, &device.inner), rank)
+        let rule = op_table::bool_from_data(&data, device);
+        let node = rule.record("bool_from_data", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::bool_from_data(data, &device))
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         let rank = tensor.rank;
@@ -62,9 +65,9 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::bool_to_device(tensor.into_inner(), &device))
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
-        let rank = tensor.rank;
-        let log = Eager::new("bool_reshape", rules::inputs([tensor.input()]));
-        log.bool::<I>(rank, I::bool_reshape(tensor.into_inner_for("bool_reshape"), shape))
+        let rule = op_table::bool_reshape(tensor.meta(), &shape);
+        let node = rule.record("bool_reshape", tensor.device_handle(|p| I::bool_device(p)), rules::inputs([tensor.input()]));
+        CTensor::lazy(tensor.rank, node, move || I::bool_reshape(tensor.into_inner(), shape))
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
         let rank = tensor.rank;

@@ -27,7 +27,10 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::int_from_data(data, &device.inner), rank)
+        let rule = op_table::int_from_data(&data, device);
+        let node = rule.record("int_from_data", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::int_from_data(data, &device))
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
         let rank = tensor.rank;
@@ -42,9 +45,9 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
         CTensor::lazy(rank, node, move || I::int_to_device(tensor.into_inner(), &device))
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
-        let rank = tensor.rank;
-        let log = Eager::new("int_reshape", rules::inputs([tensor.input()]));
-        log.int::<I>(rank, I::int_reshape(tensor.into_inner_for("int_reshape"), shape))
+        let rule = op_table::int_reshape(tensor.meta(), &shape);
+        let node = rule.record("int_reshape", tensor.device_handle(|p| I::int_device(p)), rules::inputs([tensor.input()]));
+        CTensor::lazy(tensor.rank, node, move || I::int_reshape(tensor.into_inner(), shape))
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
         let rank = tensor.rank;
