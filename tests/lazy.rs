@@ -362,6 +362,45 @@ fn a_step_with_norms_an_embedding_and_cross_entropy_records_no_eager_op() {
     }
 }
 
+/// Ranges (`arange`, with and without a step, empty) and bool fills are recorded like the other
+/// fills: nothing runs before a read, and the values are NdArray's.
+#[test]
+fn ranges_and_bool_fills_are_recorded() {
+    use burn_core::tensor::{Bool, Int};
+    type Made<B> = (Vec<Tensor<B, 1, Int>>, Vec<Tensor<B, 2, Bool>>);
+    fn made<B: Backend>(d: &B::Device) -> Made<B> {
+        let ints = vec![
+            Tensor::arange(2..9, d),
+            Tensor::arange_step(-3..8, 3, d),
+            Tensor::arange(5..5, d),
+        ];
+        let bools = vec![
+            Tensor::zeros([2, 3], d),
+            Tensor::ones([2, 3], d),
+            Tensor::full([1, 2], true, d),
+        ];
+        (ints, bools)
+    }
+    let d = dev(112);
+    let before = lazy_stats(112);
+    let (ints, bools) = made::<C>(&d);
+    let mid = lazy_stats(112).since(&before);
+    assert_eq!((mid.recorded, mid.executed), (6, 0), "{mid:?}");
+    let (want_ints, want_bools) = made::<NdArray>(&NdArrayDevice::Cpu);
+    for (got, want) in ints.into_iter().zip(want_ints) {
+        assert_eq!(got.dims(), want.dims());
+        let (got, want) = (got.into_data(), want.into_data());
+        assert_eq!(got.to_vec::<i64>().unwrap(), want.to_vec::<i64>().unwrap());
+    }
+    for (got, want) in bools.into_iter().zip(want_bools) {
+        let (got, want) = (got.into_data(), want.into_data());
+        assert_eq!(
+            got.to_vec::<bool>().unwrap(),
+            want.to_vec::<bool>().unwrap()
+        );
+    }
+}
+
 /// Fills (`zeros`, `ones`, `full`, float and int) and moves (`to_device`) are recorded like any
 /// op: they reach the inner backend in program order (a fusing backend fuses a fill with the
 /// ops after it), nothing runs until a read, a moved tensor reports its target device and rank

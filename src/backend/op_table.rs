@@ -18,6 +18,7 @@
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::{Scalar, TensorData};
 use burn_std::{BoolDType, DType, FloatDType, IntDType, Shape, Slice, SliceOps};
+use core::ops::Range;
 
 use super::rules::{self, Meta, Rule};
 use crate::graph::ComputeKind;
@@ -63,6 +64,38 @@ pub(crate) fn int_full<D>(
     dtype: &IntDType,
 ) -> Rule {
     fill(shape, (*dtype).into())
+}
+
+pub(crate) fn bool_zeros<D>(shape: &Shape, _device: &D, dtype: &BoolDType) -> Rule {
+    fill(shape, (*dtype).into())
+}
+
+pub(crate) fn bool_ones<D>(shape: &Shape, _device: &D, dtype: &BoolDType) -> Rule {
+    fill(shape, (*dtype).into())
+}
+
+/// The integers of `range` from its start, `step` apart (Burn's own arithmetic: as many as
+/// `range.step_by(step)` yields; a `step` of 0, which Burn refuses, leaves the length unknown).
+fn arange(range: &Range<i64>, step: usize, dtype: &IntDType) -> Rule {
+    let len = (step > 0).then(|| {
+        let span = range.end.saturating_sub(range.start).max(0) as u64;
+        span.div_ceil(step as u64) as usize
+    });
+    let shape = len.map(|n| Shape::new([n]));
+    Rule::elementwise(shape, Some((*dtype).into()))
+}
+
+pub(crate) fn int_arange<D>(range: &Range<i64>, _device: &D, dtype: &IntDType) -> Rule {
+    arange(range, 1, dtype)
+}
+
+pub(crate) fn int_arange_step<D>(
+    range: &Range<i64>,
+    step: &usize,
+    _device: &D,
+    dtype: &IntDType,
+) -> Rule {
+    arange(range, *step, dtype)
 }
 
 // Tensors made from host data (float, int and bool): recorded for the same reason (the data is

@@ -24,12 +24,18 @@ impl<I: Backend> BoolTensorOps<Self> for Collective<I> {
     fn bool_zeros(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::bool_zeros(shape, &device.inner, dtype), rank)
+        let rule = op_table::bool_zeros(&shape, device, &dtype);
+        let node = rule.record("bool_zeros", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::bool_zeros(shape, &device, dtype))
     }
     fn bool_ones(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::bool_ones(shape, &device.inner, dtype), rank)
+        let rule = op_table::bool_ones(&shape, device, &dtype);
+        let node = rule.record("bool_ones", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::bool_ones(shape, &device, dtype))
     }
     fn bool_into_data(tensor: BoolTensor<Self>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         I::bool_into_data(tensor.into_inner_for("bool_into_data"))

@@ -500,12 +500,18 @@ impl<I: Backend> IntTensorOps<Self> for Collective<I> {
     fn int_arange_step(range: Range<i64>, step: usize, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::int_arange_step(range, step, &device.inner, dtype), rank)
+        let rule = op_table::int_arange_step(&range, &step, device, &dtype);
+        let node = rule.record("int_arange_step", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::int_arange_step(range, step, &device, dtype))
     }
     fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
         settings::inherit_settings::<I>(device);
         let rank = device.rank;
-        CTensor::new(I::int_arange(range, &device.inner, dtype), rank)
+        let rule = op_table::int_arange(&range, device, &dtype);
+        let node = rule.record("int_arange", std::sync::Arc::new(device.inner.clone()), rules::inputs([]));
+        let device = device.inner.clone();
+        CTensor::lazy(rank, node, move || I::int_arange(range, &device, dtype))
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         let rank = tensor.rank;
