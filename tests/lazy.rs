@@ -399,6 +399,9 @@ fn ranges_and_bool_fills_are_recorded() {
             want.to_vec::<bool>().unwrap()
         );
     }
+    // A step of 0 panics at the call, as the inner backend's own does.
+    let zero = std::panic::catch_unwind(|| Tensor::<C, 1, Int>::arange_step(0..4, 0, &d));
+    assert!(zero.is_err(), "a step of 0 is refused at once");
 }
 
 /// Fills (`zeros`, `ones`, `full`, float and int) and moves (`to_device`) are recorded like any

@@ -74,15 +74,12 @@ pub(crate) fn bool_ones<D>(shape: &Shape, _device: &D, dtype: &BoolDType) -> Rul
     fill(shape, (*dtype).into())
 }
 
-/// The integers of `range` from its start, `step` apart (Burn's own arithmetic: as many as
-/// `range.step_by(step)` yields; a `step` of 0, which Burn refuses, leaves the length unknown).
+/// The integers of `range` from its start, `step` (not 0) apart: as many as
+/// `range.step_by(step)` yields, Burn's own arithmetic.
 fn arange(range: &Range<i64>, step: usize, dtype: &IntDType) -> Rule {
-    let len = (step > 0).then(|| {
-        let span = range.end.saturating_sub(range.start).max(0) as u64;
-        span.div_ceil(step as u64) as usize
-    });
-    let shape = len.map(|n| Shape::new([n]));
-    Rule::elementwise(shape, Some((*dtype).into()))
+    let span = range.end.saturating_sub(range.start).max(0) as u64;
+    let len = span.div_ceil(step as u64) as usize;
+    Rule::elementwise(Some(Shape::new([len])), Some((*dtype).into()))
 }
 
 pub(crate) fn int_arange<D>(range: &Range<i64>, _device: &D, dtype: &IntDType) -> Rule {
@@ -95,6 +92,9 @@ pub(crate) fn int_arange_step<D>(
     _device: &D,
     dtype: &IntDType,
 ) -> Rule {
+    // Burn's backends panic on a step of 0 when called; recorded, the op would run later or
+    // never, so the call panics here, as without `Collective`.
+    assert!(*step > 0, "int_arange_step: a step of 0 over {range:?}");
     arange(range, *step, dtype)
 }
 
