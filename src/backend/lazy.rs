@@ -422,7 +422,7 @@ impl Recorder {
             flops,
             drawn: _,
         } = rec;
-        let (node, seq, own) = {
+        let (node, upto) = {
             let mut q = lock(&self.queue);
             let seq = self.next.fetch_add(1, Ordering::Relaxed);
             let node = Arc::new(Node {
@@ -444,11 +444,22 @@ impl Recorder {
                 flops,
             };
             let own = Self::enqueue(&mut q, entry, weak);
-            (node, seq, own)
+            // Past the bound, the older part of this thread's own queued nodes runs, up to its
+            // own node half a window back: a number counted back over every thread's nodes
+            // could name another thread's node, which would then run on this thread (on its
+            // fusion stream, in Burn's case).
+            let window = lazy_window();
+            let upto = (own > window)
+                .then(|| {
+                    let me = this_thread();
+                    let mine = q.pending.iter().filter(|p| p.thread == me);
+                    mine.map(|p| p.seq).nth(own - window / 2 - 1)
+                })
+                .flatten();
+            (node, upto)
         };
-        let window = lazy_window();
-        if own > window {
-            self.run_until(seq - (window as u64) / 2, ForceReason::Bound);
+        if let Some(upto) = upto {
+            self.run_until(upto, ForceReason::Bound);
         }
         node
     }
@@ -747,6 +758,41 @@ mod tests {
         let (logged, _) = log_len(RANK);
         assert!(logged <= super::lazy_window() + 1, "{logged} entries kept");
         assert_eq!(super::lazy_stats(RANK).skipped, 2);
+    }
+
+    /// Past the bound a thread runs older nodes of its own only: another thread's node queued
+    /// among them, half a window back, stays queued for that thread (run here, it would land on
+    /// this thread's stream of a fusing backend).
+    #[test]
+    fn past_the_bound_a_thread_runs_only_its_own_nodes() {
+        const RANK: u32 = 4087;
+        let window = super::lazy_window();
+        let (ran, clones) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let fill = || {
+            let c = Arc::clone(&clones);
+            CTensor::lazy(RANK, record("fill", []), move || Buf(vec![1.0; 4], c))
+        };
+        let mut mine: Vec<_> = (0..window + 1 - window / 2).map(|_| fill()).collect();
+        let (r, c) = (Arc::clone(&ran), Arc::clone(&clones));
+        let other = std::thread::spawn(move || {
+            CTensor::lazy(RANK, record("fill", []), move || {
+                r.fetch_add(1, Ordering::Relaxed);
+                Buf(vec![2.0; 4], c)
+            })
+        })
+        .join()
+        .unwrap();
+        mine.extend((0..window / 2).map(|_| fill()));
+        assert!(
+            super::lazy_stats(RANK).executed > 0,
+            "the bound ran older nodes"
+        );
+        assert_eq!(
+            ran.load(Ordering::Relaxed),
+            0,
+            "the other thread's node ran here"
+        );
+        assert_eq!(other.into_inner().0, vec![2.0; 4]);
     }
 
     #[test]
